@@ -1,0 +1,5 @@
+"""Entry point for `python -m envctl`."""
+
+from envctl.cli import main
+
+main()

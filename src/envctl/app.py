@@ -1,0 +1,150 @@
+"""What the CLI commands do, without rendering: find specs, plan them, drive the engine."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from envctl.engine.engine import Engine, Outcome, Step
+from envctl.engine.journal import Journal
+from envctl.errors import NeedsRootError, Problem, SpecError, UsageError
+from envctl.host.context import Host
+from envctl.host.facts import HostFacts, gather
+from envctl.plan.builder import Plan, PlanError
+from envctl.plan.planner import plan_env
+from envctl.spec.loader import LoadedSpec, load_specs, spec_files
+
+SYSTEM_CONFIG_DIR = Path("/etc/envctl/environments")
+
+
+def config_dir(explicit: str | None) -> Path:
+    """--config-dir, else $ENVCTL_CONFIG_DIR, else /etc/envctl/environments, else ./configs."""
+    if explicit:
+        return Path(explicit)
+    if os.environ.get("ENVCTL_CONFIG_DIR"):
+        return Path(os.environ["ENVCTL_CONFIG_DIR"])
+    if SYSTEM_CONFIG_DIR.is_dir() or not Path("configs").is_dir():
+        return SYSTEM_CONFIG_DIR
+    return Path("configs")
+
+
+def require_root(action: str) -> None:
+    if os.geteuid() != 0:
+        raise NeedsRootError(f"envctl {action} changes the host and needs root: run it with sudo")
+
+
+@dataclass
+class Workspace:
+    """The specs of one config directory, validated together, and the host they apply to."""
+
+    directory: Path
+    specs: list[LoadedSpec]
+    facts: HostFacts
+    host: Host
+
+    @classmethod
+    def open(cls, directory: Path, *, extra_files: list[Path] = (), host: Host | None = None,
+             facts: HostFacts | None = None) -> Workspace:
+        host = host or Host.from_env()
+        files = spec_files(directory) if directory.is_dir() else []
+        if not directory.is_dir() and not extra_files:
+            raise UsageError(f"config directory {directory} does not exist (set --config-dir or "
+                             "ENVCTL_CONFIG_DIR)")
+        for f in extra_files:
+            if f.resolve() not in {x.resolve() for x in files}:
+                files.append(f)
+        if facts is None:
+            # A first, cheap read pass to learn which sysctls the specs ask about.
+            facts = _facts_for(files, host)
+        return cls(directory, load_specs(files, facts), facts, host)
+
+    def names(self) -> list[str]:
+        return [ls.spec.name for ls in self.specs]
+
+    def get(self, name: str) -> LoadedSpec:
+        for ls in self.specs:
+            if ls.spec.name == name:
+                return ls
+        known = ", ".join(self.names()) or "none"
+        raise UsageError(f"no environment '{name}' in {self.directory} (known: {known})")
+
+    def select(self, names: list[str], *, all_: bool) -> list[LoadedSpec]:
+        if all_ and names:
+            raise UsageError("give environment names or --all, not both")
+        if all_:
+            return list(self.specs)
+        if not names:
+            raise UsageError("name at least one environment, or use --all")
+        return [self.get(n) for n in names]
+
+    def plan(self, ls: LoadedSpec) -> Plan:
+        try:
+            return plan_env(ls.spec, self.facts)
+        except PlanError as exc:
+            raise SpecError([ls.problem(loc, msg) for loc, msg in exc.issues]) from None
+
+    def plan_all(self, selected: list[LoadedSpec]) -> list[Plan]:
+        """Plan every selected spec first, so bad input is refused before any host change."""
+        plans, problems = [], []
+        for ls in selected:
+            try:
+                plans.append(self.plan(ls))
+            except SpecError as exc:
+                problems.extend(exc.problems)
+        if problems:
+            raise SpecError(problems)
+        return plans
+
+    def engine(self, **kwargs) -> Engine:
+        return Engine(self.host, **kwargs)
+
+
+def _facts_for(files: list[Path], host: Host) -> HostFacts:
+    import yaml
+
+    wanted: set[str] = set()
+    for f in files:
+        try:
+            data = yaml.safe_load(f.read_text())
+            wanted.update(((data or {}).get("host") or {}).get("sysctls") or {})
+        except (OSError, yaml.YAMLError, AttributeError, TypeError):
+            continue  # the real load reports it with file and line
+    return gather(proc_root=host.proc, sys_root=host.sys, sysctls=frozenset(wanted))
+
+
+def up(ws: Workspace, plans: list[Plan], engine: Engine) -> list[Outcome]:
+    with engine.locked():
+        return [engine.up(p.env, p.resources, locked=True) for p in plans]
+
+
+def down(engine: Engine, names: list[str]) -> list[Outcome]:
+    with engine.locked():
+        return [engine.down(n, locked=True) for n in names]
+
+
+def known_environments(ws: Workspace | None, host: Host) -> list[str]:
+    """Environments in the config directory plus any the journal says exist."""
+    names = list(ws.names()) if ws else []
+    for n in Journal.environments(host.state_dir):
+        if n not in names:
+            names.append(n)
+    return names
+
+
+def status_rows(ws: Workspace | None, host: Host, names: list[str]) -> dict[str, list[Step]]:
+    engine = Engine(host)
+    out = {}
+    for name in names:
+        resources = None
+        if ws is not None and name in ws.names():
+            try:
+                resources = ws.plan(ws.get(name)).resources
+            except SpecError:
+                resources = None
+        out[name] = engine.status(name, resources)
+    return out
+
+
+def problems_json(problems: list[Problem]) -> list[dict]:
+    return [vars(p) for p in problems]

@@ -1,0 +1,1 @@
+"""The engine: lock, journal, apply in order, roll back, tear down from the journal."""

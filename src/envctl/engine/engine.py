@@ -1,0 +1,262 @@
+"""Applying a plan to the host in order, with a journal, rollback, teardown and drift checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+from envctl.engine.faults import maybe_fault
+from envctl.engine.journal import Entry, Journal, Ledger
+from envctl.engine.lock import global_lock
+from envctl.errors import EnvctlError, HostError, StepFailed
+from envctl.host.context import Host
+from envctl.resources.base import Check, Resource, Status
+
+# One-character operations, as in `terraform plan` and the issue: create, change, keep, remove.
+CREATE, CHANGE, KEEP, REMOVE, GONE = "+", "~", "=", "-", "."
+OP_FOR_STATUS = {Status.ABSENT: CREATE, Status.DRIFTED: CHANGE, Status.PRESENT: KEEP,
+                 Status.WRONG_KIND: CHANGE}
+
+
+@dataclass
+class Step:
+    """One line of a plan or a status: what happens (or happened) to one resource."""
+
+    op: str
+    resource: Resource
+    check: Check
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, "key": self.resource.key, "kind": self.resource.kind,
+                "describe": self.resource.describe(), "status": self.check.status.value,
+                "diffs": [{"field": d.field, "want": str(d.want), "have": str(d.have)}
+                          for d in self.check.diffs],
+                "detail": self.check.detail, "note": self.note}
+
+
+@dataclass
+class Outcome:
+    """What `up` or `down` did to one environment."""
+
+    env: str
+    steps: list[Step] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def count(self, op: str) -> int:
+        return sum(1 for s in self.steps if s.op == op)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"env": self.env, "steps": [s.to_json() for s in self.steps],
+                "errors": self.errors}
+
+
+Progress = Callable[[str, Step], None]
+
+
+class Engine:
+    """Drives resources against one Host. Every host-changing method takes the global lock."""
+
+    def __init__(self, host: Host, *, lock_timeout: float = 120.0,
+                 on_wait: Callable[[str], None] | None = None,
+                 progress: Progress | None = None):
+        self.host = host
+        self.lock_timeout = lock_timeout
+        self.on_wait = on_wait
+        self.progress = progress or (lambda event, step: None)
+
+    def locked(self) -> AbstractContextManager[None]:
+        return global_lock(self.host.state_dir, timeout=self.lock_timeout, on_wait=self.on_wait)
+
+    # ------------------------------------------------------------------ read-only
+
+    def diff(self, env: str, resources: Sequence[Resource]) -> list[Step]:
+        """What `up` would do: one step per planned resource, then removals of stale ones."""
+        journal = Journal.open(self.host.state_dir, env)
+        steps = [self._planned_step(r) for r in resources]
+        wanted = {r.key for r in resources}
+        for entry in reversed(journal.entries):
+            if entry.key not in wanted:
+                steps.append(Step(REMOVE, entry.load(), Check.present(),
+                                  "no longer in the spec"))
+        return steps
+
+    def _planned_step(self, res: Resource) -> Step:
+        check = _safe_check(res, self.host)
+        return Step(OP_FOR_STATUS[check.status], res, check)
+
+    def diff_down(self, env: str) -> list[Step]:
+        """What `down` would do: the journal in reverse, shared resources other envs keep noted."""
+        journal = Journal.open(self.host.state_dir, env)
+        ledger = Ledger.open(self.host.state_dir)
+        steps = []
+        for key, res in self._teardown_order(env, journal, ledger):
+            check = _safe_check(res, self.host)
+            others = [h for h in ledger.holders(key) if h != env]
+            if others:
+                steps.append(Step(KEEP, res, check, f"still used by {', '.join(others)}"))
+            elif check.status is Status.ABSENT:
+                steps.append(Step(GONE, res, check, "already gone"))
+            else:
+                steps.append(Step(REMOVE, res, check))
+        return steps
+
+    def status(self, env: str, resources: Sequence[Resource] | None) -> list[Step]:
+        """Each resource envctl made (journal) or would make (plan): ok, missing or drifted."""
+        journal = Journal.open(self.host.state_dir, env)
+        steps: list[Step] = []
+        seen = set()
+        for entry in journal.entries:
+            res = entry.load()
+            note = "" if entry.status == "applied" else "interrupted while applying"
+            check = _safe_check(res, self.host)
+            steps.append(Step(OP_FOR_STATUS[check.status], res, check, note))
+            seen.add(entry.key)
+        for res in resources or ():
+            if res.key not in seen:
+                steps.append(Step(CREATE, res, _safe_check(res, self.host), "not applied"))
+        return steps
+
+    # ------------------------------------------------------------------ up
+
+    def up(self, env: str, resources: Sequence[Resource], *, locked: bool = False) -> Outcome:
+        """Make the host match `resources`; on failure undo what this run applied and raise."""
+        with nullcontext() if locked else self.locked():
+            return self._up(env, resources)
+
+    def _up(self, env: str, resources: Sequence[Resource]) -> Outcome:
+        journal = Journal.open(self.host.state_dir, env)
+        ledger = Ledger.open(self.host.state_dir)
+        outcome = Outcome(env)
+        wanted = {r.key for r in resources}
+
+        # Resources the spec no longer asks for go first, newest first.
+        for entry in reversed(list(journal.entries)):
+            if entry.key not in wanted:
+                res = entry.load()
+                self._release(env, entry.key, res, journal, ledger, index=-1)
+                outcome.steps.append(Step(REMOVE, res, Check.absent(), "no longer in the spec"))
+
+        applied: list[tuple[str, Resource]] = []  # new this run: what rollback takes back
+        for index, res in enumerate(resources):
+            try:
+                step = self._converge(env, index, res, journal, ledger, applied)
+            except Exception as exc:
+                if not isinstance(exc, EnvctlError | OSError):
+                    raise
+                rolled, errors = self._rollback(env, applied, journal, ledger)
+                raise StepFailed(res.describe(), exc, rolled_back=rolled,
+                                 rollback_errors=errors) from exc
+            outcome.steps.append(step)
+            self.progress("done", step)
+
+        # Keep the journal in plan order so teardown is the plan reversed.
+        order = {r.key: i for i, r in enumerate(resources)}
+        journal.entries.sort(key=lambda e: order.get(e.key, -1))
+        journal.save()
+        return outcome
+
+    def _converge(self, env: str, index: int, res: Resource, journal: Journal, ledger: Ledger,
+                  applied: list[tuple[str, Resource]]) -> Step:
+        maybe_fault("before", res.key, index)
+        check = res.check(self.host)
+        entry = journal.get(res.key)
+        if check.ok and entry is not None and entry.resource == res.to_dict() \
+                and entry.status == "applied":
+            return Step(KEEP, res, check)
+        if entry is None:
+            memo = self._take_memo(env, res, ledger)
+            entry = Entry(res.key, res.to_dict(), memo, "applying", res.shared)
+            journal.put(entry)
+            applied.append((res.key, res))
+        else:
+            # Known from an earlier run: keep its memo (the host as it was before envctl).
+            entry.resource = res.to_dict()
+            entry.status = "applying"
+            journal.put(entry)
+        maybe_fault("apply", res.key, index)
+        if not check.ok:
+            self.progress("apply", Step(OP_FOR_STATUS[check.status], res, check))
+            res.apply(self.host, entry.memo)
+        maybe_fault("after", res.key, index)
+        entry.status = "applied"
+        journal.put(entry)
+        op = OP_FOR_STATUS[check.status]
+        return Step(op, res, check, "adopted" if check.ok else "")
+
+    def _take_memo(self, env: str, res: Resource, ledger: Ledger) -> dict[str, Any]:
+        if not res.shared:
+            return res.snapshot(self.host)
+        item = ledger.get(res.key)
+        memo = item["memo"] if item else res.snapshot(self.host)
+        # Ledger first, journal second: a crash in between leaves a holding that `down`
+        # still finds (it releases every ledger holding of the environment).
+        return ledger.hold(res.key, env, res, memo)
+
+    def _rollback(self, env: str, applied: list[tuple[str, Resource]], journal: Journal,
+                  ledger: Ledger) -> tuple[list[str], list[str]]:
+        rolled, errors = [], []
+        for key, res in reversed(applied):
+            try:
+                self._release(env, key, res, journal, ledger, index=-1, faults=False)
+                rolled.append(res.describe())
+            except (EnvctlError, OSError) as exc:
+                errors.append(f"{res.describe()}: {exc}")
+        return rolled, errors
+
+    # ------------------------------------------------------------------ down
+
+    def down(self, env: str, *, locked: bool = False) -> Outcome:
+        """Remove everything the journal says may exist, newest first; restore what was changed.
+
+        Every step is attempted even when one fails; failed ones stay in the journal so that
+        running `down` again retries them."""
+        with nullcontext() if locked else self.locked():
+            journal = Journal.open(self.host.state_dir, env)
+            ledger = Ledger.open(self.host.state_dir)
+            outcome = Outcome(env)
+            for index, (key, res) in enumerate(self._teardown_order(env, journal, ledger)):
+                others = [h for h in ledger.holders(key) if h != env]
+                try:
+                    self._release(env, key, res, journal, ledger, index=index)
+                except (EnvctlError, OSError) as exc:
+                    outcome.errors.append(f"remove {res.describe()}: {exc}")
+                    continue
+                step = Step(KEEP if others else REMOVE, res, Check.absent(),
+                            f"still used by {', '.join(others)}" if others else "")
+                outcome.steps.append(step)
+                self.progress("done", step)
+            return outcome
+
+    def _teardown_order(self, env: str, journal: Journal,
+                        ledger: Ledger) -> list[tuple[str, Resource]]:
+        items = [(e.key, e.load()) for e in reversed(journal.entries)]
+        known = {k for k, _ in items}
+        # Holdings the journal never recorded (a crash between ledger and journal writes).
+        for key in ledger.held_by(env):
+            if key not in known:
+                items.append((key, Resource.from_dict(ledger.items[key]["resource"])))
+        return items
+
+    def _release(self, env: str, key: str, res: Resource, journal: Journal, ledger: Ledger,
+                 *, index: int, faults: bool = True) -> None:
+        if faults:
+            maybe_fault("remove", key, index)
+        entry = journal.get(key)
+        if res.shared:
+            item = ledger.get(key)
+            if item is not None and item["holders"] in ([env], []):
+                res.remove(self.host, item["memo"])  # the last holder restores the host
+            ledger.forget(key, env)
+        elif entry is not None:
+            res.remove(self.host, entry.memo)
+        journal.drop(key)
+
+
+def _safe_check(res: Resource, host: Host) -> Check:
+    try:
+        return res.check(host)
+    except HostError as exc:
+        return Check(Status.DRIFTED, detail=f"cannot check: {exc}")

@@ -1,0 +1,52 @@
+"""Fault injection for tests: ENVCTL_FAULT makes a chosen step fail, hang or die at a chosen point.
+
+Syntax: comma-separated `ACTION@POINT:PATTERN` where
+  ACTION  fail | kill | sleep<SECONDS>
+  POINT   before (nothing journalled yet), apply (journalled, host not yet changed),
+          after (host changed, not yet journalled as applied), remove (before a removal)
+  PATTERN a glob on the step key (`sysctl:net.*`, `netns:*`) or `#N`, the step's index.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import signal
+import time
+
+from envctl.errors import HostError
+
+POINTS = ("before", "apply", "after", "remove")
+
+
+class InjectedFault(HostError):
+    """A failure requested through ENVCTL_FAULT."""
+
+
+def _rules() -> list[tuple[str, str, str]]:
+    spec = os.environ.get("ENVCTL_FAULT", "")
+    rules = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        action, _, rest = item.partition("@")
+        point, _, pattern = rest.partition(":")
+        if point not in POINTS or not pattern:
+            raise ValueError(f"bad ENVCTL_FAULT rule '{item}'")
+        rules.append((action, point, pattern))
+    return rules
+
+
+def maybe_fault(point: str, key: str, index: int) -> None:
+    """Act on the first ENVCTL_FAULT rule matching this point and step, if any."""
+    if "ENVCTL_FAULT" not in os.environ:
+        return
+    for action, p, pattern in _rules():
+        if p != point:
+            continue
+        if not (pattern == f"#{index}" or fnmatch.fnmatchcase(key, pattern)):
+            continue
+        if action == "fail":
+            raise InjectedFault(f"injected fault {action}@{point} at '{key}'")
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action.startswith("sleep"):
+            time.sleep(float(action[5:] or 1))

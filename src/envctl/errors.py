@@ -1,0 +1,78 @@
+"""The one exception hierarchy of envctl; the CLI maps each class to an exit code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class EnvctlError(Exception):
+    """Base of every error envctl expects and reports without a traceback."""
+
+    exit_code = 1
+
+
+class InputError(EnvctlError):
+    """Bad input: a spec, an argument or a value the host cannot honour. Nothing was changed."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding about a spec: where it is and what is wrong."""
+
+    file: str
+    line: int | None
+    column: int | None
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.line is not None:
+            where += f":{self.line}"
+            if self.column is not None:
+                where += f":{self.column}"
+        field = f" {self.field}:" if self.field else ""
+        return f"{where}:{field} {self.message}"
+
+
+class SpecError(InputError):
+    """One or more specs are invalid or conflict with each other."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = sorted(problems, key=lambda p: (p.file, p.line or 0, p.column or 0))
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class UsageError(InputError):
+    """The command line asks for something that does not make sense."""
+
+
+class HostError(EnvctlError):
+    """The host refused an operation: `<action> <kind> '<name>': <operation>: <cause>`."""
+
+
+class NeedsRootError(EnvctlError):
+    """The command changes the host and was not run as root."""
+
+
+class LockTimeout(EnvctlError):
+    """Another envctl holds the global lock for longer than we were asked to wait."""
+
+
+class StepFailed(EnvctlError):
+    """A plan step failed; what this run applied was rolled back."""
+
+    def __init__(self, step: str, cause: BaseException, *, rolled_back: list[str],
+                 rollback_errors: list[str]):
+        self.step = step
+        self.cause = cause
+        self.rolled_back = rolled_back
+        self.rollback_errors = rollback_errors
+        msg = f"step '{step}' failed: {cause}"
+        if rolled_back:
+            msg += f"; rolled back {len(rolled_back)} step(s) this run applied"
+        if rollback_errors:
+            msg += "; rollback left: " + "; ".join(rollback_errors)
+        super().__init__(msg)

@@ -1,0 +1,1 @@
+"""Host adapters: the only code that reads or changes the kernel."""

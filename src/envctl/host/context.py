@@ -1,0 +1,49 @@
+"""The Host handle every resource receives: where the kernel's files are and the adapters to use."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+DEFAULT_STATE_DIR = Path("/var/lib/envctl")
+DEFAULT_RUN_DIR = Path("/run/envctl")
+
+
+@dataclass
+class Host:
+    """Paths of the host (overridable so tests can point at a sandbox) and lazy adapters."""
+
+    state_dir: Path = DEFAULT_STATE_DIR
+    run_dir: Path = DEFAULT_RUN_DIR
+    proc: Path = Path("/proc")
+    sys: Path = Path("/sys")
+    netns_dir: Path = Path("/run/netns")
+    options: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | os._Environ[str] = os.environ) -> Host:
+        """The real host, with ENVCTL_STATE_DIR / ENVCTL_RUN_DIR / ENVCTL_SYS_ROOT overrides."""
+        return cls(
+            state_dir=Path(environ.get("ENVCTL_STATE_DIR", DEFAULT_STATE_DIR)),
+            run_dir=Path(environ.get("ENVCTL_RUN_DIR", DEFAULT_RUN_DIR)),
+            proc=Path(environ.get("ENVCTL_PROC_ROOT", "/proc")),
+            sys=Path(environ.get("ENVCTL_SYS_ROOT", "/sys")),
+        )
+
+    def base(self, name: str) -> Path:
+        """A named base directory that resources refer to instead of absolute paths."""
+        return {"state": self.state_dir, "run": self.run_dir}[name]
+
+    @cached_property
+    def sysctl(self):  # noqa: ANN201 - the adapter type lives in a lazily imported module
+        from envctl.host.procfs import Sysctls
+
+        return Sysctls(self.proc)
+
+    @cached_property
+    def netns(self):  # noqa: ANN201
+        from envctl.host.netns import NetNamespaces
+
+        return NetNamespaces(self.netns_dir)

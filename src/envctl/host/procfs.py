@@ -1,0 +1,40 @@
+"""Sysctl values under /proc/sys: read and write, errors translated to HostError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from envctl.errors import HostError
+from envctl.host.facts import sysctl_path
+
+
+def normalize(value: str) -> str:
+    """Compare sysctl values the way the kernel prints them: whitespace runs become one tab."""
+    return "\t".join(value.split())
+
+
+class Sysctls:
+    def __init__(self, proc: Path):
+        self.proc = proc
+
+    def path(self, name: str) -> Path:
+        return sysctl_path(self.proc, name)
+
+    def exists(self, name: str) -> bool:
+        return self.path(name).exists()
+
+    def read(self, name: str) -> str | None:
+        """The current value, or None when this kernel has no such sysctl."""
+        try:
+            return normalize(self.path(name).read_text())
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise HostError(f"read sysctl '{name}': {exc.strerror}") from exc
+
+    def write(self, name: str, value: str) -> None:
+        try:
+            with open(self.path(name), "w") as f:
+                f.write(value)
+        except OSError as exc:
+            raise HostError(f"set sysctl '{name}' to '{value}': {exc.strerror}") from exc

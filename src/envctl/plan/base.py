@@ -1,0 +1,46 @@
+"""Planning the environment's own directories and host-relative values (CPUs, memory)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from envctl.plan.builder import Plan
+from envctl.resources.dirs import Directory
+from envctl.spec.resolve import dedicated_cpus
+from envctl.spec.units import format_cpu_list
+
+if TYPE_CHECKING:
+    from envctl.host.facts import HostFacts
+    from envctl.spec.models import EnvSpec
+
+
+def plan_dirs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
+    plan.add(Directory("state", f"envs/{spec.name}", 0o755))
+    plan.add(Directory("run", spec.name, 0o755))
+    _resolve(spec, facts, plan)
+
+
+def _resolve(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
+    """Resolve host-relative values now so that `plan` shows them and bad ones fail early."""
+    try:
+        placement = dedicated_cpus(spec, facts)
+    except ValueError as exc:
+        plan.error(("resources", "cpu", "dedicated"), str(exc))
+        return
+    if placement.note:
+        plan.warn(placement.note)
+    cpus = placement.effective(facts)
+    plan.resolved["cpus"] = format_cpu_list(cpus)
+    plan.resolved["dedicated"] = bool(placement.cpus)
+    plan.resolved["threads"] = len(cpus)
+    mem = spec.resources.memory
+    for name in ("max", "high", "swap_max"):
+        q = getattr(mem, name)
+        if q is not None:
+            plan.resolved[f"memory.{name}"] = q.resolve(facts.memory_bytes)
+    if mem.nodes is not None:
+        missing = [n for n in mem.nodes if n not in facts.numa_nodes]
+        if missing:
+            plan.error(("resources", "memory", "nodes"),
+                       f"memory nodes {format_cpu_list(missing)} are not online (online: "
+                       f"{format_cpu_list(facts.numa_nodes)})")

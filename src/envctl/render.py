@@ -1,0 +1,105 @@
+"""Human-readable rendering of plans, outcomes and status (rich; plain when not a TTY)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from envctl.spec.units import format_size
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from envctl.engine.engine import Outcome, Step
+
+STYLE = {"+": "green", "~": "yellow", "=": "dim", "-": "red", ".": "dim"}
+WORD = {"+": "create", "~": "change", "=": "keep", "-": "remove", ".": "gone"}
+
+
+def _step_line(step: Step) -> str:
+    from rich.markup import escape
+
+    text = f"[{STYLE[step.op]}]{step.op} {escape(step.resource.describe())}[/]"
+    extra = step.check.describe() if step.op == "~" else ""
+    notes = [x for x in (extra, step.note) if x]
+    if notes:
+        text += f"  [dim]({escape('; '.join(notes))})[/]"
+    return text
+
+
+def _resolved(resolved: dict[str, Any]) -> str:
+    parts = []
+    if "cpus" in resolved:
+        how = "dedicated" if resolved.get("dedicated") else "shared"
+        parts.append(f"cpus {resolved['cpus']} ({how}), {resolved['threads']} threads")
+    for k, v in resolved.items():
+        if k.startswith("memory."):
+            parts.append(f"{k} {format_size(v)}")
+    return ", ".join(parts)
+
+
+def render_plan(console: Console, plans: list[dict[str, Any]], *, down: bool) -> None:
+    for p in plans:
+        head = f"[bold]{p['env']}[/]"
+        if p["resolved"]:
+            head += f"  [dim]{_resolved(p['resolved'])}[/]"
+        console.print(head)
+        for w in p["warnings"]:
+            console.print(f"  [yellow]! {w}[/]")
+        if not p["steps"]:
+            console.print("  [dim]nothing recorded for this environment[/]")
+        for step in p["steps"]:
+            console.print("  " + _step_line(step))
+        counts = {op: sum(1 for s in p["steps"] if s.op == op) for op in "+~=-."}
+        if down:
+            summary = f"{counts['-']} to remove, {counts['=']} kept for other environments"
+        else:
+            summary = (f"{counts['+']} to create, {counts['~']} to change, {counts['=']} "
+                       f"unchanged" + (f", {counts['-']} to remove" if counts["-"] else ""))
+        console.print(f"  [bold]{summary}[/]")
+
+
+def step_printer(console: Console):
+    def progress(event: str, step: Step) -> None:
+        if event == "apply" and console.is_terminal:
+            console.print(f"  [dim]… {step.resource.describe()}[/]")
+
+    return progress
+
+
+def render_outcomes(console: Console, outcomes: list[Outcome], *, verb: str) -> None:
+    for o in outcomes:
+        console.print(f"[bold]{o.env}[/]")
+        for step in o.steps:
+            if step.op != "=" or verb == "down":
+                console.print("  " + _step_line(step))
+        for err in o.errors:
+            console.print(f"  [red]error: {err}[/]")
+        if verb == "up":
+            console.print(f"  [bold]up: {o.count('+')} created, {o.count('~')} changed, "
+                          f"{o.count('=')} unchanged[/]")
+        else:
+            left = " — run `envctl down` again to retry" if o.errors else ""
+            console.print(f"  [bold]down: {o.count('-')} removed, {o.count('=')} kept for other "
+                          f"environments, {len(o.errors)} failed{left}[/]")
+
+
+def render_status(console: Console, rows: dict[str, list[Step]]) -> None:
+    if not rows:
+        console.print("no environments")
+    for env, steps in rows.items():
+        applied = [s for s in steps if s.note != "not applied"]
+        if not applied:
+            state = "down"
+        elif all(s.op == "=" for s in applied) and len(applied) == len(steps):
+            state = "up"
+        else:
+            state = "degraded"
+        colour = {"up": "green", "down": "dim", "degraded": "yellow"}[state]
+        console.print(f"[bold]{env}[/]  [{colour}]{state}[/]")
+        for s in steps:
+            word = {"+": "missing", "~": "drifted", "=": "ok"}.get(s.op, s.op)
+            if s.note == "not applied":
+                word = "not applied"
+            detail = s.check.describe()
+            console.print(f"  {word:<12} {s.resource.describe()}"
+                          + (f"  [dim]({detail})[/]" if detail and s.op != "=" else ""))

@@ -1,0 +1,146 @@
+"""The resource contract: a small frozen value with check / snapshot / apply / remove."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from envctl.host.context import Host
+
+REGISTRY: dict[str, type[Resource]] = {}
+
+
+class Status(enum.Enum):
+    ABSENT = "missing"
+    PRESENT = "ok"
+    DRIFTED = "drifted"
+    WRONG_KIND = "wrong-kind"
+
+
+@dataclass(frozen=True)
+class Diff:
+    """One attribute that differs: what the spec wants and what the host has."""
+
+    field: str
+    want: object
+    have: object
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.have!s} -> {self.want!s}"
+
+
+@dataclass(frozen=True)
+class Check:
+    """What `check()` found. Never a bare bool: absent, wrong kind, or present with diffs."""
+
+    status: Status
+    diffs: tuple[Diff, ...] = ()
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.PRESENT
+
+    @classmethod
+    def absent(cls, detail: str = "") -> Check:
+        return cls(Status.ABSENT, detail=detail)
+
+    @classmethod
+    def present(cls, detail: str = "") -> Check:
+        return cls(Status.PRESENT, detail=detail)
+
+    @classmethod
+    def wrong_kind(cls, detail: str) -> Check:
+        return cls(Status.WRONG_KIND, detail=detail)
+
+    @classmethod
+    def compare(cls, want: dict[str, object], have: dict[str, object], detail: str = "") -> Check:
+        """PRESENT when every wanted attribute matches, else DRIFTED with one Diff per mismatch."""
+        diffs = tuple(Diff(k, v, have.get(k)) for k, v in want.items() if have.get(k) != v)
+        return cls(Status.DRIFTED if diffs else Status.PRESENT, diffs, detail)
+
+    def describe(self) -> str:
+        parts = [str(d) for d in self.diffs]
+        if self.detail:
+            parts.append(self.detail)
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One kernel object envctl owns. Subclasses are frozen dataclasses of JSON-simple fields.
+
+    - `check(host)` is read-only and says whether the host matches.
+    - `snapshot(host)` is read-only and returns what `remove` needs to restore the host
+      (a sysctl's old value, whether an object existed before); the engine journals it
+      *before* `apply` runs, so a crash between the change and its record loses nothing.
+    - `apply(host, memo)` makes it so and is a no-op when already so.
+    - `remove(host, memo)` undoes it; success when it is already gone.
+    """
+
+    kind: ClassVar[str] = ""
+    # Several environments may hold a shared resource (a bridge, a sysctl); the engine removes
+    # it when the last holder lets go, with the memo taken by the first.
+    shared: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            if cls.kind in REGISTRY and REGISTRY[cls.kind] is not cls:
+                raise TypeError(f"resource kind '{cls.kind}' registered twice")
+            REGISTRY[cls.kind] = cls
+
+    # -- identity
+    def ident(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}:{self.ident()}"
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.ident()}"
+
+    # -- the contract
+    def check(self, host: Host) -> Check:
+        raise NotImplementedError
+
+    def snapshot(self, host: Host) -> dict[str, Any]:
+        return {}
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    # -- serialisation for the journal
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Resource:
+        load_all()
+        data = dict(data)
+        cls = REGISTRY.get(data.pop("kind"))
+        if cls is None:
+            raise ValueError("unknown resource kind in journal")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        args = {k: _tuplify(v) for k, v in data.items() if k in fields}
+        return cls(**args)
+
+
+def _tuplify(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_tuplify(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _tuplify(x)) for k, x in v.items()))
+    return v
+
+
+def load_all() -> None:
+    """Import every resource module so the registry knows every kind a journal may name."""
+    import envctl.resources  # noqa: F401  (the package imports its modules)

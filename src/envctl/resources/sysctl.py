@@ -1,0 +1,54 @@
+"""Kernel parameters under /proc/sys: set to the spec's value, restored to the value found."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from envctl.errors import HostError
+from envctl.host.procfs import normalize
+from envctl.resources.base import Check, Resource
+
+if TYPE_CHECKING:
+    from envctl.host.context import Host
+
+
+@dataclass(frozen=True)
+class Sysctl(Resource):
+    """`name` = `value`. Shared: environments wanting the same value hold it together and the
+    value found before the first of them is restored when the last one goes."""
+
+    kind = "sysctl"
+    shared = True
+    name: str
+    value: str
+
+    def ident(self) -> str:
+        return self.name
+
+    def describe(self) -> str:
+        return f"sysctl {self.name} = {self.value}"
+
+    def check(self, host: Host) -> Check:
+        have = host.sysctl.read(self.name)
+        if have is None:
+            return Check.wrong_kind(f"this kernel has no sysctl {self.name}")
+        return Check.compare({"value": normalize(self.value)}, {"value": have})
+
+    def snapshot(self, host: Host) -> dict[str, Any]:
+        return {"old": host.sysctl.read(self.name)}
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        if host.sysctl.read(self.name) is None:
+            raise HostError(f"set sysctl '{self.name}': this kernel has no such parameter")
+        if host.sysctl.read(self.name) == normalize(self.value):
+            return  # already so
+        host.sysctl.write(self.name, self.value)
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        old = memo.get("old")
+        if old is None:
+            return  # the parameter did not exist when we looked: nothing to restore
+        if host.sysctl.read(self.name) in (None, old):
+            return  # already the value we found (or the netns holding it is gone)
+        host.sysctl.write(self.name, old)

@@ -1,0 +1,1 @@
+"""Environment specs: models, YAML loading with line-aware errors, cross-environment checks."""

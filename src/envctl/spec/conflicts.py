@@ -1,0 +1,109 @@
+"""Cross-environment checks: what two specs claim that only one may have."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from envctl.errors import Problem
+from envctl.spec.resolve import dedicated_cpus
+
+if TYPE_CHECKING:
+    from envctl.host.facts import HostFacts
+    from envctl.spec.loader import LoadedSpec
+
+
+def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> list[Problem]:
+    """Every conflict among `specs`, each reported on the second claimant with the first named."""
+    problems: list[Problem] = []
+
+    def claim(table: dict, key: object, ls: LoadedSpec, loc: tuple, what: str) -> None:
+        first = table.get(key)
+        if first is None:
+            table[key] = (ls, loc)
+            return
+        other = first[0]
+        problems.append(ls.problem(loc, f"{what} is already claimed by environment "
+                                        f"'{other.spec.name}' ({other.path})"))
+
+    names: dict = {}
+    cpus: dict = {}
+    gpus: dict = {}
+    addresses: dict = {}
+    ports: dict = {}
+    bridges: dict[str, tuple[LoadedSpec, object]] = {}
+    sysctls: dict[str, tuple[LoadedSpec, str]] = {}
+    memory: list[tuple[LoadedSpec, int]] = []
+
+    for ls in specs:
+        s = ls.spec
+        claim(names, s.name, ls, ("name",), f"name '{s.name}'")
+
+        for cpu in _explicit_or_resolved_cpus(ls, facts):
+            claim(cpus, cpu, ls, ("resources", "cpu", "dedicated"), f"dedicated CPU {cpu}")
+
+        for i, idx in enumerate(s.gpus.indices):
+            claim(gpus, ("index", idx), ls, ("gpus", i), f"GPU {idx}")
+        for i, uuid in enumerate(s.gpus.uuids):
+            claim(gpus, ("uuid", uuid), ls, ("gpus", i), f"GPU {uuid}")
+        if s.gpus.all:
+            claim(gpus, "all", ls, ("gpus",), "every GPU")
+
+        net = s.network
+        if net is not None:
+            seen = bridges.get(net.bridge)
+            if seen and seen[1] != net.bridge_address:
+                problems.append(ls.problem(
+                    ("network", "bridge_address"),
+                    f"bridge '{net.bridge}' has address {seen[1]} in environment "
+                    f"'{seen[0].spec.name}' ({seen[0].path}); environments sharing a bridge "
+                    "must agree on it"))
+            for other_name, (other, other_addr) in bridges.items():
+                if other_name != net.bridge and other_addr.network.overlaps(net.subnet):
+                    problems.append(ls.problem(
+                        ("network", "bridge_address"),
+                        f"subnet {net.subnet} overlaps {other_addr.network} of bridge "
+                        f"'{other_name}' ({other.path})"))
+            bridges.setdefault(net.bridge, (ls, net.bridge_address))
+            claim(addresses, net.address, ls, ("network", "address"), f"address {net.address}")
+            for i, pf in enumerate(net.ports):
+                claim(ports, (pf.host, pf.protocol), ls, ("network", "ports", i),
+                      f"host port {pf.host}/{pf.protocol}")
+
+        for name, item in s.host.sysctls.items():
+            seen_sysctl = sysctls.get(name)
+            if seen_sysctl and seen_sysctl[1] != item.value:
+                problems.append(ls.problem(
+                    ("host", "sysctls", name),
+                    f"wants {name}={item.value} but environment '{seen_sysctl[0].spec.name}' "
+                    f"({seen_sysctl[0].path}) wants {seen_sysctl[1]}; one host value serves both"))
+            sysctls.setdefault(name, (ls, item.value))
+
+        mx = s.resources.memory.max
+        if mx is not None and facts is not None:
+            memory.append((ls, mx.resolve(facts.memory_bytes)))
+
+    if facts is not None and memory:
+        total = sum(b for _, b in memory)
+        if total > facts.memory_bytes:
+            from envctl.spec.units import format_size
+
+            parts = ", ".join(f"{ls.spec.name} {format_size(b)}" for ls, b in memory)
+            last = memory[-1][0]
+            problems.append(last.problem(
+                ("resources", "memory", "max"),
+                f"memory limits add up to {format_size(total)} ({parts}), more than the host's "
+                f"{format_size(facts.memory_bytes)}"))
+    return problems
+
+
+def _explicit_or_resolved_cpus(ls: LoadedSpec, facts: HostFacts | None) -> tuple[int, ...]:
+    ded = ls.spec.resources.cpu.dedicated
+    if isinstance(ded, tuple):
+        return ded
+    if ded is None or facts is None:
+        return ()
+    try:
+        return dedicated_cpus(ls.spec, facts).cpus
+    except ValueError:
+        return ()  # reported by the planner with its own message

@@ -1,0 +1,206 @@
+"""Reading spec files: YAML with line marks, validation, and errors that name file, line and field."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from envctl.errors import Problem, SpecError
+from envctl.spec.models import EnvSpec
+
+if TYPE_CHECKING:
+    from envctl.host.facts import HostFacts
+
+Loc = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class LoadedSpec:
+    """A validated spec plus where each of its values came from."""
+
+    spec: EnvSpec
+    path: str
+    marks: dict[Loc, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
+
+    def problem(self, loc: Loc, message: str) -> Problem:
+        """A Problem pointing at the closest recorded position of `loc` in this file."""
+        line, col = _nearest_mark(self.marks, loc)
+        return Problem(self.path, line, col, _dotted(loc), message)
+
+
+def _dotted(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _nearest_mark(marks: dict[Loc, tuple[int, int]], loc: Loc) -> tuple[int | None, int | None]:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in marks:
+            return marks[loc[:n]]
+    return None, None
+
+
+class _Builder:
+    """Turns a composed YAML node tree into plain data, remembering each value's position."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.marks: dict[Loc, tuple[int, int]] = {}
+        self.key_marks: dict[Loc, tuple[int, int]] = {}
+        self.problems: list[Problem] = []
+        self._constructor = yaml.SafeLoader("")
+
+    def build(self, node: yaml.Node, loc: Loc = ()) -> Any:
+        self.marks[loc] = (node.start_mark.line + 1, node.start_mark.column + 1)
+        if isinstance(node, yaml.MappingNode):
+            out: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                key = self._constructor.construct_object(key_node, deep=True)
+                if isinstance(key, list | dict):
+                    self._problem(key_node, loc, "a mapping key must be a plain value")
+                    continue
+                if key in out:
+                    self._problem(key_node, loc + (key,), f"key '{key}' appears twice")
+                    continue
+                self.key_marks[loc + (key,)] = (key_node.start_mark.line + 1,
+                                                key_node.start_mark.column + 1)
+                out[key] = self.build(value_node, loc + (key,))
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [self.build(item, loc + (i,)) for i, item in enumerate(node.value)]
+        return self._constructor.construct_object(node, deep=True)
+
+    def _problem(self, node: yaml.Node, loc: Loc, message: str) -> None:
+        self.problems.append(Problem(self.path, node.start_mark.line + 1,
+                                     node.start_mark.column + 1, _dotted(loc), message))
+
+
+def _allowed_fields(model: type[BaseModel], loc: Loc) -> list[str] | None:
+    """Field names allowed at `loc` (the parent of an unknown key), walking the model tree."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        info = current.model_fields.get(str(part))
+        if info is None:
+            return None
+        current = _first_model(info.annotation)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return sorted(current.model_fields)
+    return None
+
+
+def _first_model(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _first_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> Loc:
+    # pydantic adds union-branch and validator tags to locations; keep only the data path.
+    out: list[str | int] = []
+    for part in loc:
+        if isinstance(part, int):
+            out.append(part)
+        elif isinstance(part, str) and not (
+            "[" in part or part.startswith(("function-", "tagged-union")) or part in
+            ("tuple[int, ...]", "ReservedCpus", "constrained-str", "str", "int", "float")
+        ):
+            out.append(part)
+    return tuple(out)
+
+
+def _message(err: dict[str, Any], loc: Loc) -> str:
+    kind = err["type"]
+    msg = err["msg"]
+    if kind == "extra_forbidden":
+        allowed = _allowed_fields(EnvSpec, loc[:-1])
+        text = f"unknown field '{loc[-1]}'"
+        return text + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
+    if kind == "missing":
+        return "this field is required"
+    if kind == "string_pattern_mismatch" and loc and loc[-1] == "name" and len(loc) == 1:
+        return ("must be 1-32 characters of a-z, 0-9 and '-', start with a letter and not end "
+                "with '-' (it names the netns, the cgroup and the hostname)")
+    if kind == "string_pattern_mismatch" and "^[A-Za-z0-9_.-]{1,15}$" in msg:
+        return "must be a network interface name: 1-15 characters of A-Z, a-z, 0-9, '_', '.', '-'"
+    msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    return msg
+
+
+def parse_spec(text: str, path: str) -> LoadedSpec:
+    """Validate one spec's YAML text; raise SpecError listing every problem in it."""
+    try:
+        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        line = mark.line + 1 if mark else None
+        col = mark.column + 1 if mark else None
+        reason = getattr(exc, "problem", None) or str(exc)
+        raise SpecError([Problem(path, line, col, "", f"YAML syntax error: {reason}")]) from None
+    nodes = [n for n in nodes if n is not None]
+    if len(nodes) != 1:
+        what = "is empty" if not nodes else "holds several YAML documents"
+        raise SpecError([Problem(path, 1, 1, "", f"file {what}: one environment per file")])
+    builder = _Builder(path)
+    data = builder.build(nodes[0])
+    if not isinstance(data, dict):
+        raise SpecError([Problem(path, 1, 1, "", "a spec is a mapping with name, kind, …")])
+    marks = {**builder.marks, **{k: v for k, v in builder.key_marks.items()}}
+    problems = list(builder.problems)
+    try:
+        spec = EnvSpec.model_validate(data)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = _clean_loc(err["loc"])
+            line, col = _nearest_mark(marks, loc)
+            problems.append(Problem(path, line, col, _dotted(loc), _message(err, loc)))
+        raise SpecError(problems) from None
+    if problems:
+        raise SpecError(problems)
+    return LoadedSpec(spec, path, marks)
+
+
+def load_spec(path: str | os.PathLike[str]) -> LoadedSpec:
+    """Read and validate one spec file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise SpecError([Problem(str(p), None, None, "", f"cannot read: {exc.strerror}")]) from None
+    return parse_spec(text, str(p))
+
+
+def spec_files(directory: str | os.PathLike[str]) -> list[Path]:
+    d = Path(directory)
+    return sorted(p for p in d.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
+def load_specs(paths: list[Path], facts: HostFacts | None = None) -> list[LoadedSpec]:
+    """Validate several files together: every problem of every file, then every conflict."""
+    from envctl.spec.conflicts import find_conflicts
+
+    loaded: list[LoadedSpec] = []
+    problems: list[Problem] = []
+    for p in paths:
+        try:
+            loaded.append(load_spec(p))
+        except SpecError as exc:
+            problems.extend(exc.problems)
+    problems.extend(find_conflicts(loaded, facts))
+    if problems:
+        raise SpecError(problems)
+    return loaded
