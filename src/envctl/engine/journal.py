@@ -80,7 +80,7 @@ class Journal:
 
 @dataclass
 class Ledger:
-    """Shared resources: who holds each one and the memo taken before the first holder applied it."""
+    """Shared resources: who holds each, and the memo taken before the first holder applied it."""
 
     path: Path
     items: dict[str, dict[str, Any]] = field(default_factory=dict)

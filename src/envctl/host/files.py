@@ -9,7 +9,7 @@ from typing import Any
 
 
 def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace `path` with `data` so a reader (or a crash) sees the old or the new file, never half."""
+    """Replace `path` with `data`: readers (and crashes) see the old or the new file, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)

@@ -1,7 +1,8 @@
-"""Named network namespaces under /run/netns, made the way iproute2 makes them (bind-mounted nsfs)."""
+"""Named network namespaces under /run/netns, made as iproute2 makes them (bind-mounted nsfs)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -81,10 +82,8 @@ class NetNamespaces:
         _, status = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 p.unlink()
-            except FileNotFoundError:
-                pass
             raise HostError(f"create netns '{name}': bind namespace: {os.strerror(abs(code))}")
 
     def remove(self, name: str) -> None:

@@ -1,4 +1,4 @@
-"""Directories envctl owns under its state and runtime bases (per-environment data, runtime files)."""
+"""Directories envctl owns under its state and runtime bases (per-environment data, run files)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reading spec files: YAML with line marks, validation, and errors that name file, line and field."""
+"""Reading spec files: YAML with line marks, validation, errors naming file, line and field."""
 
 from __future__ import annotations
 
@@ -113,9 +113,7 @@ def _clean_loc(loc: tuple[Any, ...]) -> Loc:
     # pydantic adds union-branch and validator tags to locations; keep only the data path.
     out: list[str | int] = []
     for part in loc:
-        if isinstance(part, int):
-            out.append(part)
-        elif isinstance(part, str) and not (
+        if isinstance(part, int) or isinstance(part, str) and not (
             "[" in part or part.startswith(("function-", "tagged-union")) or part in
             ("tuple[int, ...]", "ReservedCpus", "constrained-str", "str", "int", "float")
         ):

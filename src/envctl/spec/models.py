@@ -262,10 +262,11 @@ class Memory(Strict):
     @model_validator(mode="after")
     def _high_below_max(self) -> Memory:
         mx, hi = self.max, self.high
-        if mx and hi and mx.percent is None and hi.percent is None and hi.bytes > mx.bytes:
-            raise ValueError("memory.high is above memory.max")
-        if mx and hi and mx.percent is not None and hi.percent is not None and hi.percent > mx.percent:
-            raise ValueError("memory.high is above memory.max")
+        # Comparable only when both are in the same unit; mixed ones are checked at plan time.
+        if mx and hi and (mx.percent is None) == (hi.percent is None):
+            above = (hi.percent > mx.percent) if mx.percent is not None else hi.bytes > mx.bytes
+            if above:
+                raise ValueError("memory.high is above memory.max")
         return self
 
 
@@ -459,5 +460,6 @@ class EnvSpec(Strict):
             raise ValueError(f"mount target {sorted(dup)[0]} is used twice")
         if (self.host.governor and self.host.governor.cpus == "dedicated"
                 and self.resources.cpu.dedicated is None):
-            raise ValueError("host.governor.cpus is 'dedicated' but resources.cpu.dedicated is unset")
+            raise ValueError("host.governor.cpus is 'dedicated' but resources.cpu.dedicated "
+                             "is unset")
         return self
