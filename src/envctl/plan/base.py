@@ -38,6 +38,10 @@ def _resolve(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         q = getattr(mem, name)
         if q is not None:
             plan.resolved[f"memory.{name}"] = q.resolve(facts.memory_bytes)
+    mx, hi = plan.resolved.get("memory.max"), plan.resolved.get("memory.high")
+    if mx is not None and hi is not None and hi > mx:
+        plan.error(("resources", "memory", "high"), "memory.high resolves above memory.max on "
+                   "this host")
     if mem.nodes is not None:
         missing = [n for n in mem.nodes if n not in facts.numa_nodes]
         if missing:

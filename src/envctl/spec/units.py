@@ -6,7 +6,7 @@ import re
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?)B?\s*$", re.IGNORECASE)
 _PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
-_MULT = {"": 1, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
+_MULT = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
 
 
 def parse_size(text: str | int) -> int:
