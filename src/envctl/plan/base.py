@@ -26,13 +26,13 @@ def _resolve(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         placement = dedicated_cpus(spec, facts)
     except ValueError as exc:
         plan.error(("resources", "cpu", "dedicated"), str(exc))
-        return
-    if placement.note:
-        plan.warn(placement.note)
-    cpus = placement.effective(facts)
-    plan.resolved["cpus"] = format_cpu_list(cpus)
-    plan.resolved["dedicated"] = bool(placement.cpus)
-    plan.resolved["threads"] = len(cpus)
+    else:
+        if placement.note:
+            plan.warn(placement.note)
+        cpus = placement.effective(facts)
+        plan.resolved["cpus"] = format_cpu_list(cpus)
+        plan.resolved["dedicated"] = bool(placement.cpus)
+        plan.resolved["threads"] = len(cpus)
     mem = spec.resources.memory
     for name in ("max", "high", "swap_max"):
         q = getattr(mem, name)

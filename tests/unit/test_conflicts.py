@@ -1,0 +1,90 @@
+"""Cross-environment checks: every conflict in a directory is listed at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from envctl.errors import SpecError
+from envctl.host.facts import HostFacts
+from envctl.spec.loader import load_specs
+
+FACTS = HostFacts(cpus=tuple(range(8)), memory_bytes=16 << 30)
+
+
+def spec(name: str, *, addr: str = "", extra: str = "", bridge: str = "br0",
+         subnet: str = "10.50.0.1/24") -> str:
+    text = f"name: {name}\nkind: gpu\n"
+    if addr:
+        text += (f"network:\n  bridge: {bridge}\n  bridge_address: {subnet}\n"
+                 f"  address: {addr}\n")
+    return text + extra
+
+
+def load(tmp_path, files: dict[str, str], facts=FACTS):
+    paths = []
+    for fname, text in files.items():
+        p = tmp_path / fname
+        p.write_text(text)
+        paths.append(p)
+    return load_specs(paths, facts)
+
+
+def problems(tmp_path, files, facts=FACTS):
+    with pytest.raises(SpecError) as exc:
+        load(tmp_path, files, facts)
+    return exc.value.problems
+
+
+def test_disjoint_specs_load(tmp_path):
+    loaded = load(tmp_path, {"a.yaml": spec("a", addr="10.50.0.2"),
+                             "b.yaml": spec("b", addr="10.50.0.3")})
+    assert [ls.spec.name for ls in loaded] == ["a", "b"]
+
+
+def test_every_conflict_is_reported_at_once(tmp_path):
+    a = spec("a", addr="10.50.0.2", extra=(
+        "  ports: [8080]\nresources:\n  cpu: {dedicated: 2-3}\n  memory: {max: 10G}\n"
+        "gpus: [0]\nhost:\n  sysctls: {net.ipv4.ip_forward: 1}\n"))
+    b = spec("a", addr="10.50.0.2", extra=(
+        "  ports: [8080]\nresources:\n  cpu: {dedicated: 3-4}\n  memory: {max: 10G}\n"
+        "gpus: [0]\nhost:\n  sysctls: {net.ipv4.ip_forward: 0}\n"))
+    found = problems(tmp_path, {"a.yaml": a, "b.yaml": b})
+    text = "\n".join(map(str, found))
+    assert all(p.file.endswith("b.yaml") for p in found)
+    for expected in ("name 'a' is already claimed", "dedicated CPU 3", "GPU 0",
+                     "address 10.50.0.2", "host port 8080/tcp", "net.ipv4.ip_forward=0",
+                     "memory limits add up to 20G"):
+        assert expected in text, text
+    assert "a.yaml" in text  # the first claimant is named
+
+
+def test_bridge_address_must_agree_and_subnets_must_not_overlap(tmp_path):
+    found = problems(tmp_path, {
+        "a.yaml": spec("a", addr="10.50.0.2"),
+        "b.yaml": spec("b", addr="10.50.0.3", subnet="10.50.0.254/24"),
+        "c.yaml": spec("c", addr="10.50.1.3", bridge="br1", subnet="10.50.0.1/16"),
+    })
+    text = "\n".join(map(str, found))
+    assert "must agree" in text and "overlaps" in text
+
+
+def test_reserved_cpus_resolved_against_the_host(tmp_path):
+    ded = "resources:\n  cpu:\n    dedicated: {reserve_first: 1}\n"
+    found = problems(tmp_path, {"a.yaml": spec("a", extra=ded), "b.yaml": spec("b", extra=ded)})
+    assert "dedicated CPU 1" in str(found[0])
+
+
+def test_percent_memory_summed_against_host(tmp_path):
+    files = {"a.yaml": spec("a", extra="resources:\n  memory: {max: 60%}\n"),
+             "b.yaml": spec("b", extra="resources:\n  memory: {max: 50%}\n")}
+    assert "more than the host" in str(problems(tmp_path, files)[0])
+    files["b.yaml"] = spec("b", extra="resources:\n  memory: {max: 40%}\n")
+    assert len(load(tmp_path, files)) == 2
+
+
+def test_problems_from_several_files_and_conflicts_together(tmp_path):
+    found = problems(tmp_path, {"a.yaml": "name: a\nkind: nope\n",
+                                "b.yaml": spec("c", addr="10.50.0.2"),
+                                "c.yaml": spec("c", addr="10.50.0.3")})
+    files = {p.file.rsplit("/", 1)[-1] for p in found}
+    assert files == {"a.yaml", "c.yaml"}
