@@ -272,17 +272,17 @@ def status(
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every expected error becomes one line on stderr and its exit code."""
-    import click
-
+    # Newer typer vendors click; find its exception base without importing click directly.
+    click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
     debug = "--debug" in (argv if argv is not None else sys.argv)
     try:
         rc = app(args=argv, standalone_mode=False)
-    except click.exceptions.Exit as exc:
+    except typer.Exit as exc:
         rc = exc.exit_code
-    except click.exceptions.Abort:
+    except typer.Abort:
         _stderr("aborted")
         rc = 130
-    except click.ClickException as exc:
+    except click_error as exc:
         exc.show()
         rc = 2
     except SpecError as exc:

@@ -74,7 +74,7 @@ def test_fault_at_every_step_rolls_back_to_zero_residue(alpha, point):
     for i, key in enumerate(keys):
         res = alpha.envctl("up", "alpha", env={"ENVCTL_FAULT": f"fail@{point}:#{i}"})
         assert res.returncode == 1, res.stderr
-        assert f"step '" in res.stderr and "injected fault" in res.stderr
+        assert "step '" in res.stderr and "injected fault" in res.stderr
         assert host_values(alpha) == ORIGINAL, key
         assert alpha.residue() == {}, key
 

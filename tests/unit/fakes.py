@@ -1,0 +1,57 @@
+"""A fake resource kind whose "kernel" is a dict, for engine tests without root."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from envctl.errors import HostError
+from envctl.host.context import Host
+from envctl.resources.base import Check, Resource
+
+WORLD: dict[str, str] = {}   # key -> value: the fake kernel's objects
+LOG: list[str] = []          # every change, in order
+FAIL_ON: set[str] = set()    # names whose apply raises
+
+
+def reset() -> None:
+    WORLD.clear()
+    LOG.clear()
+    FAIL_ON.clear()
+
+
+@dataclass(frozen=True)
+class Thing(Resource):
+    kind = "fake-thing"
+    name: str
+    value: str = "on"
+
+    def ident(self) -> str:
+        return self.name
+
+    def check(self, host: Host) -> Check:
+        if self.name not in WORLD:
+            return Check.absent()
+        return Check.compare({"value": self.value}, {"value": WORLD[self.name]})
+
+    def snapshot(self, host: Host) -> dict[str, Any]:
+        return {"old": WORLD.get(self.name)}
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        if self.name in FAIL_ON:
+            raise HostError(f"create thing '{self.name}': injected")
+        WORLD[self.name] = self.value
+        LOG.append(f"apply {self.name}")
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        LOG.append(f"remove {self.name}")
+        if memo.get("old") is None:
+            WORLD.pop(self.name, None)
+        else:
+            WORLD[self.name] = memo["old"]
+
+
+@dataclass(frozen=True)
+class SharedThing(Thing):
+    kind = "fake-shared"
+    shared = True

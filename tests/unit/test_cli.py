@@ -1,0 +1,110 @@
+"""The CLI's contract: exit codes, one-line errors, JSON output, root checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from envctl import __version__
+from envctl.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("ENVCTL_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("ENVCTL_CONFIG_DIR", str(REPO / "configs"))
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+def test_version(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"envctl {__version__}"
+
+
+def test_help_has_examples(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "sudo envctl up cpu-compute" in out
+
+
+def test_validate_shipped_configs(capsys):
+    code, out, _ = run(capsys, "validate")
+    assert code == 0 and out.startswith("ok: 2 environment(s)")
+    code, out, _ = run(capsys, "validate", "--json")
+    assert json.loads(out) == {"ok": True, "environments": ["cpu-compute", "gpu-compute"]}
+
+
+def test_validate_reports_every_problem_with_exit_2(capsys, tmp_path):
+    d = tmp_path / "specs"
+    d.mkdir()
+    (d / "a.yaml").write_text("name: a\nkind: cpu\nbogus: 1\n")
+    (d / "b.yaml").write_text("name: b\nkind: [\n")
+    code, _, err = run(capsys, "validate", str(d))
+    assert code == 2
+    assert f"{d}/a.yaml:3:1: bogus: unknown field" in err
+    assert f"{d}/b.yaml:" in err and "YAML syntax error" in err
+    assert "2 problem(s); nothing was changed" in err
+
+
+def test_unknown_environment_is_a_usage_error(capsys):
+    code, _, err = run(capsys, "plan", "nope")
+    assert code == 2 and "no environment 'nope'" in err and "cpu-compute" in err
+
+
+def test_bad_option_is_exit_2(capsys):
+    code, _, _ = run(capsys, "plan", "--frobnicate")
+    assert code == 2
+
+
+def test_up_without_root_says_so_and_changes_nothing(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    code, _, err = run(capsys, "up", "cpu-compute")
+    assert code == 1 and "needs root" in err and "Traceback" not in err
+    assert not (tmp_path / "state").exists()
+    code, _, err = run(capsys, "down", "cpu-compute")
+    assert code == 1 and "needs root" in err
+
+
+def test_up_with_bad_spec_is_refused_before_the_root_check(capsys, monkeypatch, tmp_path):
+    d = tmp_path / "specs"
+    d.mkdir()
+    (d / "a.yaml").write_text("name: a\nkind: cpu\nresources:\n  cpu: {dedicated: 0-99}\n")
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    code, _, err = run(capsys, "--config-dir", str(d), "up", "a")
+    assert code == 2 and "a.yaml:4" in err and "not online" in err
+
+
+def test_plan_json_is_parseable(capsys):
+    code, out, _ = run(capsys, "plan", "cpu-compute", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data[0]["env"] == "cpu-compute"
+    assert {s["op"] for s in data[0]["steps"]} <= {"+", "~", "=", "-"}
+    assert "cpus" in data[0]["resolved"]
+
+
+def test_plan_takes_a_spec_file_path(capsys):
+    code, out, _ = run(capsys, "plan", str(REPO / "configs" / "cpu-compute.yaml"), "--json")
+    assert code == 0 and json.loads(out)[0]["env"] == "cpu-compute"
+
+
+def test_status_of_nothing_is_ok(capsys):
+    code, out, _ = run(capsys, "status", "--json")
+    assert code == 0
+    assert {e["env"] for e in json.loads(out)} == {"cpu-compute", "gpu-compute"}
+
+
+def test_names_and_all_together_is_a_usage_error(capsys):
+    code, _, err = run(capsys, "plan", "cpu-compute", "--all")
+    assert code == 2 and "not both" in err

@@ -1,0 +1,138 @@
+"""The engine's bookkeeping with a fake resource kind: order, rollback, adoption, sharing."""
+
+from __future__ import annotations
+
+import pytest
+
+from envctl.engine.engine import Engine
+from envctl.engine.journal import Journal, Ledger
+from envctl.errors import StepFailed
+from envctl.host.context import Host
+from tests.unit import fakes
+from tests.unit.fakes import SharedThing, Thing
+
+
+@pytest.fixture
+def engine(tmp_path):
+    fakes.reset()
+    yield Engine(Host(state_dir=tmp_path / "state", run_dir=tmp_path / "run"))
+    fakes.reset()
+
+
+PLAN = [Thing("a"), Thing("b"), Thing("c")]
+
+
+def test_up_applies_in_order_and_down_reverses(engine):
+    out = engine.up("env", PLAN)
+    assert [s.op for s in out.steps] == ["+", "+", "+"]
+    assert fakes.LOG == ["apply a", "apply b", "apply c"]
+    assert [e.key for e in Journal.open(engine.host.state_dir, "env").entries] == [
+        "fake-thing:a", "fake-thing:b", "fake-thing:c"]
+    engine.down("env")
+    assert fakes.LOG[3:] == ["remove c", "remove b", "remove a"]
+    assert fakes.WORLD == {}
+    assert not Journal.open(engine.host.state_dir, "env").exists()
+
+
+def test_second_up_keeps_everything(engine):
+    engine.up("env", PLAN)
+    out = engine.up("env", PLAN)
+    assert [s.op for s in out.steps] == ["=", "=", "="]
+    assert fakes.LOG == ["apply a", "apply b", "apply c"]
+
+
+def test_failure_rolls_back_this_run_in_reverse_and_names_the_step(engine):
+    fakes.FAIL_ON.add("c")
+    with pytest.raises(StepFailed) as exc:
+        engine.up("env", PLAN)
+    assert "fake-thing c" in str(exc.value) and "injected" in str(exc.value)
+    assert exc.value.rolled_back == ["fake-thing c", "fake-thing b", "fake-thing a"]
+    assert fakes.LOG == ["apply a", "apply b", "remove c", "remove b", "remove a"]
+    assert fakes.WORLD == {}
+    assert not Journal.open(engine.host.state_dir, "env").exists()
+
+
+def test_rollback_spares_what_earlier_runs_made(engine):
+    engine.up("env", PLAN[:2])
+    fakes.FAIL_ON.add("c")
+    with pytest.raises(StepFailed):
+        engine.up("env", PLAN)
+    assert fakes.WORLD == {"a": "on", "b": "on"}
+    assert [e.key for e in Journal.open(engine.host.state_dir, "env").entries] == [
+        "fake-thing:a", "fake-thing:b"]
+
+
+def test_preexisting_object_is_adopted_and_restored_not_deleted(engine):
+    fakes.WORLD["a"] = "off"
+    engine.up("env", PLAN)
+    assert fakes.WORLD["a"] == "on"
+    engine.down("env")
+    assert fakes.WORLD == {"a": "off"}
+
+
+def test_drift_is_repaired_with_the_original_memo(engine):
+    fakes.WORLD["b"] = "orig"
+    engine.up("env", PLAN)
+    fakes.WORLD["b"] = "tampered"
+    steps = engine.diff("env", PLAN)
+    assert [s.op for s in steps] == ["=", "~", "="]
+    assert str(steps[1].check.diffs[0]) == "value: tampered -> on"
+    engine.up("env", PLAN)
+    assert fakes.WORLD["b"] == "on"
+    engine.down("env")
+    assert fakes.WORLD == {"b": "orig"}
+
+
+def test_removed_from_spec_goes_on_next_up(engine):
+    engine.up("env", PLAN)
+    out = engine.up("env", PLAN[:2])
+    assert out.steps[0].op == "-" and out.steps[0].resource == Thing("c")
+    assert "c" not in fakes.WORLD
+
+
+def test_shared_resource_restored_by_the_last_holder_with_the_first_memo(engine):
+    fakes.WORLD["s"] = "orig"
+    engine.up("one", [SharedThing("s")])
+    engine.up("two", [SharedThing("s")])
+    assert Ledger.open(engine.host.state_dir).holders("fake-shared:s") == ["one", "two"]
+    assert [s.op for s in engine.diff_down("one")] == ["="]
+    engine.down("one")
+    assert fakes.WORLD["s"] == "on"
+    engine.down("two")
+    assert fakes.WORLD == {"s": "orig"}
+    assert not (engine.host.state_dir / "shared.json").exists()
+
+
+def test_ledger_holding_without_journal_entry_is_released_by_down(engine):
+    # As after a crash between the ledger write and the journal write.
+    fakes.WORLD["s"] = "orig"
+    ledger = Ledger.open(engine.host.state_dir)
+    ledger.hold("fake-shared:s", "one", SharedThing("s"), {"old": "orig"})
+    fakes.WORLD["s"] = "on"
+    engine.down("one")
+    assert fakes.WORLD == {"s": "orig"}
+
+
+def test_down_continues_past_a_failing_step_and_keeps_it(engine, monkeypatch):
+    engine.up("env", PLAN)
+
+    def boom(self, host, memo):
+        raise fakes.HostError("remove thing 'b': refused")
+
+    monkeypatch.setattr(Thing, "remove", lambda self, h, m: boom(self, h, m)
+                        if self.name == "b" else fakes.WORLD.pop(self.name, None))
+    out = engine.down("env")
+    assert out.errors and "refused" in out.errors[0]
+    assert fakes.WORLD == {"b": "on"}
+    assert [e.key for e in Journal.open(engine.host.state_dir, "env").entries] == [
+        "fake-thing:b"]
+
+
+def test_status_marks_interrupted_steps(engine):
+    journal = Journal.open(engine.host.state_dir, "env")
+    from envctl.engine.journal import Entry
+
+    journal.put(Entry("fake-thing:a", Thing("a").to_dict(), {"old": None}, "applying"))
+    rows = engine.status("env", PLAN)
+    assert rows[0].note == "interrupted while applying" and rows[0].op == "+"
+    assert [r.note for r in rows[1:]] == ["not applied", "not applied"]
