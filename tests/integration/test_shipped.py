@@ -1,0 +1,42 @@
+"""The shipped cpu-compute partition comes up on this machine kind and goes without a trace."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.root
+
+BAD_SPECS = [
+    "name: bad\nkind: cpu\nbogus: 1\n",
+    "name: bad\nkind: cpu\nresources:\n  cpu: {dedicated: 0-63}\n",
+    "name: bad\nkind: cpu\nhost:\n  sysctls: {vm.does_not_exist: 1}\n",
+    "name: cpu-compute\nkind: cpu\n",  # a duplicate name in the directory
+]
+
+
+def test_cpu_compute_up_status_down(shipped):
+    sb = shipped
+    before = sb.sysctl("net.ipv4.ip_forward")
+    plan = sb.envctl_json("plan", "cpu-compute")[0]
+    assert plan["resolved"]["threads"] >= 1
+    sb.envctl("up", "cpu-compute", check=True)
+    status = sb.envctl_json("status", "cpu-compute")[0]
+    assert status["up"] and {s["status"] for s in status["steps"]} == {"ok"}
+    assert "cpu-compute" in sb.netns()
+    assert sb.run("ip", "netns", "exec", "cpu-compute", "true").returncode == 0
+    sb.envctl("down", "cpu-compute", check=True)
+    assert sb.sysctl("net.ipv4.ip_forward") == before
+    assert sb.residue() == {}
+
+
+@pytest.mark.parametrize("bad", BAD_SPECS)
+def test_rejected_spec_exits_2_and_changes_nothing(shipped, bad):
+    sb = shipped
+    sb.write_spec("bad", bad)
+    before = (sb.sysctl("net.ipv4.ip_forward"), sb.sysctl("vm.zone_reclaim_mode"))
+    res = sb.envctl("up", "--all")
+    assert res.returncode == 2, res.stderr
+    assert "bad.yaml" in res.stderr and "nothing was changed" in res.stderr
+    assert (sb.sysctl("net.ipv4.ip_forward"), sb.sysctl("vm.zone_reclaim_mode")) == before
+    assert sb.residue() == {}
+    assert not sb.state.exists()
