@@ -111,7 +111,10 @@ def validate(
                                                 show_default=False)] = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Check specs and every conflict between them; exit 2 with all problems, or print ok.
+    """Check specs, every conflict between them, and that this host can honour them.
+
+    A directory is checked whole; a file is checked together with the specs of the
+    config directory (conflicts) and planned alone. Exit 2 lists every problem.
 
     Example: envctl validate configs/
     """
@@ -120,15 +123,17 @@ def validate(
     target = Path(path) if path else ops.config_dir(CTX.config_dir)
     if target.is_dir():
         ws = ops.Workspace.open(target)
+        selected = ws.specs
     else:
-        ws = ops.Workspace.open(ops.config_dir(CTX.config_dir), extra_files=[target]) \
-            if ops.config_dir(CTX.config_dir).is_dir() else \
-            ops.Workspace.open(target.parent, extra_files=[target])
-    ws.plan_all(ws.specs)
+        ws, names = _workspace([str(target)])
+        selected = [ws.get(n) for n in names]
+    ws.plan_all(selected)
+    checked = [ls.spec.name for ls in selected]
     if json_:
-        _emit_json({"ok": True, "environments": ws.names()})
+        _emit_json({"ok": True, "environments": checked})
     else:
-        print(f"ok: {len(ws.specs)} environment(s) in {ws.directory}: {', '.join(ws.names())}")
+        print(f"ok: {', '.join(checked)} ({len(ws.specs)} spec(s) in {ws.directory} "
+              "checked for conflicts)")
 
 
 @app.command()

@@ -38,11 +38,20 @@ def test_help_has_examples(capsys):
     assert code == 0 and "sudo envctl up cpu-compute" in out
 
 
-def test_validate_shipped_configs(capsys):
-    code, out, _ = run(capsys, "validate")
-    assert code == 0 and out.startswith("ok: 2 environment(s)")
-    code, out, _ = run(capsys, "validate", "--json")
-    assert json.loads(out) == {"ok": True, "environments": ["cpu-compute", "gpu-compute"]}
+def test_validate_a_directory_and_a_file(capsys, tmp_path):
+    d = tmp_path / "specs"
+    d.mkdir()
+    (d / "a.yaml").write_text("name: a\nkind: cpu\nresources: {memory: {max: 10%}}\n")
+    (d / "b.yaml").write_text("name: b\nkind: cpu\n")
+    code, out, _ = run(capsys, "validate", str(d))
+    assert code == 0 and out.startswith("ok: a, b")
+    code, out, _ = run(capsys, "--config-dir", str(d), "validate", str(d / "b.yaml"), "--json")
+    assert json.loads(out) == {"ok": True, "environments": ["b"]}
+
+
+def test_validate_the_shipped_cpu_partition(capsys):
+    code, out, _ = run(capsys, "validate", str(REPO / "configs" / "cpu-compute.yaml"))
+    assert code == 0 and out.startswith("ok: cpu-compute (2 spec(s)")
 
 
 def test_validate_reports_every_problem_with_exit_2(capsys, tmp_path):
