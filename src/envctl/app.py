@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from envctl.engine.engine import Engine, Outcome, Step
-from envctl.engine.journal import Journal
+from envctl.engine.journal import Journal, Ledger
 from envctl.errors import NeedsRootError, Problem, SpecError, UsageError
 from envctl.host.context import Host
 from envctl.host.facts import HostFacts, gather
+from envctl.host.files import read_json, write_json
 from envctl.plan.builder import Plan, PlanError
+from envctl.plan.host import find_host_conflicts
 from envctl.plan.planner import plan_env
 from envctl.spec.loader import LoadedSpec, load_specs, spec_files
 
@@ -57,7 +59,11 @@ class Workspace:
         if facts is None:
             # A first, cheap read pass to learn which sysctls the specs ask about.
             facts = _facts_for(files, host)
-        return cls(directory, load_specs(files, facts), facts, host)
+        specs = load_specs(files, facts)
+        problems = find_host_conflicts(specs, facts)  # governors, module options
+        if problems:
+            raise SpecError(problems)
+        return cls(directory, specs, facts, host)
 
     def names(self) -> list[str]:
         return [ls.spec.name for ls in self.specs]
@@ -104,18 +110,42 @@ def _facts_for(files: list[Path], host: Host) -> HostFacts:
     import yaml
 
     wanted: set[str] = set()
+    modules: set[str] = set()
+    governor = False
     for f in files:
         try:
             data = yaml.safe_load(f.read_text())
             wanted.update(((data or {}).get("host") or {}).get("sysctls") or {})
-        except (OSError, yaml.YAMLError, AttributeError, TypeError):
+            tuning = (data or {}).get("host") or {}
+            modules.update(m if isinstance(m, str) else m["name"]
+                           for m in tuning.get("modules") or [])
+            governor = governor or bool(tuning.get("governor"))
+        except (OSError, yaml.YAMLError, AttributeError, TypeError, KeyError):
             continue  # the real load reports it with file and line
-    return gather(proc_root=host.proc, sys_root=host.sys, sysctls=frozenset(wanted))
+    return gather(proc_root=host.proc, sys_root=host.sys, sysctls=frozenset(wanted),
+                  modules=frozenset(m for m in modules if isinstance(m, str)),
+                  kmod=host.kmod if modules else None, cpufreq=governor)
 
 
 def up(ws: Workspace, plans: list[Plan], engine: Engine) -> list[Outcome]:
     with engine.locked():
-        return [engine.up(p.env, p.resources, locked=True) for p in plans]
+        outcomes = []
+        for p in plans:
+            outcomes.append(engine.up(p.env, p.resources, locked=True))
+            _record_warnings(engine.host, p)
+        return outcomes
+
+
+def _warnings_file(host: Host, env: str) -> Path:
+    # In the environment's own state directory: `down` removes it with the directory.
+    return host.state_dir / "envs" / env / "warnings.json"
+
+
+def _record_warnings(host: Host, plan: Plan) -> None:
+    """Keep what `up` skipped (best-effort host tuning the host lacks) for `status`."""
+    path = _warnings_file(host, plan.env)
+    if path.parent.is_dir():
+        write_json(path, {"warnings": plan.warnings})
 
 
 def down(engine: Engine, names: list[str]) -> list[Outcome]:
@@ -143,7 +173,45 @@ def status_rows(ws: Workspace | None, host: Host, names: list[str]) -> dict[str,
             except SpecError:
                 resources = None
         out[name] = engine.status(name, resources)
+        _annotate_restores(host, name, out[name])
     return out
+
+
+def status_warnings(ws: Workspace | None, host: Host, names: list[str]) -> dict[str, list[str]]:
+    """What the last `up` of each environment skipped or warned about; the plan's warnings
+    for one that is not up."""
+    out = {}
+    for name in names:
+        recorded = read_json(_warnings_file(host, name))
+        if recorded is not None:
+            out[name] = list(recorded.get("warnings", []))
+        elif ws is not None and name in ws.names():
+            try:
+                out[name] = ws.plan(ws.get(name)).warnings
+            except SpecError:
+                out[name] = []
+    return out
+
+
+def _annotate_restores(host: Host, env: str, steps: list[Step]) -> None:
+    """Say, on each host setting envctl holds, what it found and will restore at `down`."""
+    ledger = Ledger.open(host.state_dir)
+    for step in steps:
+        item = ledger.get(step.resource.key) if step.resource.shared else None
+        if item is None or env not in item["holders"]:
+            continue
+        memo = item["memo"]
+        restores = getattr(step.resource, "restores", None)
+        if restores is not None:
+            text = restores(memo)
+        elif memo.get("old") is not None:
+            text = f"found {memo['old']}: restored at down"  # a sysctl
+        else:
+            continue
+        others = [h for h in item["holders"] if h != env]
+        if others:
+            text += f" (held with {', '.join(others)}: when the last of them goes)"
+        step.note = "; ".join(x for x in (step.note, text) if x)
 
 
 def problems_json(problems: list[Problem]) -> list[dict]:

@@ -262,11 +262,13 @@ def status(
         env_names = list(names)  # status still works from the journal when a spec is gone
     targets = env_names or ops.known_environments(ws, host)
     rows = ops.status_rows(ws, host, targets)
+    warnings = ops.status_warnings(ws, host, targets)
     if json_:
         _emit_json([{"env": env, "up": any(s.op != "+" for s in steps) and bool(steps),
-                     "steps": [s.to_json() for s in steps]} for env, steps in rows.items()])
+                     "steps": [s.to_json() for s in steps],
+                     "warnings": warnings.get(env, [])} for env, steps in rows.items()])
     else:
-        render_status(_console(), rows)
+        render_status(_console(), rows, warnings)
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):
         raise typer.Exit(1)

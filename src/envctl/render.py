@@ -19,7 +19,8 @@ def _step_line(step: Step) -> str:
     from rich.markup import escape
 
     text = f"[{STYLE[step.op]}]{step.op} {escape(step.resource.describe())}[/]"
-    extra = step.check.describe() if step.op == "~" else ""
+    # `+` of a host setting (a module) has an old state too: "state: not loaded -> loaded".
+    extra = step.check.describe() if step.op in ("~", "+") else ""
     notes = [x for x in (extra, step.note) if x]
     if notes:
         text += f"  [dim]({escape('; '.join(notes))})[/]"
@@ -83,7 +84,8 @@ def render_outcomes(console: Console, outcomes: list[Outcome], *, verb: str) -> 
                           f"environments, {len(o.errors)} failed{left}[/]")
 
 
-def render_status(console: Console, rows: dict[str, list[Step]]) -> None:
+def render_status(console: Console, rows: dict[str, list[Step]],
+                  warnings: dict[str, list[str]] | None = None) -> None:
     if not rows:
         console.print("no environments")
     for env, steps in rows.items():
@@ -100,6 +102,11 @@ def render_status(console: Console, rows: dict[str, list[Step]]) -> None:
             word = {"+": "missing", "~": "drifted", "=": "ok"}.get(s.op, s.op)
             if s.note == "not applied":
                 word = "not applied"
-            detail = s.check.describe()
+            detail = s.check.describe() if s.op != "=" else ""
+            # Notes say what envctl found on the host and restores at down.
+            notes = "; ".join(x for x in (detail, s.note if s.note != "not applied" else "")
+                              if x)
             console.print(f"  {word:<12} {s.resource.describe()}"
-                          + (f"  [dim]({detail})[/]" if detail and s.op != "=" else ""))
+                          + (f"  [dim]({notes})[/]" if notes else ""))
+        for w in (warnings or {}).get(env, []):
+            console.print(f"  [yellow]! {w}[/]")

@@ -47,3 +47,15 @@ class Host:
         from envctl.host.netns import NetNamespaces
 
         return NetNamespaces(self.netns_dir)
+
+    @cached_property
+    def netlink(self):  # noqa: ANN201
+        from envctl.host.netlink import Netlink
+
+        return Netlink(self.netns_dir)
+
+    def firewall(self, backend: str):  # noqa: ANN201
+        """The adapter of firewall `backend` ('nftables' or 'iptables'), made once."""
+        from envctl.host.firewall import adapter
+
+        return adapter(self, backend)

@@ -19,6 +19,8 @@ class HostFacts:
     kernel: str = "6.1.0"
     # Sysctls that exist on this kernel, among those the specs ask about.
     sysctls: frozenset[str] = field(default_factory=frozenset)
+    # The firewall backend `network.firewall: auto` means here (nftables or iptables).
+    firewall: str = "nftables"
     # Extra facts contributed by resource families (cgroup layout, GPUs, firewall, …).
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
@@ -50,6 +52,12 @@ def read_numa_nodes(sys_root: Path) -> tuple[int, ...]:
     return parse_cpu_list(text.strip()) if text else (0,)
 
 
+def _firewall_backend() -> str:
+    from envctl.host.firewall import detect_backend
+
+    return detect_backend()
+
+
 def sysctl_path(proc_root: Path, name: str) -> Path:
     return proc_root / "sys" / name.replace(".", "/")
 
@@ -62,5 +70,6 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
         memory_bytes=read_memory(proc_root),
         numa_nodes=read_numa_nodes(sys_root),
         kernel=os.uname().release,
+        firewall=_firewall_backend(),
         sysctls=frozenset(n for n in sysctls if sysctl_path(proc_root, n).exists()),
     )

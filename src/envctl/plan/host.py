@@ -1,24 +1,149 @@
-"""Planning host tuning: sysctls (and, with their issue, kernel modules and the CPU governor)."""
+"""Planning host tuning: sysctls, kernel modules and the CPU frequency governor.
+
+Each item the host cannot honour is decided here, before any change, by its policy:
+`required` makes the plan fail naming what is missing, `best-effort` skips it with a warning
+(shown by `plan` and `up`, recorded for `status`).
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from envctl.plan.builder import Plan
+from envctl.host.facts import ModuleFact
+from envctl.plan.builder import Loc, Plan
+from envctl.resources.governor import CpuGovernor
+from envctl.resources.kmod import KernelModule
 from envctl.resources.sysctl import Sysctl
+from envctl.spec.resolve import dedicated_cpus
+from envctl.spec.units import format_cpu_list
 
 if TYPE_CHECKING:
+    from envctl.errors import Problem
     from envctl.host.facts import HostFacts
-    from envctl.spec.models import EnvSpec
+    from envctl.spec.loader import LoadedSpec
+    from envctl.spec.models import EnvSpec, Module
+
+# Words in best-effort warnings, so `status` can list what `up` skipped.
+SKIPPED = "skipped (policy: best-effort)"
 
 
 def plan_host(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
+    _plan_sysctls(spec, facts, plan)
+    _plan_modules(spec, facts, plan)
+    _plan_governor(spec, facts, plan)
+
+
+def _missing(plan: Plan, policy: str, loc: Loc, msg: str) -> None:
+    """The host lacks something the spec asks for: an error or a warning, as the spec says."""
+    if policy == "required":
+        plan.error(loc, f"{msg} (policy: required)")
+    else:
+        plan.warn(f"{msg}; {SKIPPED}")
+
+
+def _plan_sysctls(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     for name, item in spec.host.sysctls.items():
         if name not in facts.sysctls:
-            msg = f"this kernel ({facts.kernel}) has no sysctl {name}"
-            if item.policy == "required":
-                plan.error(("host", "sysctls", name), msg + " (policy: required)")
-            else:
-                plan.warn(msg + "; skipped (policy: best-effort)")
+            _missing(plan, item.policy, ("host", "sysctls", name),
+                     f"this kernel ({facts.kernel}) has no sysctl {name}")
             continue
         plan.add(Sysctl(name, item.value), ("host", "sysctls", name))
+
+
+def module_name(name: str) -> str:
+    return name.replace("-", "_")
+
+
+def module_options(mod: Module) -> tuple[str, ...]:
+    # Sorted: two environments asking for the same options get the same resource.
+    return tuple(f"{k}={v}" for k, v in sorted(mod.options.items()))
+
+
+def _plan_modules(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
+    listed = {module_name(m.name): m for m in spec.host.modules}
+    for i, mod in enumerate(spec.host.modules):
+        name = module_name(mod.name)
+        loc: Loc = ("host", "modules", i)
+        fact = facts.modules.get(name, ModuleFact("missing", reason="not looked up on this host"))
+        if fact.state == "missing":
+            _missing(plan, mod.policy, loc,
+                     f"kernel module {mod.name} is not available on kernel {facts.kernel}: "
+                     f"{fact.reason}")
+            continue
+        if fact.state in ("loaded", "builtin") and mod.options:
+            how = "loaded" if fact.state == "loaded" else "built into the kernel"
+            plan.warn(f"kernel module {mod.name} is already {how}: its options "
+                      f"({' '.join(module_options(mod))}) are not applied")
+        # Dependencies are resources of their own, before the module: teardown unloads each
+        # only when envctl loaded it and nothing (another environment included) holds it.
+        for dep in fact.deps:
+            dep_spec = listed.get(dep)
+            plan.add(KernelModule(dep, module_options(dep_spec) if dep_spec else ()), loc)
+        plan.add(KernelModule(name, module_options(mod)), loc)
+
+
+def governor_cpus(spec: EnvSpec, facts: HostFacts) -> tuple[int, ...]:
+    """The CPUs whose governor the spec sets: all online, or those the environment runs on."""
+    gov = spec.host.governor
+    if gov is None:
+        return ()
+    if gov.cpus == "all":
+        return facts.cpus
+    try:
+        return dedicated_cpus(spec, facts).effective(facts)
+    except ValueError:
+        return ()  # the dedicated-CPU error is reported by the base section
+
+
+def _plan_governor(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
+    gov = spec.host.governor
+    if gov is None:
+        return
+    loc: Loc = ("host", "governor")
+    cpus = governor_cpus(spec, facts)
+    no_freq = [c for c in cpus if c not in facts.cpufreq]
+    # An empty list means the driver does not say; the write is checked at apply.
+    lacking = [c for c in cpus if facts.cpufreq.get(c) and gov.name not in facts.cpufreq[c]]
+    if no_freq:
+        where = "this host has" if len(no_freq) == len(cpus) else \
+            f"cpu {format_cpu_list(no_freq)} of this host have"
+        _missing(plan, gov.policy, loc,
+                 f"{where} no cpufreq (no cpufreq/scaling_governor under "
+                 f"/sys/devices/system/cpu/cpuN): governor {gov.name} cannot be set")
+    if lacking:
+        offered = " ".join(facts.cpufreq[lacking[0]])
+        _missing(plan, gov.policy, loc + ("name",),
+                 f"governor {gov.name} is not offered by cpu {format_cpu_list(lacking)} "
+                 f"(scaling_available_governors: {offered})")
+    for cpu in cpus:
+        if cpu not in no_freq and cpu not in lacking:
+            plan.add(CpuGovernor(cpu, gov.name), loc)
+
+
+def find_host_conflicts(specs: list[LoadedSpec], facts: HostFacts) -> list[Problem]:
+    """Host tuning two environments want differently: a governor on a CPU both set, or one
+    module with different options. (Differing sysctl values are found in spec.conflicts.)"""
+    problems: list[Problem] = []
+    governors: dict[int, tuple[LoadedSpec, str]] = {}
+    modules: dict[str, tuple[LoadedSpec, tuple[str, ...]]] = {}
+    for ls in specs:
+        gov = ls.spec.host.governor
+        for cpu in governor_cpus(ls.spec, facts) if gov else ():
+            first = governors.setdefault(cpu, (ls, gov.name))
+            if first[1] != gov.name:
+                problems.append(ls.problem(
+                    ("host", "governor", "name"),
+                    f"wants governor {gov.name} on cpu {cpu} but environment "
+                    f"'{first[0].spec.name}' ({first[0].path}) wants {first[1]}; one cpu has "
+                    "one governor"))
+                break
+        for i, mod in enumerate(ls.spec.host.modules):
+            opts = module_options(mod)
+            first_mod = modules.setdefault(module_name(mod.name), (ls, opts))
+            if first_mod[1] != opts:
+                problems.append(ls.problem(
+                    ("host", "modules", i, "options"),
+                    f"loads {mod.name} with options '{' '.join(opts)}' but environment "
+                    f"'{first_mod[0].spec.name}' ({first_mod[0].path}) uses "
+                    f"'{' '.join(first_mod[1])}'; a module is loaded once for all"))
+    return problems

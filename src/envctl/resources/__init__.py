@@ -1,3 +1,6 @@
 """Resource kinds, one module per kernel object; importing the package registers them all."""
 
+import envctl.resources.bridge  # noqa: F401
+import envctl.resources.firewall  # noqa: F401
+import envctl.resources.veth  # noqa: F401
 from envctl.resources import dirs, netns, sysctl  # noqa: F401
