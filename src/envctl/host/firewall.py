@@ -1,0 +1,107 @@
+"""The backend-neutral firewall rule model and the choice of backend (nftables or iptables)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+from envctl.spec.naming import rule_tag
+
+BACKENDS = ("nftables", "iptables")
+# The chains envctl hooks, one per netfilter hook it needs (nat prerouting/output/postrouting,
+# filter forward). Each backend maps them onto its own table/chains.
+CHAINS = ("prerouting", "output", "postrouting", "forward")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One firewall rule for one environment, in terms both backends can express.
+
+    `name` identifies the rule within its environment and says everything it does, so the
+    comment (`envctl:ENV NAME`) both tags the rule and changes whenever the rule would."""
+
+    env: str
+    name: str
+    chain: str
+    action: str  # masquerade | dnat | drop
+    saddr: str | None = None
+    daddr: str | None = None
+    not_daddr: str | None = None  # a network the destination must not be in
+    iif: str | None = None
+    oif: str | None = None
+    not_oif: str | None = None
+    proto: str | None = None  # tcp | udp
+    dport: int | None = None
+    local_daddr: bool = False  # the destination is an address of this host
+    not_dnat: bool = False  # the connection was not DNATed (so port forwards stay reachable)
+    to_addr: str | None = None
+    to_port: int | None = None
+
+    @property
+    def comment(self) -> str:
+        return f"{rule_tag(self.env)} {self.name}"
+
+
+def env_rules(env: str, *, bridge: str, address: str, nat: bool, isolate: bool,
+              ports: tuple[tuple[str, int, int], ...]) -> list[Rule]:
+    """Every rule environment `env` needs, in order. `ports` are (protocol, host, env) ports."""
+    rules = []
+    if nat:
+        # Traffic from the environment leaving by any interface but its own bridge takes the
+        # host's address; traffic between environments on the bridge keeps its source.
+        rules.append(Rule(env, f"masquerade {address} out of !{bridge}", "postrouting",
+                          "masquerade", saddr=address, not_oif=bridge))
+    for proto, host_port, env_port in ports:
+        to = f"{address}:{env_port}"
+        # From outside: anything addressed to one of this host's addresses on the port.
+        rules.append(Rule(env, f"dnat {proto}/{host_port} -> {to}", "prerouting", "dnat",
+                          proto=proto, dport=host_port, local_daddr=True, to_addr=address,
+                          to_port=env_port))
+        # From the host itself. Loopback is left out: a packet from 127.0.0.1 cannot be routed
+        # to the bridge without route_localnet, which would widen what reaches the host.
+        rules.append(Rule(env, f"dnat local {proto}/{host_port} -> {to}", "output", "dnat",
+                          proto=proto, dport=host_port, local_daddr=True,
+                          not_daddr="127.0.0.0/8", to_addr=address, to_port=env_port))
+    if isolate:
+        # Bridge-port isolation stops frames between isolated ports; these stop the detour
+        # through the host's routing (an environment routing to another via its gateway).
+        rules.append(Rule(env, f"isolate from {address} on {bridge}", "forward", "drop",
+                          iif=bridge, oif=bridge, saddr=address, not_dnat=True))
+        rules.append(Rule(env, f"isolate to {address} on {bridge}", "forward", "drop",
+                          iif=bridge, oif=bridge, daddr=address, not_dnat=True))
+    return rules
+
+
+def detect_backend(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """The backend `auto` means here: $ENVCTL_FIREWALL if set, nftables when `nft` (or its
+    library) is installed, else iptables (legacy xtables through python-iptables)."""
+    forced = environ.get("ENVCTL_FIREWALL", "")
+    if forced in BACKENDS:
+        return forced
+    if shutil.which("nft") or any(os.path.exists(f"{d}/libnftables.so.1") for d in LIB_DIRS):
+        return "nftables"
+    return "iptables"
+
+
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+
+
+_ADAPTERS: dict[tuple[int, str], object] = {}
+
+
+def adapter(host: object, backend: str):  # noqa: ANN201 - the backends import lazily
+    """One adapter per host handle and backend."""
+    key = (id(host), backend)
+    if key not in _ADAPTERS:
+        if backend == "nftables":
+            from envctl.host.nft import Nftables
+
+            _ADAPTERS[key] = Nftables()
+        elif backend == "iptables":
+            from envctl.host.iptables import Iptables
+
+            _ADAPTERS[key] = Iptables()
+        else:
+            raise ValueError(f"unknown firewall backend {backend!r}")
+    return _ADAPTERS[key]

@@ -1,0 +1,249 @@
+"""envctl's own nftables table `inet envctl`: per-environment rules in atomic JSON transactions.
+
+Every change is one JSON document run as one transaction, exactly what `nft -j -f -` runs: by
+default through libnftables (the library the `nft` command is a thin front end of, loaded with
+ctypes, so a run of 32 environments does not pay 32 x 4 process starts), or through the `nft`
+command itself with `ENVCTL_NFT=cli` or when the library cannot be loaded. Only the table
+`inet envctl` is ever read or written; other tables are never listed, flushed or deleted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+from typing import Any
+
+from envctl.errors import HostError
+from envctl.host.firewall import Rule
+from envctl.spec.naming import env_of_comment
+
+FAMILY, TABLE = "inet", "envctl"
+# name -> (type, hook, priority): nat at dstnat (-100) / srcnat (100), filter at 0, as nft's
+# named priorities.
+BASE_CHAINS = {
+    "prerouting": ("nat", "prerouting", -100),
+    "output": ("nat", "output", -100),
+    "postrouting": ("nat", "postrouting", 100),
+    "forward": ("filter", "forward", 0),
+}
+NFT_CTX_OUTPUT_JSON = 1 << 4
+
+
+# ---------------------------------------------------------------- JSON generation (pure)
+
+
+def _match(left: dict[str, Any], right: Any, op: str = "==") -> dict[str, Any]:
+    return {"match": {"op": op, "left": left, "right": right}}
+
+
+def _meta(key: str) -> dict[str, Any]:
+    return {"meta": {"key": key}}
+
+
+def _ip(field: str) -> dict[str, Any]:
+    return {"payload": {"protocol": "ip", "field": field}}
+
+
+def _prefix(cidr: str) -> Any:
+    addr, _, plen = cidr.partition("/")
+    return {"prefix": {"addr": addr, "len": int(plen)}} if plen else addr
+
+
+def rule_exprs(rule: Rule) -> list[dict[str, Any]]:
+    """The nft JSON expressions of `rule`, matches first, then its statement."""
+    e: list[dict[str, Any]] = []
+    if rule.iif:
+        e.append(_match(_meta("iifname"), rule.iif))
+    if rule.oif:
+        e.append(_match(_meta("oifname"), rule.oif))
+    if rule.not_oif:
+        e.append(_match(_meta("oifname"), rule.not_oif, "!="))
+    if rule.saddr:
+        e.append(_match(_ip("saddr"), _prefix(rule.saddr)))
+    if rule.daddr:
+        e.append(_match(_ip("daddr"), _prefix(rule.daddr)))
+    if rule.not_daddr:
+        e.append(_match(_ip("daddr"), _prefix(rule.not_daddr), "!="))
+    if rule.local_daddr:
+        e.append(_match({"fib": {"result": "type", "flags": ["daddr"]}}, "local"))
+    if rule.proto:
+        e.append(_match(_meta("l4proto"), rule.proto))
+    if rule.dport is not None:
+        e.append(_match({"payload": {"protocol": "th", "field": "dport"}}, rule.dport))
+    if rule.not_dnat:
+        e.append(_match({"ct": {"key": "status"}}, "dnat", "!="))
+    if rule.action == "masquerade":
+        e.append({"masquerade": None})
+    elif rule.action == "dnat":
+        e.append({"dnat": {"family": "ip", "addr": rule.to_addr, "port": rule.to_port}})
+    elif rule.action == "drop":
+        e.append({"drop": None})
+    else:
+        raise ValueError(f"unknown firewall action {rule.action!r}")
+    return e
+
+
+def table_commands() -> list[dict[str, Any]]:
+    """`add` the table and its base chains: a no-op for the ones that exist."""
+    cmds: list[dict[str, Any]] = [{"add": {"table": {"family": FAMILY, "name": TABLE}}}]
+    for name, (ctype, hook, prio) in BASE_CHAINS.items():
+        cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": name,
+                                       "type": ctype, "hook": hook, "prio": prio,
+                                       "policy": "accept"}}})
+    return cmds
+
+
+def add_rule_command(rule: Rule) -> dict[str, Any]:
+    return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": rule.chain,
+                             "comment": rule.comment, "expr": rule_exprs(rule)}}}
+
+
+def delete_rule_command(chain: str, handle: int) -> dict[str, Any]:
+    return {"delete": {"rule": {"family": FAMILY, "table": TABLE, "chain": chain,
+                                "handle": handle}}}
+
+
+def delete_table_command() -> dict[str, Any]:
+    return {"delete": {"table": {"family": FAMILY, "name": TABLE}}}
+
+
+def document(cmds: list[dict[str, Any]]) -> str:
+    return json.dumps({"nftables": cmds})
+
+
+# ---------------------------------------------------------------- transports
+
+
+class _Library:
+    """libnftables through ctypes: one context, JSON in and out."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libnftables.so.1", use_errno=True)
+        lib.nft_ctx_new.restype = ctypes.c_void_p
+        lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+        for f in ("nft_ctx_buffer_output", "nft_ctx_buffer_error"):
+            getattr(lib, f).argtypes = [ctypes.c_void_p]
+        for f in ("nft_ctx_get_output_buffer", "nft_ctx_get_error_buffer"):
+            getattr(lib, f).argtypes = [ctypes.c_void_p]
+            getattr(lib, f).restype = ctypes.c_char_p
+        lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+        lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        ctx = lib.nft_ctx_new(0)
+        if not ctx:
+            raise OSError("nft_ctx_new failed")
+        lib.nft_ctx_buffer_output(ctx)
+        lib.nft_ctx_buffer_error(ctx)
+        lib.nft_ctx_output_set_flags(ctx, NFT_CTX_OUTPUT_JSON)
+        self.lib, self.ctx = lib, ctx
+
+    def run(self, doc: str) -> tuple[bool, str, str]:
+        rc = self.lib.nft_run_cmd_from_buffer(self.ctx, doc.encode())
+        out = (self.lib.nft_ctx_get_output_buffer(self.ctx) or b"").decode()
+        err = (self.lib.nft_ctx_get_error_buffer(self.ctx) or b"").decode()
+        return rc == 0, out, err
+
+
+class _Command:
+    """`nft -j -f -` with the document on stdin."""
+
+    def __init__(self, nft: str) -> None:
+        self.nft = nft
+
+    def run(self, doc: str) -> tuple[bool, str, str]:
+        res = subprocess.run([self.nft, "-j", "-f", "-"], input=doc, capture_output=True,
+                             text=True, check=False)
+        return res.returncode == 0, res.stdout, res.stderr
+
+
+def _transport() -> _Library | _Command:
+    if os.environ.get("ENVCTL_NFT") != "cli":
+        try:
+            return _Library()
+        except OSError:
+            pass  # no library: the command does the same
+    nft = shutil.which("nft")
+    if nft is None:
+        raise HostError("use nftables: neither libnftables nor the nft command is installed "
+                        "(install the nftables package, or set network.firewall: iptables)")
+    return _Command(nft)
+
+
+# ---------------------------------------------------------------- the adapter
+
+
+class Nftables:
+    """Reads and changes only table `inet envctl`."""
+
+    name = "nftables"
+
+    def __init__(self) -> None:
+        self._nft: _Library | _Command | None = None
+
+    @property
+    def transport(self) -> str:
+        return "libnftables" if isinstance(self._t(), _Library) else "nft -j -f -"
+
+    def _t(self) -> _Library | _Command:
+        if self._nft is None:
+            self._nft = _transport()
+        return self._nft
+
+    def _run(self, cmds: list[dict[str, Any]], action: str, op: str) -> str:
+        ok, out, err = self._t().run(document(cmds))
+        if not ok:
+            raise HostError(f"{action}: {op}: {err.strip() or 'nft failed'}")
+        return out
+
+    def _table_exists(self) -> bool:
+        out = self._run([{"list": {"tables": {"family": FAMILY}}}], "read nftables",
+                        "list tables")
+        return any(item.get("table", {}).get("name") == TABLE
+                   for item in json.loads(out or '{"nftables": []}')["nftables"])
+
+    def listing(self) -> list[tuple[str, int, str]] | None:
+        """(chain, handle, comment) of every rule in the table; None when there is no table."""
+        if not self._table_exists():
+            return None
+        out = self._run([{"list": {"table": {"family": FAMILY, "name": TABLE}}}],
+                        "read nftables table 'inet envctl'", "list table")
+        rules = []
+        for item in json.loads(out)["nftables"]:
+            r = item.get("rule")
+            if r:
+                rules.append((r["chain"], r["handle"], r.get("comment", "")))
+        return rules
+
+    @staticmethod
+    def comments(listing: list[tuple[str, int, str]], env: str) -> list[str]:
+        """The comments of `env`'s rules in `listing`, in table order."""
+        return [c for _, _, c in listing if env_of_comment(c) == env]
+
+    def replace(self, env: str, rules: list[Rule],
+                listing: list[tuple[str, int, str]] | None) -> None:
+        """In one transaction: ensure the table and chains, delete `env`'s rules (as found in
+        `listing`, just read under the global lock), add `rules`."""
+        cmds = table_commands()
+        for chain, handle, comment in listing or ():
+            if env_of_comment(comment) == env:
+                cmds.append(delete_rule_command(chain, handle))
+        cmds += [add_rule_command(r) for r in rules]
+        self._run(cmds, f"apply nftables rules '{env}'", "transaction")
+
+    def remove(self, env: str) -> None:
+        """Delete `env`'s rules, and the table when no other environment has rules in it;
+        success when they (or the table) are already gone."""
+        listing = self.listing()
+        if listing is None:
+            return
+        mine = [(c, h) for c, h, comment in listing if env_of_comment(comment) == env]
+        others = len(listing) - len(mine)
+        if others == 0:
+            cmds = [delete_table_command()]
+        elif mine:
+            cmds = [delete_rule_command(c, h) for c, h in mine]
+        else:
+            return
+        self._run(cmds, f"remove nftables rules '{env}'", "transaction")

@@ -1,0 +1,152 @@
+"""The environment's veth pair: host side on the bridge, peer inside the environment's netns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from envctl.errors import HostError
+from envctl.host.netlink import NamespaceGone
+from envctl.resources.base import Check, Resource, Status
+
+if TYPE_CHECKING:
+    from envctl.host.context import Host
+    from envctl.host.netlink import Link
+
+
+@dataclass(frozen=True)
+class Veth(Resource):
+    """Host side `name` (no address) attached to `bridge`, up, with bridge-port isolation set to
+    `isolated`; peer `interface` in netns `netns`, up. Deleting either end deletes both, which
+    also takes the peer's address and routes with it."""
+
+    kind = "veth"
+    name: str
+    bridge: str
+    netns: str
+    interface: str
+    isolated: bool
+
+    def ident(self) -> str:
+        return self.name
+
+    def describe(self) -> str:
+        iso = ", isolated" if self.isolated else ""
+        return f"veth {self.name} on {self.bridge} <-> {self.netns}:{self.interface}{iso}"
+
+    def _state(self, host: Host) -> tuple[Link | None, Link | None]:
+        nl = host.netlink
+        link = nl.link(self.name)
+        try:
+            peer = nl.link(self.interface, netns=self.netns)
+        except NamespaceGone:
+            peer = None
+        return link, peer
+
+    def check(self, host: Host) -> Check:
+        link, peer = self._state(host)
+        if link is None:
+            return Check.absent()
+        if link.kind != "veth":
+            return Check.wrong_kind(f"'{self.name}' exists but is a {link.kind or 'device'}, "
+                                    "not a veth")
+        master = host.netlink.link_by_index(link.master) if link.master else None
+        want = {"master": self.bridge, "state": "up", "isolated": self.isolated,
+                "peer": f"{self.netns}:{self.interface} up"}
+        have = {"master": master.name if master else "none",
+                "state": "up" if link.up else "down",
+                "isolated": bool(link.isolated),
+                "peer": "missing" if peer is None else
+                f"{self.netns}:{self.interface} {'up' if peer.up else 'down'}"}
+        return Check.compare(want, have)
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        nl = host.netlink
+        link, peer = self._state(host)
+        if link is not None and link.kind != "veth":
+            raise HostError(f"create veth '{self.name}': it exists but is a "
+                            f"{link.kind or 'device'}")
+        if link is not None and peer is None:
+            # Host side without its peer in the namespace (peer moved or renamed by hand, or the
+            # namespace was replaced): the pair is useless, make it again.
+            nl.delete_link(self.name)
+            link = None
+        if link is None:
+            nl.add_veth(self.name, peer=self.interface, peer_netns=self.netns)
+            link, peer = self._state(host)
+            if link is None or peer is None:
+                raise HostError(f"create veth '{self.name}': made, but "
+                                f"{'the peer' if link else 'it'} cannot be found")
+        bridge = nl.link(self.bridge)
+        if bridge is None:
+            raise HostError(f"attach veth '{self.name}': bridge '{self.bridge}' does not exist")
+        if link.master != bridge.index:
+            nl.set_link(self.name, master=bridge.index)
+        if bool(nl.link(self.name).isolated) != self.isolated:
+            nl.set_isolated(self.name, self.isolated)
+        if not link.up:
+            nl.set_link(self.name, up=True)
+        if not peer.up:
+            nl.set_link(self.interface, netns=self.netns, up=True)
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        host.netlink.delete_link(self.name)  # the peer goes with it; success when gone
+
+
+@dataclass(frozen=True)
+class IpConfig(Resource):
+    """Inside netns `netns`: loopback up, `address` (CIDR) on `interface`, default route via
+    `gateway`. These live on the veth peer and the namespace, so `remove` leaves them to the
+    Veth and NetNamespace steps that come after it in teardown (and always do)."""
+
+    kind = "ipconfig"
+    netns: str
+    interface: str
+    address: str
+    gateway: str
+
+    def ident(self) -> str:
+        return f"{self.netns}/{self.interface}"
+
+    def describe(self) -> str:
+        return f"address {self.address} on {self.netns}:{self.interface}, " \
+               f"default route via {self.gateway}"
+
+    def check(self, host: Host) -> Check:
+        nl = host.netlink
+        try:
+            link = nl.link(self.interface, netns=self.netns)
+            lo = nl.link("lo", netns=self.netns)
+        except NamespaceGone:
+            return Check.absent(f"namespace {self.netns} is missing")
+        if link is None:
+            return Check.absent(f"interface {self.interface} is missing")
+        addrs = nl.ipv4_addresses(self.interface, netns=self.netns)
+        gw = nl.default_gateway(netns=self.netns)
+        route = f"default via {self.gateway}"
+        have_addr = self.address if self.address in addrs else ", ".join(addrs) or "missing"
+        check = Check.compare(
+            {"address": self.address, "route": route, "lo": "up"},
+            {"address": have_addr, "route": f"default via {gw}" if gw else "missing",
+             "lo": "up" if lo and lo.up else "down"})
+        if check.status is Status.DRIFTED and len(check.diffs) == 3 and not addrs:
+            return Check(Status.ABSENT, check.diffs)
+        return check
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        nl = host.netlink
+        lo = nl.link("lo", netns=self.netns)
+        if lo is not None and not lo.up:
+            nl.set_link("lo", netns=self.netns, up=True)
+        addrs = nl.ipv4_addresses(self.interface, netns=self.netns)
+        if self.address not in addrs:
+            nl.add_address(self.interface, self.address, netns=self.netns)
+        for other in addrs:
+            if other != self.address:  # changed by hand: the spec's address replaces it
+                nl.del_address(self.interface, other, netns=self.netns)
+        if nl.default_gateway(netns=self.netns) != self.gateway:
+            nl.set_default_route(self.gateway, netns=self.netns)
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        return  # goes with the veth peer and the namespace (see the class docstring)
+
