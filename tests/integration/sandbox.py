@@ -151,3 +151,168 @@ class Sandbox:
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream:
                 stream.close()
+
+
+# ---------------------------------------------------------------- fake host trees (host tuning)
+
+# A stand-in for modprobe and rmmod over a fake tree (ENVCTL_KMOD_ROOT): proc/modules,
+# sys/module/NAME and lib/modules/RELEASE/modules.dep, logging each call to kmod.log.
+FAKE_KMOD = r'''
+import os, shutil, sys
+from pathlib import Path
+
+root = Path(__file__).resolve().parent
+tool, args = sys.argv[1], sys.argv[2:]
+with open(root / "kmod.log", "a") as log:
+    log.write(" ".join([tool, *args]) + "\n")
+proc = root / "proc" / "modules"
+tree = root / "lib" / "modules" / os.uname().release
+
+
+def table():
+    out = {}
+    for line in proc.read_text().splitlines():
+        p = line.split()
+        out[p[0]] = [int(p[2]), [h for h in p[3].split(",") if h and h != "-"]]
+    return out
+
+
+def save(t):
+    proc.write_text("".join(f"{n} 16384 {r} {','.join(h) + ',' if h else '-'} Live 0x0\n"
+                            for n, (r, h) in t.items()))
+
+
+def norm(p):
+    base = p.rsplit("/", 1)[-1]
+    return base[: base.index(".ko")].replace("-", "_")
+
+
+def deps_of(name):
+    for line in (tree / "modules.dep").read_text().splitlines():
+        path, _, deps = line.partition(":")
+        if norm(path) == name:
+            return [norm(d) for d in deps.split()]
+    sys.exit(print(f"modprobe: FATAL: Module {name} not found in directory {tree}",
+                   file=sys.stderr) or 1)
+
+
+def insert(t, name, holder=None, options=()):
+    if name not in t:
+        for dep in reversed(deps_of(name)):
+            insert(t, dep, holder=name)
+        t[name] = [0, []]
+        d = root / "sys" / "module" / name
+        (d / "parameters").mkdir(parents=True, exist_ok=True)
+        (d / "initstate").write_text("live\n")
+        for opt in options:
+            k, _, v = opt.partition("=")
+            (d / "parameters" / k).write_text(v + "\n")
+    if holder is not None and holder not in t[name][1]:
+        t[name][0] += 1
+        t[name][1].append(holder)
+
+
+t = table()
+name = args[0].replace("-", "_")
+if tool == "modprobe":
+    insert(t, name, options=args[1:])
+    save(t)
+elif tool == "rmmod":
+    if name not in t:
+        sys.exit(print(f"rmmod: ERROR: Module {name} is not currently loaded",
+                       file=sys.stderr) or 1)
+    if t[name][0] > 0:
+        sys.exit(print(f"rmmod: ERROR: Module {name} is in use", file=sys.stderr) or 1)
+    del t[name]
+    for other in t.values():
+        if name in other[1]:
+            other[1].remove(name)
+            other[0] -= 1
+    save(t)
+    shutil.rmtree(root / "sys" / "module" / name)
+'''
+
+
+class FakeKmod:
+    """A fake module tree and tools; `modules` maps each installable module to its
+    dependencies as modules.dep lists them (nearest first)."""
+
+    def __init__(self, root: Path, modules: dict[str, list[str]], *,
+                 loaded: dict[str, tuple[int, list[str]]] | None = None,
+                 builtin: tuple[str, ...] = ()):
+        self.root = root
+        tree = root / "lib" / "modules" / os.uname().release
+        tree.mkdir(parents=True, exist_ok=True)
+        (tree / "modules.dep").write_text("".join(
+            f"kernel/drivers/{m}.ko.xz:{''.join(f' kernel/drivers/{d}.ko.xz' for d in deps)}\n"
+            for m, deps in modules.items()))
+        (tree / "modules.builtin").write_text("".join(f"kernel/{b}.ko\n" for b in builtin))
+        (root / "proc").mkdir(exist_ok=True)
+        (root / "sys" / "module").mkdir(parents=True, exist_ok=True)
+        self.script = root / "fake-kmod.py"
+        self.script.write_text(FAKE_KMOD)
+        self.save({name: [r, list(h)] for name, (r, h) in (loaded or {}).items()})
+        for name in loaded or {}:
+            (root / "sys" / "module" / name).mkdir(exist_ok=True)
+            (root / "sys" / "module" / name / "initstate").write_text("live\n")
+
+    def env(self) -> dict[str, str]:
+        return {"ENVCTL_KMOD_ROOT": str(self.root),
+                "ENVCTL_MODPROBE": f"{sys.executable} {self.script} modprobe",
+                "ENVCTL_RMMOD": f"{sys.executable} {self.script} rmmod"}
+
+    def table(self) -> dict[str, list]:
+        out = {}
+        for line in (self.root / "proc" / "modules").read_text().splitlines():
+            p = line.split()
+            out[p[0]] = [int(p[2]), [h for h in p[3].split(",") if h and h != "-"]]
+        return out
+
+    def save(self, table: dict[str, list]) -> None:
+        (self.root / "proc" / "modules").write_text("".join(
+            f"{n} 16384 {r} {','.join(h) + ',' if h else '-'} Live 0x0\n"
+            for n, (r, h) in table.items()))
+
+    def loaded(self) -> list[str]:
+        return sorted(self.table())
+
+    def use(self, name: str, delta: int = 1) -> None:
+        """A process opens (or closes) the module: its refcount moves by `delta`."""
+        t = self.table()
+        t[name][0] += delta
+        self.save(t)
+
+    def log(self) -> list[str]:
+        p = self.root / "kmod.log"
+        return p.read_text().splitlines() if p.exists() else []
+
+
+class FakeCpufreq:
+    """A fake sysfs tree (ENVCTL_SYS_ROOT) with online CPUs and, per CPU that has cpufreq,
+    its governor and the governors it offers."""
+
+    DEFAULT = ("performance", "powersave", "ondemand", "schedutil")
+
+    def __init__(self, root: Path, governors: dict[int, str | None], *,
+                 available: dict[int, tuple[str, ...]] | None = None):
+        self.root = root
+        cpu_dir = root / "devices" / "system" / "cpu"
+        cpu_dir.mkdir(parents=True, exist_ok=True)
+        (cpu_dir / "online").write_text(",".join(str(c) for c in sorted(governors)) + "\n")
+        for cpu, gov in governors.items():
+            if gov is None:
+                (cpu_dir / f"cpu{cpu}").mkdir(exist_ok=True)  # no cpufreq on this one
+                continue
+            d = cpu_dir / f"cpu{cpu}" / "cpufreq"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "scaling_governor").write_text(gov + "\n")
+            offered = (available or {}).get(cpu, self.DEFAULT)
+            (d / "scaling_available_governors").write_text(" ".join(offered) + " \n")
+
+    def env(self) -> dict[str, str]:
+        return {"ENVCTL_SYS_ROOT": str(self.root)}
+
+    def governors(self) -> dict[int, str]:
+        cpu_dir = self.root / "devices" / "system" / "cpu"
+        return {int(p.parent.parent.name[3:]): p.read_text().strip()
+                for p in sorted(cpu_dir.glob("cpu*/cpufreq/scaling_governor"))}

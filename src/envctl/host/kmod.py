@@ -177,15 +177,14 @@ class KernelModules:
 
     def load(self, name: str, options: Sequence[str] = ()) -> None:
         """modprobe NAME [OPT=VAL …]: dependencies first, as kmod resolves them."""
-        self._run("load", name, [*self.modprobe, name, *options])
+        self._run("load", name, "modprobe", [*self.modprobe, name, *options])
 
     def unload(self, name: str) -> None:
         """rmmod NAME: this module only. `modprobe -r` would also drop unused dependencies,
         which may be modules the host had before envctl."""
-        self._run("unload", name, [*self.rmmod, canonical(name)])
+        self._run("unload", name, "rmmod", [*self.rmmod, canonical(name)])
 
-    def _run(self, action: str, name: str, argv: list[str]) -> None:
-        tool = Path(argv[0]).name
+    def _run(self, action: str, name: str, tool: str, argv: list[str]) -> None:
         try:
             res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         except FileNotFoundError as exc:
