@@ -21,6 +21,11 @@ class Host:
     sys: Path = Path("/sys")
     netns_dir: Path = Path("/run/netns")
     options: dict[str, str] = field(default_factory=dict)
+    # Kernel modules: a root holding proc/modules, sys/module and lib/modules (None: the real
+    # ones) and the argv (shlex-split) of the tools; tests point all of them at fakes.
+    kmod_root: Path | None = None
+    modprobe: str = "modprobe"
+    rmmod: str = "rmmod"
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | os._Environ[str] = os.environ) -> Host:
@@ -30,6 +35,10 @@ class Host:
             run_dir=Path(environ.get("ENVCTL_RUN_DIR", DEFAULT_RUN_DIR)),
             proc=Path(environ.get("ENVCTL_PROC_ROOT", "/proc")),
             sys=Path(environ.get("ENVCTL_SYS_ROOT", "/sys")),
+            kmod_root=Path(environ["ENVCTL_KMOD_ROOT"]) if environ.get("ENVCTL_KMOD_ROOT")
+            else None,
+            modprobe=environ.get("ENVCTL_MODPROBE", "modprobe"),
+            rmmod=environ.get("ENVCTL_RMMOD", "rmmod"),
         )
 
     def base(self, name: str) -> Path:
@@ -47,6 +56,18 @@ class Host:
         from envctl.host.netns import NetNamespaces
 
         return NetNamespaces(self.netns_dir)
+
+    @cached_property
+    def kmod(self):  # noqa: ANN201
+        from envctl.host.kmod import KernelModules
+
+        return KernelModules.for_host(self)
+
+    @cached_property
+    def cpufreq(self):  # noqa: ANN201
+        from envctl.host.cpufreq import CpuFreq
+
+        return CpuFreq(self.sys)
 
     @cached_property
     def netlink(self):  # noqa: ANN201

@@ -5,8 +5,22 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from envctl.spec.units import parse_cpu_list
+
+if TYPE_CHECKING:
+    from envctl.host.kmod import KernelModules
+
+
+@dataclass(frozen=True)
+class ModuleFact:
+    """One kernel module: `loaded`, `builtin`, `available` (modprobe can load it, after `deps`)
+    or `missing` (`reason` says why: no /lib/modules/<release>, no file, no module support)."""
+
+    state: str
+    deps: tuple[str, ...] = ()
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -19,6 +33,10 @@ class HostFacts:
     kernel: str = "6.1.0"
     # Sysctls that exist on this kernel, among those the specs ask about.
     sysctls: frozenset[str] = field(default_factory=frozenset)
+    # Kernel modules the specs ask about, by name with '_' (see ModuleFact).
+    modules: dict[str, ModuleFact] = field(default_factory=dict)
+    # CPUs that have cpufreq, each with its scaling_available_governors; empty: no cpufreq.
+    cpufreq: dict[int, tuple[str, ...]] = field(default_factory=dict)
     # The firewall backend `network.firewall: auto` means here (nftables or iptables).
     firewall: str = "nftables"
     # Extra facts contributed by resource families (cgroup layout, GPUs, firewall, …).
@@ -62,14 +80,36 @@ def sysctl_path(proc_root: Path, name: str) -> Path:
     return proc_root / "sys" / name.replace(".", "/")
 
 
+def read_module(kmod: KernelModules, name: str) -> ModuleFact:
+    from envctl.host.kmod import ABSENT
+
+    state = kmod.state(name)
+    if state != ABSENT:
+        return ModuleFact(state)
+    found = kmod.availability(name)
+    return ModuleFact("available" if found.ok else "missing", found.deps, found.reason)
+
+
+def read_cpufreq(sys_root: Path, cpus: tuple[int, ...]) -> dict[int, tuple[str, ...]]:
+    from envctl.host.cpufreq import read_available
+
+    found = {cpu: read_available(sys_root, cpu) for cpu in cpus}
+    return {cpu: avail for cpu, avail in found.items() if avail is not None}
+
+
 def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
-           sysctls: frozenset[str] = frozenset()) -> HostFacts:
-    """Read the facts once; cheap enough (a handful of small files) for every command."""
+           sysctls: frozenset[str] = frozenset(), modules: frozenset[str] = frozenset(),
+           kmod: KernelModules | None = None, cpufreq: bool = False) -> HostFacts:
+    """Read the facts once; cheap enough (a handful of small files) for every command.
+    Modules (through `kmod`) and cpufreq are read only when a spec asks about them."""
+    cpus = read_cpus(sys_root)
     return HostFacts(
-        cpus=read_cpus(sys_root),
+        cpus=cpus,
         memory_bytes=read_memory(proc_root),
         numa_nodes=read_numa_nodes(sys_root),
         kernel=os.uname().release,
         firewall=_firewall_backend(),
         sysctls=frozenset(n for n in sysctls if sysctl_path(proc_root, n).exists()),
+        modules={n.replace("-", "_"): read_module(kmod, n) for n in modules} if kmod else {},
+        cpufreq=read_cpufreq(sys_root, cpus) if cpufreq else {},
     )
