@@ -11,6 +11,7 @@ Killing the sleep process frees every kernel object made inside.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # Global (not per-netns) sysctls faked inside every sandbox: writes land in a file.
 FAKED_SYSCTLS = ("vm/zone_reclaim_mode", "kernel/numa_balancing")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 class Sandbox:
@@ -51,6 +53,8 @@ class Sandbox:
             raise RuntimeError(f"sandbox did not start: {self.proc.stderr.read()}")
         time.sleep(0.01)
         self.pid = self.proc.pid
+        # cgroupfs is global (no namespace hides it): every sandbox gets its own parent.
+        self.cgroup_parent = f"envctl-test-{os.getpid()}-{os.urandom(3).hex()}"
 
     # ------------------------------------------------------------------ running things
 
@@ -62,6 +66,7 @@ class Sandbox:
             "ENVCTL_CONFIG_DIR": str(self.config_dir),
             "PYTHONPATH": str(REPO / "src"),
             "COLUMNS": "200",
+            "ENVCTL_CGROUP_PARENT": self.cgroup_parent,
         })
         env.update(extra or {})
         return env
@@ -141,13 +146,40 @@ class Sandbox:
             "env_dirs": sorted(os.listdir(self.state / "envs"))
             if (self.state / "envs").is_dir() else [],
             "run_dirs": sorted(os.listdir(self.run_dir)) if self.run_dir.is_dir() else [],
+            "cgroups": self.cgroups(),
         }
         return {k: v for k, v in found.items() if v}
+
+    def cgroups(self) -> list[str]:
+        """This sandbox's cgroup parent (and anything below it) in every hierarchy."""
+        found = []
+        tops = list(CGROUP_ROOT.glob(f"*/{self.cgroup_parent}"))
+        if (CGROUP_ROOT / self.cgroup_parent).is_dir():  # a pure v2 host
+            tops.append(CGROUP_ROOT / self.cgroup_parent)
+        for d in tops:
+            found += [str(p) for p in sorted(d.rglob("*")) if p.is_dir()] + [str(d)]
+        return sorted(found)
+
+    def remove_cgroups(self) -> None:
+        """Kill what a failed test left in this sandbox's cgroups and remove them."""
+        for path in sorted(self.cgroups(), key=len, reverse=True):
+            d = Path(path)
+            for _ in range(100):
+                pids = (d / "cgroup.procs").read_text().split() if d.is_dir() else []
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+                time.sleep(0.05)
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
+        self.remove_cgroups()
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream:
                 stream.close()

@@ -70,6 +70,13 @@ class Host:
         return CpuFreq(self.sys)
 
     @cached_property
+    def cgroups(self):  # noqa: ANN201
+        # ENVCTL_CGROUP_ROOT / ENVCTL_CGROUP_PARENT let tests use their own parent cgroup.
+        from envctl.host.cgroups import Cgroups
+
+        return Cgroups.from_env(proc_root=self.proc)
+
+    @cached_property
     def netlink(self):  # noqa: ANN201
         from envctl.host.netlink import Netlink
 

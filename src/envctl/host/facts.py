@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from envctl.host.cgroups import CgroupFacts, read_cgroup_facts
 from envctl.spec.units import parse_cpu_list
 
 if TYPE_CHECKING:
@@ -33,6 +34,8 @@ class HostFacts:
     kernel: str = "6.1.0"
     # Sysctls that exist on this kernel, among those the specs ask about.
     sysctls: frozenset[str] = field(default_factory=frozenset)
+    # Cgroup layout, controllers, swap/IO-weight support and whether PID 1 is systemd.
+    cgroup: CgroupFacts = field(default_factory=CgroupFacts)
     # Kernel modules the specs ask about, by name with '_' (see ModuleFact).
     modules: dict[str, ModuleFact] = field(default_factory=dict)
     # CPUs that have cpufreq, each with its scaling_available_governors; empty: no cpufreq.
@@ -112,4 +115,5 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
         sysctls=frozenset(n for n in sysctls if sysctl_path(proc_root, n).exists()),
         modules={n.replace("-", "_"): read_module(kmod, n) for n in modules} if kmod else {},
         cpufreq=read_cpufreq(sys_root, cpus) if cpufreq else {},
+        cgroup=read_cgroup_facts(proc_root=proc_root, sys_root=sys_root),
     )

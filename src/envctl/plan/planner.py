@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from envctl.plan import base, host, network
+from envctl.plan import base, cgroup, host, network
 from envctl.plan.builder import Plan
 
 if TYPE_CHECKING:
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 # Order matters: teardown is this list reversed. Directories first (state lives there), host
 # tuning before the objects that rely on it (modules before devices, ip_forward before NAT),
 # the namespace before anything placed in it.
-SECTIONS = (base.plan_dirs, host.plan_host, network.plan_network)
+SECTIONS = (base.plan_dirs, host.plan_host, network.plan_network, cgroup.plan_cgroup)
 
 
 def plan_env(spec: EnvSpec, facts: HostFacts) -> Plan:

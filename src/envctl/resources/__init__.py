@@ -3,4 +3,4 @@
 import envctl.resources.bridge  # noqa: F401
 import envctl.resources.firewall  # noqa: F401
 import envctl.resources.veth  # noqa: F401
-from envctl.resources import dirs, governor, kmod, netns, sysctl  # noqa: F401
+from envctl.resources import cgroup, dirs, governor, kmod, netns, sysctl  # noqa: F401

@@ -1,0 +1,221 @@
+"""cgroup v2 device allow-lists: a BPF_PROG_TYPE_CGROUP_DEVICE program assembled here from raw
+eBPF instructions, loaded with bpf(2) through ctypes and attached to a cgroup (no compiler)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import hashlib
+import os
+import platform
+import struct
+from pathlib import Path
+
+from envctl.errors import HostError
+
+SYS_BPF = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351}.get(platform.machine(),
+                                                                         321)
+# bpf(2) commands
+BPF_PROG_LOAD, BPF_PROG_ATTACH, BPF_PROG_DETACH = 5, 8, 9
+BPF_PROG_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD, BPF_PROG_QUERY = 13, 15, 16
+BPF_PROG_TYPE_CGROUP_DEVICE = 15
+BPF_CGROUP_DEVICE = 6  # attach type
+# struct bpf_cgroup_dev_ctx { u32 access_type /* access << 16 | type */; u32 major; u32 minor; }
+DEV_BLOCK, DEV_CHAR = 1, 2
+ACC_MKNOD, ACC_READ, ACC_WRITE = 1, 2, 4
+ATTR_SIZE = 128  # zero-filled union bpf_attr; the kernel accepts trailing zeros
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+# ---------------------------------------------------------------- assembling the program
+
+
+def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
+
+
+LDX_W = 0x61       # dst = *(u32 *)(src + off)
+AND32_K = 0x54     # dst &= imm (32-bit)
+RSH32_K = 0x74     # dst >>= imm (32-bit)
+MOV64_X = 0xBF     # dst = src
+MOV64_K = 0xB7     # dst = imm
+JNE_K = 0x55       # if dst != imm: pc += off
+EXIT = 0x95
+
+
+def parse_rule(rule: str) -> tuple[str, int, int, int]:
+    """("c"|"b"|"a", major or -1, minor or -1, access bits) from "c 195:* rwm" or "a"."""
+    parts = rule.split()
+    if parts[0] == "a":
+        return ("a", -1, -1, ACC_MKNOD | ACC_READ | ACC_WRITE)
+    if len(parts) != 3 or parts[0] not in ("c", "b"):
+        raise ValueError(f"bad device rule '{rule}'")
+    major_s, _, minor_s = parts[1].partition(":")
+    major = -1 if major_s == "*" else int(major_s)
+    minor = -1 if minor_s == "*" else int(minor_s)
+    access = sum({"m": ACC_MKNOD, "r": ACC_READ, "w": ACC_WRITE}[c] for c in parts[2])
+    return (parts[0], major, minor, access)
+
+
+def assemble(rules: tuple[str, ...]) -> bytes:
+    """The program: load type, access, major, minor; one block per rule that returns 1 (allow)
+    when everything matches, else falls through to the next; 0 (deny) at the end."""
+    prog = [
+        _insn(LDX_W, 2, 1, 0),       # r2 = access_type
+        _insn(AND32_K, 2, 0, 0, 0xFFFF),  # r2 = type
+        _insn(LDX_W, 3, 1, 0),       # r3 = access_type
+        _insn(RSH32_K, 3, 0, 0, 16),  # r3 = access
+        _insn(LDX_W, 4, 1, 4),       # r4 = major
+        _insn(LDX_W, 5, 1, 8),       # r5 = minor
+    ]
+    for rule in rules:
+        kind, major, minor, access = parse_rule(rule)
+        block: list[tuple[int, int, int, int]] = []  # (code, dst, src, imm); jumps to "next"
+        if kind != "a":
+            block.append((JNE_K, 2, 0, DEV_CHAR if kind == "c" else DEV_BLOCK))
+        if access != ACC_MKNOD | ACC_READ | ACC_WRITE:
+            # Any requested access bit outside the rule's bits: not this rule.
+            block.append((MOV64_X, 1, 3, 0))
+            block.append((AND32_K, 1, 0, ~access))
+            block.append((JNE_K, 1, 0, 0))
+        if major >= 0:
+            block.append((JNE_K, 4, 0, major))
+        if minor >= 0:
+            block.append((JNE_K, 5, 0, minor))
+        n = len(block) + 2  # the block plus "r0 = 1; exit"
+        for i, (code, dst, src, imm) in enumerate(block):
+            off = n - i - 1 if code == JNE_K else 0
+            prog.append(_insn(code, dst, src, off, imm))
+        prog += [_insn(MOV64_K, 0, 0, 0, 1), _insn(EXIT)]
+    prog += [_insn(MOV64_K, 0, 0, 0, 0), _insn(EXIT)]
+    return b"".join(prog)
+
+
+def program_name(rules: tuple[str, ...]) -> str:
+    """A name that identifies the rule set (BPF names hold 15 characters)."""
+    digest = hashlib.sha256("\n".join(rules).encode()).hexdigest()[:8]
+    return f"envdev_{digest}"
+
+
+# ---------------------------------------------------------------- the syscall
+
+
+def _bpf(cmd: int, attr: ctypes.Array) -> int:
+    ret = _libc.syscall(SYS_BPF, cmd, ctypes.byref(attr), ATTR_SIZE)
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ret
+
+
+def _attr(*fields: tuple[int, str, int]) -> ctypes.Array:
+    buf = ctypes.create_string_buffer(ATTR_SIZE)
+    for offset, fmt, value in fields:
+        struct.pack_into("<" + fmt, buf, offset, value)
+    return buf
+
+
+def load(rules: tuple[str, ...]) -> int:
+    """Load the program for `rules`; returns its fd. The verifier log is in the error."""
+    insns = assemble(rules)
+    code = ctypes.create_string_buffer(insns, len(insns))
+    license_ = ctypes.create_string_buffer(b"GPL")
+    log = ctypes.create_string_buffer(65536)
+    name = program_name(rules).encode()
+    attr = _attr((0, "I", BPF_PROG_TYPE_CGROUP_DEVICE), (4, "I", len(insns) // 8),
+                 (8, "Q", ctypes.addressof(code)), (16, "Q", ctypes.addressof(license_)),
+                 (24, "I", 1), (28, "I", len(log)), (32, "Q", ctypes.addressof(log)),
+                 (68, "I", BPF_CGROUP_DEVICE))
+    attr[48:48 + len(name)] = name
+    try:
+        return _bpf(BPF_PROG_LOAD, attr)
+    except OSError as exc:
+        text = log.value.decode(errors="replace").strip()
+        raise OSError(exc.errno, f"{exc.strerror}{': ' + text if text else ''}") from None
+
+
+def _open_dir(path: Path, action: str, name: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise HostError(f"{action} cgroup '{name}': open {path}: {exc.strerror}") from exc
+
+
+def attach_device_program(cgroup: Path, rules: tuple[str, ...], *, name: str) -> None:
+    """Load and attach the program; an earlier envctl program there is replaced atomically
+    (attach without BPF_F_ALLOW_MULTI replaces the cgroup's one program)."""
+    cg = _open_dir(cgroup, "set device rules of", name)
+    try:
+        try:
+            prog = load(rules)
+        except OSError as exc:
+            raise HostError(f"set device rules of cgroup '{name}': load bpf program: "
+                            f"{exc.strerror}") from exc
+        try:
+            _bpf(BPF_PROG_ATTACH, _attr((0, "I", cg), (4, "I", prog),
+                                        (8, "I", BPF_CGROUP_DEVICE), (12, "I", 0)))
+        except OSError as exc:
+            raise HostError(f"set device rules of cgroup '{name}': attach bpf program: "
+                            f"{exc.strerror}") from exc
+        finally:
+            os.close(prog)  # the cgroup holds its own reference
+    finally:
+        os.close(cg)
+
+
+def detach_device_programs(cgroup: Path, *, name: str) -> None:
+    """Detach the cgroup's device program; a cgroup or program already gone is success."""
+    try:
+        cg = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return  # the cgroup is gone, and its program with it
+    except OSError as exc:
+        raise HostError(f"remove device rules of cgroup '{name}': open {cgroup}: "
+                        f"{exc.strerror}") from exc
+    try:
+        _bpf(BPF_PROG_DETACH, _attr((0, "I", cg), (4, "I", 0), (8, "I", BPF_CGROUP_DEVICE)))
+    except OSError as exc:
+        # ENOENT: nothing attached. Anything else is a real refusal.
+        if exc.errno != errno.ENOENT:
+            raise HostError(f"remove device rules of cgroup '{name}': detach: "
+                            f"{exc.strerror}") from exc
+    finally:
+        os.close(cg)
+
+
+def attached_device_programs(cgroup: Path) -> list[str]:
+    """Names of the device programs attached directly to `cgroup` (empty when none)."""
+    try:
+        cg = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return []
+    try:
+        ids = (ctypes.c_uint32 * 16)()
+        attr = _attr((0, "I", cg), (4, "I", BPF_CGROUP_DEVICE), (16, "Q", ctypes.addressof(ids)),
+                     (24, "I", 16))
+        try:
+            _bpf(BPF_PROG_QUERY, attr)
+        except OSError as exc:
+            raise HostError(f"check device rules of cgroup '{cgroup.name}': query: "
+                            f"{exc.strerror}") from exc
+        count = struct.unpack_from("<I", attr, 24)[0]
+        return [_prog_name(ids[i]) for i in range(min(count, 16))]
+    finally:
+        os.close(cg)
+
+
+def _prog_name(prog_id: int) -> str:
+    try:
+        fd = _bpf(BPF_PROG_GET_FD_BY_ID, _attr((0, "I", prog_id)))
+    except OSError:
+        return f"id{prog_id}"  # detached meanwhile
+    try:
+        info = ctypes.create_string_buffer(256)
+        _bpf(BPF_OBJ_GET_INFO_BY_FD, _attr((0, "I", fd), (4, "I", len(info)),
+                                           (8, "Q", ctypes.addressof(info))))
+        return info.raw[64:80].split(b"\0")[0].decode(errors="replace")
+    finally:
+        os.close(fd)

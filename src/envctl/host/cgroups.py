@@ -1,0 +1,483 @@
+"""Cgroups through cgroupfs: layout detection, envctl's directories in each hierarchy, limits,
+attaching processes, usage stats and teardown, on v1, hybrid and v2 hosts."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from envctl.errors import HostError
+from envctl.spec.units import format_cpu_list, parse_cpu_list
+
+DEFAULT_ROOT = Path("/sys/fs/cgroup")
+DEFAULT_PARENT = "envctl"
+# v1 hierarchies an environment's cgroup lives in (those mounted; freezer helps nothing yet).
+V1_CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "blkio", "pids", "devices")
+V2_CONTROLLERS = ("cpu", "cpuset", "memory", "io", "pids")
+# Values above this read back from a limit file mean "no limit" (v1 prints PAGE_COUNTER_MAX).
+_UNLIMITED_FLOOR = 2**62
+PAGE = 4096
+
+
+# ---------------------------------------------------------------- layout (read-only)
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    """Where the hierarchies are mounted: v1 controller -> mount point, and the cgroup2 mount."""
+
+    v1: dict[str, str] = field(default_factory=dict)
+    unified: str | None = None
+    v2_controllers: frozenset[str] = frozenset()
+
+    @property
+    def layout(self) -> str:
+        """'v1' (no cgroup2), 'hybrid' (both), 'v2' (cgroup2 only) or 'none'."""
+        if self.v1:
+            return "hybrid" if self.unified else "v1"
+        return "v2" if self.unified else "none"
+
+    @property
+    def version(self) -> int:
+        """The version resource controllers are driven through: 1 when any of them is on v1."""
+        if any(c in self.v1 for c in ("cpu", "memory", "pids", "cpuset")):
+            return 1
+        return 2 if self.unified else 0
+
+    def controllers(self) -> tuple[str, ...]:
+        """Resource controllers usable by the driver, in the version it uses."""
+        if self.version == 1:
+            return tuple(c for c in V1_CONTROLLERS if c in self.v1)
+        return tuple(c for c in V2_CONTROLLERS if c in self.v2_controllers)
+
+
+def parse_mountinfo(text: str) -> list[tuple[str, str, str, str]]:
+    """(fstype, mount point, root, super options) of every cgroup/cgroup2 mount."""
+    out = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3 or tail[0] not in ("cgroup", "cgroup2"):
+            continue
+        mnt = fields[4].replace("\\040", " ")
+        out.append((tail[0], mnt, fields[3], tail[2]))
+    return out
+
+
+def detect_layout(*, proc_root: Path = Path("/proc"), root: Path = DEFAULT_ROOT) -> CgroupLayout:
+    """The cgroup mounts at or below `root`, from mountinfo; the first mount of each wins."""
+    try:
+        text = (proc_root / "self/mountinfo").read_text()
+    except OSError:
+        text = ""
+    base = str(root).rstrip("/") or "/"
+    v1: dict[str, str] = {}
+    unified = None
+    for fstype, mnt, mroot, opts in parse_mountinfo(text):
+        if not (mnt == base or mnt.startswith(base.rstrip("/") + "/")) or mroot != "/":
+            continue  # another tree, or a bind of a sub-cgroup (inside a container)
+        if fstype == "cgroup2":
+            unified = unified or mnt
+            continue
+        for opt in opts.split(","):
+            if opt in V1_CONTROLLERS or opt in ("freezer", "hugetlb", "net_cls", "perf_event"):
+                v1.setdefault(opt, mnt)
+    ctrls: frozenset[str] = frozenset()
+    if unified:
+        try:
+            ctrls = frozenset((Path(unified) / "cgroup.controllers").read_text().split())
+        except OSError:
+            ctrls = frozenset()
+    return CgroupLayout(v1, unified, ctrls)
+
+
+@dataclass(frozen=True)
+class CgroupFacts:
+    """What the planner knows about cgroups; the default is a modern v2 host without systemd."""
+
+    layout: str = "v2"
+    version: int = 2
+    controllers: tuple[str, ...] = V2_CONTROLLERS
+    # v1: memory.memsw.* exists (swapaccount); v2: memory.swap.max exists.
+    swap: bool = True
+    # The IO weight file in an environment's cgroup and its range; "" when there is none.
+    io_weight: str = "io.weight"
+    # Block devices using the bfq scheduler (a bfq weight acts only on those).
+    bfq_devices: tuple[str, ...] = ()
+    systemd: bool = False
+    cpus: str = ""  # the root cpuset (v1 parents are initialised to it)
+    mems: str = ""
+
+
+def read_cgroup_facts(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
+                      root: Path | None = None) -> CgroupFacts:
+    root = root or Path(os.environ.get("ENVCTL_CGROUP_ROOT", DEFAULT_ROOT))
+    lay = detect_layout(proc_root=proc_root, root=root)
+    schedulers = _schedulers(sys_root)
+    bfq = tuple(sorted(d for d, s in schedulers.items() if "[bfq]" in s))
+    bfq_known = any("bfq" in s for s in schedulers.values())
+    swap, io_weight, cpus, mems = False, "", "", ""
+    if lay.version == 1:
+        mem = Path(lay.v1.get("memory", "/nonexistent"))
+        swap = (mem / "memory.memsw.limit_in_bytes").exists()
+        blk = Path(lay.v1.get("blkio", "/nonexistent"))
+        if (blk / "blkio.weight").exists():
+            io_weight = "blkio.weight"
+        elif (blk / "blkio.bfq.io_service_bytes").exists():
+            io_weight = "blkio.bfq.weight"
+        cs = Path(lay.v1.get("cpuset", "/nonexistent"))
+        cpus = _read_text(cs / "cpuset.cpus")
+        mems = _read_text(cs / "cpuset.mems")
+    elif lay.version == 2:
+        u = Path(lay.unified or "/nonexistent")
+        # memory.swap.max is not on the root; CONFIG_SWAP shows as memory.swap.* stats in
+        # any child, and as /proc/swaps here.
+        swap = (proc_root / "swaps").exists()
+        if (u / "io.cost.qos").exists():
+            io_weight = "io.weight"
+        elif bfq_known:
+            io_weight = "io.bfq.weight"
+    return CgroupFacts(layout=lay.layout, version=lay.version, controllers=lay.controllers(),
+                       swap=swap, io_weight=io_weight, bfq_devices=bfq,
+                       systemd=_read_text(proc_root / "1/comm") == "systemd", cpus=cpus,
+                       mems=mems)
+
+
+def _schedulers(sys_root: Path) -> dict[str, str]:
+    out = {}
+    block = sys_root / "block"
+    try:
+        names = sorted(os.listdir(block))
+    except OSError:
+        return out
+    for name in names:
+        text = _read_text(block / name / "queue/scheduler")
+        if text:
+            out[name] = text
+    return out
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------- values
+
+
+def normalize(file: str, text: str) -> str:
+    """Compare cgroup values the way the kernel means them (lists, page rounding, 'max')."""
+    text = text.strip()
+    if file.endswith(("cpuset.cpus", "cpuset.mems")):
+        return format_cpu_list(parse_cpu_list(text)) if text else ""
+    if text.startswith("default "):  # io.weight / io.bfq.weight: the default line
+        text = text.split("\n")[0].split()[1]
+    if text in ("-1", "max"):
+        return "max"
+    if text.lstrip("-").isdigit():
+        n = int(text)
+        if n >= _UNLIMITED_FLOOR:
+            return "max"
+        if file.startswith("memory.") and "limit" in file or file in (
+                "memory.max", "memory.high", "memory.low", "memory.swap.max"):
+            return str(n // PAGE * PAGE)
+        return str(n)
+    return " ".join(text.split())
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Usage of one environment's cgroup; None where this host does not count it."""
+
+    version: int
+    cpu_usage_us: int | None = None
+    nr_periods: int | None = None
+    nr_throttled: int | None = None
+    throttled_us: int | None = None
+    memory_current: int | None = None
+    memory_peak: int | None = None
+    oom_kills: int | None = None
+    pids_current: int | None = None
+
+    def to_json(self) -> dict[str, int | None]:
+        return dict(vars(self))
+
+
+def _kv(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+# ---------------------------------------------------------------- the adapter
+
+
+class Cgroups:
+    """envctl's cgroups: `<root>/<parent>/<env>` in each hierarchy the driver uses."""
+
+    def __init__(self, layout: CgroupLayout, parent: str = DEFAULT_PARENT, *,
+                 kill_grace: float = 5.0):
+        self.lay = layout
+        self.parent = parent
+        self.kill_grace = kill_grace
+
+    @classmethod
+    def from_env(cls, *, proc_root: Path = Path("/proc")) -> Cgroups:
+        root = Path(os.environ.get("ENVCTL_CGROUP_ROOT", DEFAULT_ROOT))
+        return cls(detect_layout(proc_root=proc_root, root=root),
+                   os.environ.get("ENVCTL_CGROUP_PARENT", DEFAULT_PARENT))
+
+    @property
+    def version(self) -> int:
+        return self.lay.version
+
+    # -- paths
+    def _mounts(self, controllers: tuple[str, ...] | None = None) -> dict[str, Path]:
+        """controller -> mount point for the hierarchies used (v2: one, keyed by '')."""
+        if self.version == 2:
+            return {"": Path(self.lay.unified or "")}
+        wanted = controllers if controllers is not None else self.lay.controllers()
+        return {c: Path(self.lay.v1[c]) for c in wanted if c in self.lay.v1}
+
+    def dirs(self, env: str | None = None, controllers: tuple[str, ...] | None = None
+             ) -> list[Path]:
+        """The directories of the parent (env None) or an environment, one per hierarchy."""
+        seen: list[Path] = []
+        for mnt in self._mounts(controllers).values():
+            p = mnt / self.parent if env is None else mnt / self.parent / env
+            if p not in seen:
+                seen.append(p)
+        return seen
+
+    def path(self, env: str, controller: str, file: str = "") -> Path:
+        mnt = self._mounts()[""] if self.version == 2 else Path(self.lay.v1[controller])
+        p = mnt / self.parent / env
+        return p / file if file else p
+
+    def present(self, env: str | None, controllers: tuple[str, ...] | None = None) -> list[bool]:
+        return [d.is_dir() for d in self.dirs(env, controllers)]
+
+    # -- reading and writing files
+    def read(self, env: str, controller: str, file: str) -> str | None:
+        """A file's content, or None when this cgroup or file does not exist."""
+        try:
+            return self.path(env, controller, file).read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise HostError(f"read cgroup '{env}': {file}: {exc.strerror}") from exc
+
+    def write(self, env: str, controller: str, file: str, value: str) -> None:
+        p = self.path(env, controller, file)
+        try:
+            _write(p, value)
+        except OSError as exc:
+            raise HostError(f"set cgroup '{env}': write {value!r} to {p}: "
+                            f"{exc.strerror}") from exc
+
+    # -- the parent
+    def ensure_parent(self) -> None:
+        """Make the parent in every hierarchy; v1 cpusets get the root's CPUs and nodes (an
+        empty cpuset takes no task), v2 parents delegate the controllers to their children."""
+        for d in self.dirs():
+            try:
+                d.mkdir(exist_ok=True)
+            except OSError as exc:
+                raise HostError(f"create cgroup '{self.parent}': mkdir {d}: "
+                                f"{exc.strerror}") from exc
+        if self.version == 1 and "cpuset" in self.lay.v1:
+            mnt = Path(self.lay.v1["cpuset"])
+            for f in ("cpuset.cpus", "cpuset.mems"):
+                if not (mnt / self.parent / f).read_text().strip():
+                    self._parent_write(mnt / self.parent / f, (mnt / f).read_text().strip())
+        if self.version == 2:
+            want = [c for c in V2_CONTROLLERS if c in self.lay.v2_controllers]
+            root = Path(self.lay.unified or "")
+            for d in (root, root / self.parent):
+                have = set((d / "cgroup.subtree_control").read_text().split())
+                missing = [c for c in want if c not in have]
+                if missing:
+                    self._parent_write(d / "cgroup.subtree_control",
+                                       " ".join(f"+{c}" for c in missing))
+
+    def _parent_write(self, p: Path, value: str) -> None:
+        try:
+            _write(p, value)
+        except OSError as exc:
+            raise HostError(f"create cgroup '{self.parent}': write {value!r} to {p}: "
+                            f"{exc.strerror}") from exc
+
+    def remove_parent(self) -> None:
+        """Remove the parent where it is empty; gone already is success."""
+        for d in self.dirs():
+            try:
+                _rmdir(d)
+            except FileNotFoundError:
+                pass  # already gone
+            except OSError as exc:
+                raise HostError(f"remove cgroup '{self.parent}': rmdir {d}: "
+                                f"{exc.strerror}") from exc
+
+    # -- an environment
+    def create(self, env: str, controllers: tuple[str, ...]) -> None:
+        for d in self.dirs(env, controllers):
+            try:
+                d.mkdir(exist_ok=True)
+            except OSError as exc:
+                raise HostError(f"create cgroup '{env}': mkdir {d}: {exc.strerror}") from exc
+
+    def procs(self, env: str, controllers: tuple[str, ...] | None = None) -> set[int]:
+        """Every process in the environment's cgroup, in any of its hierarchies."""
+        pids: set[int] = set()
+        for d in self.dirs(env, controllers):
+            try:
+                text = (d / "cgroup.procs").read_text()
+            except FileNotFoundError:
+                continue
+            pids.update(int(x) for x in text.split())
+        return pids
+
+    def attach(self, env: str, pid: int, controllers: tuple[str, ...] | None = None) -> None:
+        """Move `pid` (all its threads) into the environment's cgroup in every hierarchy."""
+        for d in self.dirs(env, controllers):
+            try:
+                _write(d / "cgroup.procs", str(pid))
+            except OSError as exc:
+                raise HostError(f"attach to cgroup '{env}': process {pid} into {d}: "
+                                f"{exc.strerror}") from exc
+
+    def kill(self, env: str, controllers: tuple[str, ...] | None = None, *,
+             grace: float | None = None) -> None:
+        """Stop every process inside: SIGTERM, a grace period, then SIGKILL until empty.
+
+        v2 with cgroup.kill kills atomically (forks cannot escape); v1 loops, re-reading the
+        task list, because a process may fork while we signal."""
+        grace = self.kill_grace if grace is None else grace
+        if not self.procs(env, controllers):
+            return
+        self._signal(env, controllers, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self.procs(env, controllers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kill_file = self.dirs(env, controllers)[0] / "cgroup.kill"
+        deadline = time.monotonic() + 10.0
+        while self.procs(env, controllers):
+            if self.version == 2 and kill_file.exists():
+                try:
+                    _write(kill_file, "1")
+                except FileNotFoundError:
+                    return  # the cgroup went away meanwhile
+            else:
+                self._signal(env, controllers, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                left = sorted(self.procs(env, controllers))
+                raise HostError(f"remove cgroup '{env}': kill processes: {left} still running "
+                                "after SIGKILL")
+            time.sleep(0.02)
+
+    def _signal(self, env: str, controllers: tuple[str, ...] | None, sig: int) -> None:
+        for pid in self.procs(env, controllers):
+            # ESRCH: exited between reading the list and the signal.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def remove(self, env: str, controllers: tuple[str, ...] | None = None) -> None:
+        """Kill what is left inside and remove the directories; already gone is success."""
+        self.kill(env, controllers)
+        for d in self.dirs(env, controllers):
+            try:
+                _rmdir(d)
+            except FileNotFoundError:
+                pass  # ENOENT: already gone
+            except OSError as exc:
+                raise HostError(f"remove cgroup '{env}': rmdir {d}: {exc.strerror}") from exc
+
+    # -- v1 device rules
+    def devices_v1(self, env: str) -> set[str] | None:
+        text = self.read(env, "devices", "devices.list")
+        if text is None:
+            return None
+        return {" ".join(line.split()) for line in text.splitlines() if line.strip()}
+
+    def set_devices_v1(self, env: str, rules: tuple[str, ...]) -> None:
+        # Deny all first, then allow: at no point does the cgroup allow more than both lists.
+        self.write(env, "devices", "devices.deny", "a")
+        for rule in rules:
+            self.write(env, "devices", "devices.allow", rule)
+
+    # -- stats
+    def stats(self, env: str) -> Stats:
+        """CPU usage, throttling, memory current/peak, OOM kills and pids of one environment."""
+        rd = self.read
+        if self.version == 2:
+            cpu = _kv(rd(env, "cpu", "cpu.stat") or "")
+            ev = _kv(rd(env, "memory", "memory.events") or "")
+            return Stats(2, cpu_usage_us=cpu.get("usage_usec"), nr_periods=cpu.get("nr_periods"),
+                         nr_throttled=cpu.get("nr_throttled"),
+                         throttled_us=cpu.get("throttled_usec"),
+                         memory_current=_int(rd(env, "memory", "memory.current")),
+                         memory_peak=_int(rd(env, "memory", "memory.peak")),
+                         oom_kills=ev.get("oom_kill"),
+                         pids_current=_int(rd(env, "pids", "pids.current")))
+        has = self.lay.v1
+        cpu = _kv(rd(env, "cpu", "cpu.stat") or "") if "cpu" in has else {}
+        usage = _int(rd(env, "cpuacct", "cpuacct.usage")) if "cpuacct" in has else None
+        oom = _kv(rd(env, "memory", "memory.oom_control") or "") if "memory" in has else {}
+        throttled = cpu.get("throttled_time")
+        return Stats(1, cpu_usage_us=None if usage is None else usage // 1000,
+                     nr_periods=cpu.get("nr_periods"), nr_throttled=cpu.get("nr_throttled"),
+                     throttled_us=None if throttled is None else throttled // 1000,
+                     memory_current=_int(rd(env, "memory", "memory.usage_in_bytes"))
+                     if "memory" in has else None,
+                     memory_peak=_int(rd(env, "memory", "memory.max_usage_in_bytes"))
+                     if "memory" in has else None,
+                     oom_kills=oom.get("oom_kill"),
+                     pids_current=_int(rd(env, "pids", "pids.current")) if "pids" in has else None)
+
+
+def _int(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text.split()[0])
+    except (ValueError, IndexError):
+        return None
+
+
+def _write(path: Path, value: str) -> None:
+    # One write() per value: cgroupfs parses each write as one command.
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _rmdir(path: Path) -> None:
+    # EBUSY right after the last process exited: the kernel still tears the task down.
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def stats(env: str) -> Stats:
+    """Usage of environment `env` on this host (for `envctl monitor` and the job system)."""
+    return Cgroups.from_env().stats(env)

@@ -1,0 +1,196 @@
+"""Cgroups made through cgroupfs: envctl's parent, each environment's cgroup with its limits,
+and its device allow-list (v1 devices.deny/allow, v2 a BPF_PROG_TYPE_CGROUP_DEVICE program)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from envctl.errors import HostError
+from envctl.host.cgroups import normalize
+from envctl.resources.base import Check, Diff, Resource, Status
+
+if TYPE_CHECKING:
+    from envctl.host.context import Host
+
+Setting = tuple[str, str, str]  # (controller, file, value), written in this order
+
+
+def _version_mismatch(host: Host, version: int) -> Check | None:
+    have = host.cgroups.version
+    if have != version:
+        return Check.wrong_kind(f"planned for cgroup v{version}, the host now drives v{have}")
+    return None
+
+
+@dataclass(frozen=True)
+class CgroupParent(Resource):
+    """The `envctl` parent cgroup in every hierarchy; shared by all environments.
+
+    v1: its cpuset gets the root's CPUs and memory nodes (children of an empty cpuset can
+    hold no task). v2: the root and the parent delegate the resource controllers."""
+
+    kind = "cgroup-parent"
+    shared = True
+    version: int
+    controllers: tuple[str, ...]
+
+    def ident(self) -> str:
+        return "parent"
+
+    def describe(self) -> str:
+        return f"cgroup parent (cgroupfs, v{self.version}: {', '.join(self.controllers)})"
+
+    def check(self, host: Host) -> Check:
+        if (bad := _version_mismatch(host, self.version)) is not None:
+            return bad
+        present = host.cgroups.present(None)
+        if not any(present):
+            return Check.absent()
+        if not all(present):
+            return Check(Status.DRIFTED, detail="missing in some hierarchies")
+        return Check.present()
+
+    def snapshot(self, host: Host) -> dict[str, Any]:
+        # A parent that existed before envctl (made by hand) is used, never removed.
+        present = host.cgroups.present(None)
+        return {"existed": bool(present) and all(present)}
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        host.cgroups.ensure_parent()
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        if memo.get("existed"):
+            return
+        host.cgroups.remove_parent()
+
+
+@dataclass(frozen=True)
+class Cgroup(Resource):
+    """One environment's cgroup in each hierarchy of `controllers`, with `settings` written.
+
+    Removal stops the processes left inside (SIGTERM, grace, SIGKILL / cgroup.kill) before
+    the directories go; a cgroup already gone counts as removed."""
+
+    kind = "cgroup"
+    env: str
+    version: int
+    controllers: tuple[str, ...]
+    settings: tuple[Setting, ...] = ()
+
+    def ident(self) -> str:
+        return self.env
+
+    def describe(self) -> str:
+        return f"cgroup {self.env} (cgroupfs, v{self.version})"
+
+    def check(self, host: Host) -> Check:
+        if (bad := _version_mismatch(host, self.version)) is not None:
+            return bad
+        cg = host.cgroups
+        present = cg.present(self.env, self.controllers)
+        if not any(present):
+            return Check.absent()
+        missing = [d.parent.parent.name for d, ok in
+                   zip(cg.dirs(self.env, self.controllers), present, strict=True) if not ok]
+        diffs = [Diff(file, normalize(file, value), None if have is None else
+                      normalize(file, have))
+                 for (ctrl, file, value), have in zip(self.settings, self._read(host),
+                                                      strict=True)
+                 if have is None or normalize(file, have) != normalize(file, value)]
+        detail = f"missing in hierarchies {', '.join(missing)}" if missing else ""
+        if diffs or missing:
+            return Check(Status.DRIFTED, tuple(diffs), detail)
+        return Check.present()
+
+    def _read(self, host: Host) -> list[str | None]:
+        return [host.cgroups.read(self.env, ctrl, file) for ctrl, file, _ in self.settings]
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        cg = host.cgroups
+        cg.create(self.env, self.controllers)
+        todo = [(s, have) for s, have in zip(self.settings, self._read(host), strict=True)
+                if have is None or normalize(s[1], have) != normalize(s[1], s[2])]
+        if not todo:
+            return  # already so
+        for ctrl, file, value in _order(todo):
+            cg.write(self.env, ctrl, file, value)
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        host.cgroups.remove(self.env, self.controllers)
+
+
+def _order(todo: list[tuple[Setting, str | None]]) -> list[Setting]:
+    """Writes in plan order, except v1's memory+swap limit: memsw must never drop below the
+    memory limit, so when the new memory limit is above the current memsw, memsw goes first."""
+    settings = [s for s, _ in todo]
+    files = [s[1] for s in settings]
+    if "memory.limit_in_bytes" in files and "memory.memsw.limit_in_bytes" in files:
+        i, j = files.index("memory.limit_in_bytes"), files.index("memory.memsw.limit_in_bytes")
+        cur_sw = normalize("memory.memsw.limit_in_bytes", todo[j][1] or "max")
+        new_mem = normalize("memory.limit_in_bytes", settings[i][2])
+        if new_mem == "max" or (cur_sw != "max" and int(new_mem) > int(cur_sw)):
+            settings.insert(i, settings.pop(j))
+    return settings
+
+
+@dataclass(frozen=True)
+class CgroupDevices(Resource):
+    """The devices an environment may open, `rules` as v1 writes them ("c 1:3 rwm").
+
+    v1: `devices.deny a` then one `devices.allow` per rule. v2: a BPF device program built from
+    the rules and attached to the environment's cgroup (the cgroup holds it; no pinning)."""
+
+    kind = "cgroup-devices"
+    env: str
+    version: int
+    rules: tuple[str, ...]
+
+    def ident(self) -> str:
+        return self.env
+
+    def describe(self) -> str:
+        how = "devices.allow" if self.version == 1 else "bpf program"
+        return f"device allow-list of cgroup {self.env} ({how}, {len(self.rules)} rules)"
+
+    def check(self, host: Host) -> Check:
+        if (bad := _version_mismatch(host, self.version)) is not None:
+            return bad
+        if self.version == 1:
+            have = host.cgroups.devices_v1(self.env)
+            if have is None:
+                return Check.absent()
+            return Check.compare({"rules": sorted(self.rules)}, {"rules": sorted(have)})
+        from envctl.host import bpf
+
+        path = host.cgroups.path(self.env, "")
+        if not path.is_dir():
+            return Check.absent()
+        names = bpf.attached_device_programs(path)
+        want = bpf.program_name(self.rules)
+        if not names:
+            return Check.absent(f"no device program on {path}")
+        return Check.compare({"program": want}, {"program": ",".join(names)})
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        if self.version == 1:
+            host.cgroups.set_devices_v1(self.env, self.rules)
+            return
+        from envctl.host import bpf
+
+        bpf.attach_device_program(host.cgroups.path(self.env, ""), self.rules, name=self.env)
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        # The rules go with the cgroup; taking them off a cgroup that outlives us (a rollback
+        # that keeps it) restores the default, allow-all.
+        if self.version == 1:
+            if host.cgroups.devices_v1(self.env) is not None:
+                try:
+                    host.cgroups.write(self.env, "devices", "devices.allow", "a")
+                except HostError:
+                    if host.cgroups.devices_v1(self.env) is not None:
+                        raise
+            return
+        from envctl.host import bpf
+
+        bpf.detach_device_programs(host.cgroups.path(self.env, ""), name=self.env)

@@ -1,0 +1,212 @@
+"""Cgroup limits on this host's real kernel (cgroup v1/hybrid here): throttling, OOM kills,
+the device allow-list, dedicated CPUs, stats, teardown with live processes, faults."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from envctl.host.cgroups import Cgroups, detect_layout
+
+pytestmark = pytest.mark.root
+
+SPEC = """\
+name: {name}
+kind: cpu
+resources:
+  driver: cgroupfs
+{resources}
+"""
+
+# A child that puts itself into the environment's cgroup (as the job system will), says so on
+# stdout, waits for a line on stdin, then runs BODY.
+ATTACH = """\
+import os, sys
+from envctl.host.cgroups import Cgroups
+Cgroups.from_env().attach(sys.argv[1], os.getpid())
+print("attached", flush=True)
+sys.stdin.readline()
+"""
+
+
+def cgroups(sb) -> Cgroups:
+    return Cgroups(detect_layout(), sb.cgroup_parent, kill_grace=1.0)
+
+
+def up(sb, resources: str, name: str = "lim", env: dict | None = None):
+    sb.write_spec(name, SPEC.format(name=name, resources=resources))
+    return sb.envctl("up", name, env=env)
+
+
+def start_child(sb, env: str, body: str):
+    return sb.popen(sys.executable, "-c", ATTACH + body, env)
+
+
+def run_child(sb, env: str, body: str, timeout: float = 60):
+    """Run BODY inside the environment's cgroup; returns the completed process."""
+    return sb.run(sys.executable, "-c", ATTACH.replace("sys.stdin.readline()\n", "") + body,
+                  env, timeout=timeout)
+
+
+def v1_path(sb, controller: str, *rest: str) -> Path:
+    lay = detect_layout()
+    return Path(lay.v1[controller], sb.cgroup_parent, *rest)
+
+
+@pytest.fixture(autouse=True)
+def _needs_v1():
+    if detect_layout().version != 1:
+        pytest.skip("these tests drive cgroup v1 (tests/vm runs the v2 ones)")
+
+
+def test_up_writes_limits_and_down_removes_everything(clean):
+    sb = clean
+    res = up(sb, """\
+  cpu: {quota: 50%, period_us: 100000, weight: 200}
+  memory: {max: 64M, high: 48M}
+  pids: {max: 64}""")
+    assert res.returncode == 0, res.stderr
+    assert v1_path(sb, "cpu", "lim", "cpu.cfs_quota_us").read_text().strip() == "50000"
+    assert v1_path(sb, "cpu", "lim", "cpu.shares").read_text().strip() == "2048"
+    assert v1_path(sb, "memory", "lim", "memory.limit_in_bytes").read_text().strip() == \
+        str(64 * 2**20)
+    assert v1_path(sb, "memory", "lim", "memory.soft_limit_in_bytes").read_text().strip() == \
+        str(48 * 2**20)
+    assert v1_path(sb, "pids", "lim", "pids.max").read_text().strip() == "64"
+    # The parent's cpuset was initialised (else no task could enter the child).
+    assert v1_path(sb, "cpuset", "cpuset.cpus").read_text().strip()
+    status = sb.envctl_json("status", "lim")[0]
+    assert {s["status"] for s in status["steps"]} == {"ok"}
+    assert any("cgroupfs" in s["describe"] for s in status["steps"])
+    # Up again is a no-op; drift is seen and repaired.
+    v1_path(sb, "pids", "lim", "pids.max").write_text("5")
+    status = sb.envctl_json("status", "lim")[0]
+    assert [s["diffs"] for s in status["steps"] if s["status"] == "drifted"] == \
+        [[{"field": "pids.max", "want": "64", "have": "5"}]]
+    assert sb.envctl("up", "lim").returncode == 0
+    assert v1_path(sb, "pids", "lim", "pids.max").read_text().strip() == "64"
+    for _ in range(2):
+        sb.envctl("down", "lim", check=True)
+
+
+def test_cpu_burner_under_half_quota_is_throttled(clean):
+    sb = clean
+    assert up(sb, "  cpu: {quota: 50%}").returncode == 0
+    proc = start_child(sb, "lim", "while True: pass\n")
+    try:
+        assert proc.stdout.readline().strip() == "attached"
+        deadline = time.monotonic() + 20
+        st = cgroups(sb).stats("lim")
+        while (st.nr_throttled or 0) < 5 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            st = cgroups(sb).stats("lim")
+        assert st.nr_throttled >= 5, st
+        assert st.throttled_us > 0 and st.cpu_usage_us > 0
+        # 50 % of one CPU: over the observed periods, roughly half of them throttled.
+        assert st.nr_throttled <= st.nr_periods
+    finally:
+        # Down with the burner still running: it is killed and nothing is left.
+        sb.envctl("down", "lim", check=True)
+        proc.wait(timeout=10)
+
+
+def test_memory_hog_above_limit_is_oom_killed(clean):
+    sb = clean
+    assert up(sb, "  memory: {max: 32M}").returncode == 0
+    hog = ("chunks = []\nfor _ in range(64):\n    chunks.append(bytearray(8 << 20))\n"
+           "print('survived')\n")
+    res = run_child(sb, "lim", hog)
+    assert res.returncode == -9, (res.returncode, res.stdout, res.stderr)
+    assert "survived" not in res.stdout
+    st = cgroups(sb).stats("lim")
+    assert st.oom_kills >= 1
+    assert st.memory_peak <= 32 * 2**20
+    sb.envctl("down", "lim", check=True)
+
+
+def test_device_outside_the_allow_list_is_refused(clean):
+    sb = clean
+    assert up(sb, "").returncode == 0
+    body = """\
+import errno
+for path in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/kmsg"):
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+        print(path, "ok")
+    except OSError as exc:
+        print(path, errno.errorcode[exc.errno])
+"""
+    res = run_child(sb, "lim", body)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[1:5] == ["/dev/null ok", "/dev/zero ok", "/dev/urandom ok",
+                                           "/dev/kmsg EPERM"]
+    rules = v1_path(sb, "devices", "lim", "devices.list").read_text().split("\n")
+    assert "c 136:* rwm" in rules and "a *:* rwm" not in rules
+    sb.envctl("down", "lim", check=True)
+
+
+def test_dedicated_cpus_show_in_the_process_affinity(clean):
+    sb = clean
+    assert up(sb, "  cpu: {dedicated: [1]}").returncode == 0
+    assert v1_path(sb, "cpuset", "lim", "cpuset.cpus").read_text().strip() == "1"
+    res = run_child(sb, "lim", "print(sorted(os.sched_getaffinity(0)))\n")
+    assert res.stdout.split("\n")[1] == "[1]", res.stdout + res.stderr
+    sb.envctl("down", "lim", check=True)
+
+
+def test_down_kills_live_processes_and_repeats(clean):
+    sb = clean
+    assert up(sb, "  pids: {max: 32}").returncode == 0
+    kids = [start_child(sb, "lim", "import time\ntime.sleep(1000)\n") for _ in range(3)]
+    for k in kids:
+        assert k.stdout.readline().strip() == "attached"
+    assert len(cgroups(sb).procs("lim")) == 3
+    assert cgroups(sb).stats("lim").pids_current == 3
+    sb.envctl("down", "lim", check=True)
+    for k in kids:
+        assert k.wait(timeout=10) != 0
+    assert sb.cgroups() == []
+    sb.envctl("down", "lim", check=True)  # repeated down: nothing to do, success
+
+
+def test_cgroup_removed_by_hand_counts_as_removed(clean):
+    sb = clean
+    assert up(sb, "  pids: {max: 32}").returncode == 0
+    cgroups(sb).remove("lim")
+    st = sb.envctl_json("status", "lim")[0]
+    assert "missing" in {s["status"] for s in st["steps"]}
+    sb.envctl("down", "lim", check=True)
+
+
+@pytest.mark.parametrize("point", ["before", "apply", "after"])
+def test_fault_at_every_cgroup_step_leaves_no_residue(clean, point):
+    sb = clean
+    resources = "  cpu: {quota: 50%, dedicated: [0]}\n  memory: {max: 64M}\n  pids: {max: 64}"
+    sb.write_spec("lim", SPEC.format(name="lim", resources=resources))
+    keys = [s["key"] for s in sb.envctl_json("plan", "lim")[0]["steps"]]
+    assert {"cgroup-parent:parent", "cgroup:lim", "cgroup-devices:lim"} <= set(keys)
+    for i, key in enumerate(keys):
+        res = sb.envctl("up", "lim", env={"ENVCTL_FAULT": f"fail@{point}:#{i}"})
+        assert res.returncode == 1, res.stderr
+        assert sb.residue() == {}, key
+
+
+def test_fault_while_removing_then_down_again(clean):
+    sb = clean
+    assert up(sb, "  pids: {max: 32}").returncode == 0
+    res = sb.envctl("down", "lim", env={"ENVCTL_FAULT": "fail@remove:cgroup:lim"})
+    assert res.returncode == 1
+    assert sb.cgroups()  # the cgroup stayed, recorded for the next down
+    sb.envctl("down", "lim", check=True)
+
+
+def test_values_the_host_cannot_honour_are_plan_errors(sandbox):
+    sb = sandbox
+    res = up(sb, "  cpu: {quota: 0.5%}")
+    assert res.returncode == 2 and "1000 µs minimum" in res.stderr
+    res = up(sb, "  memory: {swap_max: 1G}")
+    assert res.returncode == 2 and "swap_max" in res.stderr
+    assert sb.cgroups() == []
