@@ -1,0 +1,272 @@
+"""Host tuning on the real kernel (sysctls) and on fake trees (cpufreq, kernel modules):
+set, shared, restored exactly; hosts lacking a capability refused or warned before any change."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.integration.sandbox import FakeCpufreq, FakeKmod
+
+pytestmark = pytest.mark.root
+RELEASE = os.uname().release
+
+
+def spec(name: str, host: str, extra: str = "") -> str:
+    return f"name: {name}\nkind: cpu\n{extra}host:\n{host}"
+
+
+def steps_by_key(sb, env, *, extra=None):
+    res = sb.envctl("status", env, "--json", env=extra, check=True)
+    status = json.loads(res.stdout)[0]
+    return {s["key"]: s for s in status["steps"]}, status["warnings"]
+
+
+# ---------------------------------------------------------------- sysctls (real kernel)
+
+SYSCTLS = """\
+  sysctls:
+    net.ipv4.ip_forward: 1
+    vm.zone_reclaim_mode: 1
+    net.ipv4.ip_local_port_range: "20000 30000"
+"""
+
+
+def test_sysctls_already_equal_shared_by_two_envs_restored_exactly(clean):
+    sb = clean
+    sb.set_sysctl("net.ipv4.ip_forward", "1")  # already what both want
+    sb.set_sysctl("vm.zone_reclaim_mode", "0")
+    sb.set_sysctl("net.ipv4.ip_local_port_range", "'32768 60999'")
+    sb.write_spec("a", spec("a", SYSCTLS))
+    sb.write_spec("b", spec("b", SYSCTLS))
+    plan = sb.envctl("plan", "a", check=True).stdout
+    assert "= sysctl net.ipv4.ip_forward = 1" in plan
+    assert "~ sysctl vm.zone_reclaim_mode = 1  (value: 0 -> 1)" in plan
+    sb.envctl("up", "a", check=True)
+    sb.envctl("up", "b", check=True)
+    steps, _ = steps_by_key(sb, "a")
+    assert "found 0: restored at down" in steps["sysctl:vm.zone_reclaim_mode"]["note"]
+    assert "held with b" in steps["sysctl:vm.zone_reclaim_mode"]["note"]
+    assert "found 1" in steps["sysctl:net.ipv4.ip_forward"]["note"]
+    sb.envctl("down", "a", check=True)
+    assert sb.sysctl("vm.zone_reclaim_mode") == "1"  # b still holds it
+    sb.envctl("down", "b", check=True)
+    assert (sb.sysctl("net.ipv4.ip_forward"), sb.sysctl("vm.zone_reclaim_mode"),
+            sb.sysctl("net.ipv4.ip_local_port_range")) == ("1", "0", "32768\t60999")
+
+
+def test_missing_sysctl_required_refused_best_effort_skipped_and_recorded(clean):
+    sb = clean
+    sb.set_sysctl("vm.zone_reclaim_mode", "0")
+    sb.write_spec("a", spec("a", "  sysctls:\n    vm.zone_reclaim_mode: 1\n"
+                                 "    vm.envctl_no_such_knob: 1\n"))
+    res = sb.envctl("up", "a")
+    assert res.returncode == 2
+    assert "a.yaml:6:5: host.sysctls.vm.envctl_no_such_knob" in res.stderr
+    assert "has no sysctl vm.envctl_no_such_knob" in res.stderr
+    assert sb.sysctl("vm.zone_reclaim_mode") == "0" and not sb.state.exists()
+    sb.write_spec("a", spec("a", "  sysctls:\n    vm.zone_reclaim_mode: 1\n"
+                                 "    vm.envctl_no_such_knob: {value: 1, policy: best-effort}\n"))
+    assert "! this kernel" in sb.envctl("plan", "a", check=True).stdout
+    res = sb.envctl("up", "a", check=True)
+    assert "warning: a: this kernel" in res.stderr and "skipped" in res.stderr
+    _, warnings = steps_by_key(sb, "a")
+    assert any("vm.envctl_no_such_knob" in w for w in warnings)
+    assert "vm.envctl_no_such_knob" in sb.envctl("status", "a", check=True).stdout
+    sb.envctl("down", "a", check=True)
+    assert sb.sysctl("vm.zone_reclaim_mode") == "0"
+
+
+# ---------------------------------------------------------------- governor (fake sysfs)
+
+ORIGINAL_GOVS = {0: "powersave", 1: "schedutil", 2: "ondemand", 3: "performance"}
+
+
+@pytest.fixture
+def cpufreq(clean, tmp_path):
+    return FakeCpufreq(tmp_path / "sysfs", dict(ORIGINAL_GOVS))
+
+
+def test_governor_per_cpu_saved_shared_and_restored(clean, cpufreq):
+    sb, env = clean, cpufreq.env()
+    sb.write_spec("a", spec("a", "  governor: performance\n"))
+    sb.write_spec("b", spec("b", "  governor: {name: performance, cpus: all}\n"))
+    plan = sb.envctl("plan", "a", env=env, check=True).stdout
+    assert "~ cpu governor cpu0 = performance  (governor: powersave -> performance)" in plan
+    assert "= cpu governor cpu3 = performance" in plan
+    sb.envctl("up", "a", env=env, check=True)
+    assert cpufreq.governors() == {c: "performance" for c in range(4)}
+    sb.envctl("up", "b", env=env, check=True)
+    steps, _ = steps_by_key(sb, "a", extra=env)
+    assert "restores schedutil at down" in steps["governor:cpu1"]["note"]
+    sb.envctl("down", "a", env=env, check=True)
+    assert cpufreq.governors() == {c: "performance" for c in range(4)}  # b holds them
+    sb.envctl("down", "b", env=env, check=True)
+    assert cpufreq.governors() == ORIGINAL_GOVS
+
+
+def test_governor_not_offered_required_refused_best_effort_partial(clean, tmp_path):
+    sb = clean
+    fake = FakeCpufreq(tmp_path / "sysfs", {0: "powersave", 1: "powersave"},
+                       available={1: ("powersave", "ondemand")})
+    env = fake.env()
+    sb.write_spec("a", spec("a", "  governor: {name: performance, policy: required}\n"))
+    res = sb.envctl("up", "a", env=env)
+    assert res.returncode == 2
+    assert "host.governor.name" in res.stderr
+    assert "not offered by cpu 1 (scaling_available_governors: powersave ondemand)" in res.stderr
+    assert fake.governors() == {0: "powersave", 1: "powersave"}
+    sb.write_spec("a", spec("a", "  governor: {name: performance, policy: best-effort}\n"))
+    res = sb.envctl("up", "a", env=env, check=True)
+    assert "not offered by cpu 1" in res.stderr
+    assert fake.governors() == {0: "performance", 1: "powersave"}
+    sb.envctl("down", "a", env=env, check=True)
+    assert fake.governors() == {0: "powersave", 1: "powersave"}
+
+
+def test_two_envs_wanting_different_governors_refused(clean, cpufreq):
+    sb, env = clean, cpufreq.env()
+    sb.write_spec("a", spec("a", "  governor: performance\n"))
+    sb.write_spec("b", spec("b", "  governor: powersave\n"))
+    res = sb.envctl("up", "a", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "b.yaml" in res.stderr and "one cpu has one governor" in res.stderr
+    assert cpufreq.governors() == ORIGINAL_GOVS
+
+
+def test_no_cpufreq_on_this_vm_required_refused_best_effort_recorded(clean):
+    sb = clean
+    if any(os.path.exists(f"/sys/devices/system/cpu/cpu{c}/cpufreq/scaling_governor")
+           for c in range(os.cpu_count() or 1)):
+        pytest.skip("this machine has cpufreq")
+    sb.write_spec("a", spec("a", "  governor: {name: performance, policy: required}\n"))
+    res = sb.envctl("up", "a")
+    assert res.returncode == 2 and "this host has no cpufreq" in res.stderr
+    sb.write_spec("a", spec("a", "  governor: performance\n"))  # best-effort by default
+    res = sb.envctl("up", "a", check=True)
+    assert "no cpufreq" in res.stderr
+    _, warnings = steps_by_key(sb, "a")
+    assert any("no cpufreq" in w and "skipped" in w for w in warnings)
+    sb.envctl("down", "a", check=True)
+
+
+# ---------------------------------------------------------------- modules (this VM)
+
+
+def test_no_lib_modules_here_required_names_module_and_kernel(clean):
+    sb = clean
+    if os.path.isdir(f"/lib/modules/{RELEASE}"):
+        pytest.skip("this machine has /lib/modules for its kernel")
+    sb.write_spec("a", spec("a", "  modules: [envctl_test_mod]\n"))
+    res = sb.envctl("plan", "a")
+    assert res.returncode == 2
+    assert (f"kernel module envctl_test_mod is not available on kernel {RELEASE}: "
+            f"/lib/modules/{RELEASE} does not exist") in res.stderr
+    sb.write_spec("a", spec("a", "  modules: [{name: envctl_test_mod, policy: best-effort}]\n"))
+    assert "envctl_test_mod" in sb.envctl("plan", "a", check=True).stdout
+    res = sb.envctl("up", "a", check=True)
+    assert "warning: a: kernel module envctl_test_mod" in res.stderr
+    _, warnings = steps_by_key(sb, "a")
+    assert any("envctl_test_mod" in w and "skipped" in w for w in warnings)
+    sb.envctl("down", "a", check=True)
+
+
+def test_shipped_gpu_compute_fails_clearly_here_cpu_compute_plans(shipped):
+    sb = shipped
+    if os.path.isdir(f"/lib/modules/{RELEASE}"):
+        pytest.skip("this machine has /lib/modules for its kernel")
+    res = sb.envctl("plan", "gpu-compute")
+    assert res.returncode == 2
+    assert "gpu-compute.yaml" in res.stderr and "host.modules[0]" in res.stderr
+    assert f"kernel module nvidia is not available on kernel {RELEASE}" in res.stderr
+    assert sb.envctl("plan", "cpu-compute").returncode == 0
+    assert sb.residue() == {}
+
+
+# ---------------------------------------------------------------- modules (fake modprobe)
+
+
+@pytest.fixture
+def kmod(clean, tmp_path):
+    return FakeKmod(tmp_path / "kmod", {"nvidia_uvm": ["nvidia"], "nvidia": [], "vfio": []},
+                    loaded={"bridge": (0, [])})
+
+
+def test_modules_loaded_by_envctl_are_unloaded_the_hosts_stay(clean, kmod):
+    sb, env = clean, kmod.env()
+    sb.write_spec("a", spec("a", "  modules:\n    - {name: nvidia-uvm, options: {uvm_x: 1}}\n"
+                                 "    - bridge\n"))
+    plan = sb.envctl("plan", "a", env=env, check=True).stdout
+    assert "+ kernel module nvidia  (state: not loaded -> loaded)" in plan
+    assert "+ kernel module nvidia_uvm uvm_x=1  (state: not loaded -> loaded)" in plan
+    assert "= kernel module bridge" in plan
+    sb.envctl("up", "a", env=env, check=True)
+    assert kmod.loaded() == ["bridge", "nvidia", "nvidia_uvm"]
+    assert kmod.log() == ["modprobe nvidia", "modprobe nvidia_uvm uvm_x=1"]
+    steps, _ = steps_by_key(sb, "a", extra=env)
+    assert "stays loaded" in steps["kmod:bridge"]["note"]
+    assert "unloaded at down" in steps["kmod:nvidia_uvm"]["note"]
+    sb.envctl("down", "a", env=env, check=True)
+    assert kmod.loaded() == ["bridge"]
+    assert kmod.log()[2:] == ["rmmod nvidia_uvm", "rmmod nvidia"]
+
+
+def test_module_in_use_at_down_stays_loaded(clean, kmod):
+    sb, env = clean, kmod.env()
+    sb.write_spec("a", spec("a", "  modules: [nvidia_uvm]\n"))
+    sb.envctl("up", "a", env=env, check=True)
+    kmod.use("nvidia_uvm")  # a process holds /dev/nvidia-uvm
+    sb.envctl("down", "a", env=env, check=True)
+    assert kmod.loaded() == ["bridge", "nvidia", "nvidia_uvm"]
+    assert not [x for x in kmod.log() if x.startswith("rmmod")]
+
+
+def test_module_shared_by_two_envs_unloaded_when_the_last_goes(clean, kmod):
+    sb, env = clean, kmod.env()
+    sb.write_spec("a", spec("a", "  modules: [vfio]\n"))
+    sb.write_spec("b", spec("b", "  modules: [vfio]\n"))
+    sb.envctl("up", "a", env=env, check=True)
+    sb.envctl("up", "b", env=env, check=True)
+    sb.envctl("down", "a", env=env, check=True)
+    assert "vfio" in kmod.loaded()
+    sb.envctl("down", "b", env=env, check=True)
+    assert kmod.loaded() == ["bridge"] and kmod.log() == ["modprobe vfio", "rmmod vfio"]
+
+
+def test_modules_with_different_options_refused(clean, kmod):
+    sb, env = clean, kmod.env()
+    sb.write_spec("a", spec("a", "  modules: [{name: vfio, options: {x: 1}}]\n"))
+    sb.write_spec("b", spec("b", "  modules: [{name: vfio, options: {x: 2}}]\n"))
+    res = sb.envctl("up", "a", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "b.yaml" in res.stderr and "host.modules[0].options" in res.stderr
+    assert kmod.log() == []
+
+
+# ---------------------------------------------------------------- kill -9 mid-change
+
+ALL = """\
+  sysctls:
+    vm.zone_reclaim_mode: 1
+    net.ipv4.ip_forward: 1
+  modules: [nvidia_uvm]
+  governor: performance
+"""
+
+
+@pytest.mark.parametrize("key", ["sysctl:vm.zone_reclaim_mode", "kmod:nvidia", "kmod:nvidia_uvm",
+                                 "governor:cpu0", "governor:cpu2"])
+def test_kill_9_after_a_host_change_then_down_restores_everything(clean, kmod, cpufreq, key):
+    sb = clean
+    env = {**kmod.env(), **cpufreq.env()}
+    sb.set_sysctl("vm.zone_reclaim_mode", "0")
+    sb.set_sysctl("net.ipv4.ip_forward", "0")
+    sb.write_spec("a", spec("a", ALL))
+    res = sb.envctl("up", "a", env={**env, "ENVCTL_FAULT": f"kill@after:{key}"})
+    assert res.returncode == -9, res.stderr
+    sb.envctl("down", "a", env=env, check=True)
+    assert (sb.sysctl("vm.zone_reclaim_mode"), sb.sysctl("net.ipv4.ip_forward")) == ("0", "0")
+    assert kmod.loaded() == ["bridge"]
+    assert cpufreq.governors() == ORIGINAL_GOVS
