@@ -139,11 +139,13 @@ class IpConfig(Resource):
         if lo is not None and not lo.up:
             nl.set_link("lo", netns=self.netns, up=True)
         addrs = nl.ipv4_addresses(self.interface, netns=self.netns)
+        # Addresses changed by hand go first: deleting a primary address after ours was added
+        # as its secondary would take ours with it.
+        for other in addrs:
+            if other != self.address:
+                nl.del_address(self.interface, other, netns=self.netns)
         if self.address not in addrs:
             nl.add_address(self.interface, self.address, netns=self.netns)
-        for other in addrs:
-            if other != self.address:  # changed by hand: the spec's address replaces it
-                nl.del_address(self.interface, other, netns=self.netns)
         if nl.default_gateway(netns=self.netns) != self.gateway:
             nl.set_default_route(self.gateway, netns=self.netns)
 

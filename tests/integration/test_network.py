@@ -1,0 +1,313 @@
+"""The network on the real kernel: bridge, veth, NAT, port forwards, isolation, both firewalls.
+
+Each test runs in its own sandbox (a throwaway net + mount namespace standing in for the host).
+Traffic goes only to addresses inside namespaces the test made: the environments themselves and
+`outside`, a namespace on its own veth link that stands in for a machine beyond the host.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.root
+
+BACKENDS = ["nftables", "iptables"]
+HOST_OUT, PEER = "198.51.100.1", "198.51.100.2"  # the host's and `outside`'s address on that link
+
+
+def spec(name: str, address: str, *, backend: str, isolate: bool = True,
+         ports: str = "[9090]") -> str:
+    return f"""\
+name: {name}
+kind: cpu
+network:
+  bridge: t-br0
+  bridge_address: 10.231.0.1/24
+  address: {address}
+  isolate: {str(isolate).lower()}
+  ports: {ports}
+  firewall: {backend}
+"""
+
+
+SERVER = """\
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen()
+print("listening", flush=True)
+s.settimeout(10)
+c, addr = s.accept()
+c.sendall(addr[0].encode())
+c.close()
+"""
+
+CLIENT = """\
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3) as c:
+    print(c.recv(100).decode())
+"""
+
+
+def in_ns(sb, ns, *argv, check=False, timeout=30):
+    return sb.run("ip", "netns", "exec", ns, *argv, check=check, timeout=timeout)
+
+
+def serve(sb, ns, port):
+    """A one-shot TCP server in `ns` that answers with the address the client came from."""
+    cmd = ("ip", "netns", "exec", ns, sys.executable, "-c", SERVER, str(port))
+    proc = sb.popen(*cmd) if ns else sb.popen(*cmd[4:])
+    assert proc.stdout.readline().strip() == "listening", proc.stderr.read()
+    return proc
+
+
+def connect(sb, ns, host, port):
+    argv = (sys.executable, "-c", CLIENT, host, str(port))
+    res = in_ns(sb, ns, *argv) if ns else sb.run(*argv)
+    return res.stdout.strip() if res.returncode == 0 else f"failed: {res.stderr.strip()[-200:]}"
+
+
+def ping(sb, ns, address):
+    return in_ns(sb, ns, "ping", "-c1", "-W1", address).returncode == 0
+
+
+def iptables_residue(sb) -> list[str]:
+    """envctl chains, jumps or tagged rules left in the legacy xtables tables."""
+    out = sb.run("iptables-legacy-save", check=True).stdout
+    return [line for line in out.splitlines() if "ENVCTL" in line or "envctl" in line]
+
+
+def nft_comments(sb) -> list[str]:
+    res = sb.run("nft", "-j", "list", "table", "inet", "envctl")
+    if res.returncode != 0:
+        return []
+    return sorted(i["rule"].get("comment", "") for i in json.loads(res.stdout)["nftables"]
+                  if "rule" in i)
+
+
+def iptables_comments(sb) -> list[str]:
+    out = sb.run("iptables-legacy-save", check=True).stdout
+    return sorted(line.split('--comment "')[1].split('"')[0] for line in out.splitlines()
+                  if '--comment "envctl:' in line and "envctl: jump" not in line)
+
+
+def comments(sb, backend):
+    return nft_comments(sb) if backend == "nftables" else iptables_comments(sb)
+
+
+def status(sb, env):
+    return {s["kind"]: s for s in sb.envctl_json("status", env)[0]["steps"]}
+
+
+@pytest.fixture
+def net(sandbox):
+    """The sandbox plus `outside`; at the end `outside` goes and nothing else may be left."""
+    sb = sandbox
+    sb.run("ip", "netns", "add", "outside", check=True)
+    sb.run("ip", "link", "add", "t-out", "type", "veth", "peer", "name", "eth0", "netns",
+           "outside", check=True)
+    sb.run("ip", "addr", "add", f"{HOST_OUT}/24", "dev", "t-out", check=True)
+    sb.run("ip", "link", "set", "t-out", "up", check=True)
+    in_ns(sb, "outside", "ip", "addr", "add", f"{PEER}/24", "dev", "eth0", check=True)
+    in_ns(sb, "outside", "ip", "link", "set", "eth0", "up", check=True)
+    in_ns(sb, "outside", "ip", "link", "set", "lo", "up", check=True)
+    yield sb
+    sb.run("ip", "netns", "del", "outside", check=True)
+    assert sb.residue() == {}
+    assert iptables_residue(sb) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gateway_port_forward_and_masquerade(net, backend):
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend=backend))
+    net.envctl("up", "alpha", check=True)
+    assert ping(net, "alpha", "10.231.0.1")
+
+    # A client outside reaches the server in the environment through the host's port 9090,
+    # and the environment sees the client's own address (DNAT only, no SNAT on the way in).
+    server = serve(net, "alpha", 9090)
+    assert connect(net, "outside", HOST_OUT, 9090) == PEER
+    server.wait(5)
+    # A client on the host itself, to one of the host's addresses: the output-chain DNAT.
+    server = serve(net, "alpha", 9090)
+    assert connect(net, None, HOST_OUT, 9090) == HOST_OUT
+    server.wait(5)
+
+    # Outbound traffic from the environment arrives outside from the host's address.
+    server = serve(net, "outside", 7070)
+    assert connect(net, "alpha", PEER, 7070) == HOST_OUT
+    server.wait(5)
+
+    net.envctl("down", "alpha", check=True)
+    assert connect(net, "outside", HOST_OUT, 9090).startswith("failed")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("isolate", [True, False])
+def test_isolation_between_environments(net, backend, isolate):
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend=backend, isolate=isolate))
+    net.write_spec("beta", spec("beta", "10.231.0.3", backend=backend, isolate=isolate,
+                                ports="[9091]"))
+    net.envctl("up", "alpha", "beta", check=True)
+    assert ping(net, "alpha", "10.231.0.1") and ping(net, "beta", "10.231.0.1")
+    assert ping(net, "alpha", "10.231.0.3") is not isolate
+    assert ping(net, "beta", "10.231.0.2") is not isolate
+    # The detour through the host's routing is closed too when isolated.
+    in_ns(net, "alpha", "ip", "route", "add", "10.231.0.3/32", "via", "10.231.0.1", check=True)
+    assert ping(net, "alpha", "10.231.0.3") is not isolate
+    # Published ports stay reachable from the other environment (they are public on purpose).
+    assert ping(net, "alpha", HOST_OUT)
+    net.envctl("down", "--all", check=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_removing_one_env_keeps_the_other_and_foreign_rules(net, backend):
+    # Foreign state envctl must never touch: an nft table, an nft-based iptables NAT rule (the
+    # kind the seed's `iptables -t nat -F` wiped) and a legacy xtables chain and NAT rule.
+    net.run("nft", "add", "table", "inet", "sentinel", check=True)
+    net.run("nft", "add", "chain", "inet", "sentinel", "c",
+            "{ type filter hook input priority 0; }", check=True)
+    net.run("nft", "add", "rule", "inet", "sentinel", "c", "counter", "comment", "sentinel",
+            check=True)
+    net.run("iptables-nft", "-t", "nat", "-A", "POSTROUTING", "-s", "192.0.2.0/24",
+            "-j", "MASQUERADE", check=True)
+    net.run("iptables-legacy", "-N", "SENTINEL", check=True)
+    net.run("iptables-legacy", "-A", "SENTINEL", "-m", "comment", "--comment", "sentinel",
+            "-j", "RETURN", check=True)
+    net.run("iptables-legacy", "-t", "nat", "-A", "POSTROUTING", "-s", "192.0.2.0/24",
+            "-j", "MASQUERADE", check=True)
+
+    def foreign():
+        return (net.run("nft", "list", "table", "inet", "sentinel").stdout.count("sentinel"),
+                net.run("iptables-nft-save", "-t", "nat").stdout.count("192.0.2.0/24"),
+                net.run("iptables-legacy-save").stdout.count("sentinel"),
+                net.run("iptables-legacy-save", "-t", "nat").stdout.count("192.0.2.0/24"))
+
+    before = foreign()
+    assert before == (2, 1, 1, 1)
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend=backend))
+    net.write_spec("beta", spec("beta", "10.231.0.3", backend=backend, ports="[9091]"))
+    net.envctl("up", "alpha", "beta", check=True)
+    both = comments(net, backend)
+    assert {c.split()[0] for c in both} == {"envctl:alpha", "envctl:beta"}
+    assert foreign() == before
+
+    net.envctl("down", "alpha", check=True)
+    assert comments(net, backend) == [c for c in both if c.startswith("envctl:beta ")]
+    assert foreign() == before
+    server = serve(net, "beta", 9091)  # beta's forward still works
+    assert connect(net, "outside", HOST_OUT, 9091) == PEER
+    server.wait(5)
+    assert "t-br0" in net.links()  # beta still holds the bridge
+
+    net.envctl("down", "beta", check=True)
+    assert comments(net, backend) == []
+    assert "inet envctl" not in net.nft_tables() and iptables_residue(net) == []
+    assert foreign() == before
+
+    net.run("nft", "delete", "table", "inet", "sentinel", check=True)
+    net.run("iptables-nft", "-t", "nat", "-F", "POSTROUTING", check=True)
+    net.run("nft", "delete", "table", "ip", "nat", check=True)
+    net.run("iptables-legacy", "-F", "SENTINEL", check=True)
+    net.run("iptables-legacy", "-X", "SENTINEL", check=True)
+    net.run("iptables-legacy", "-t", "nat", "-F", "POSTROUTING", check=True)
+
+
+def _delete_one_rule(sb, backend):
+    if backend == "nftables":
+        out = json.loads(sb.run("nft", "-j", "list", "chain", "inet", "envctl", "postrouting",
+                                check=True).stdout)
+        handle = next(i["rule"]["handle"] for i in out["nftables"] if "rule" in i)
+        sb.run("nft", "delete", "rule", "inet", "envctl", "postrouting", "handle", str(handle),
+               check=True)
+    else:
+        sb.run("iptables-legacy", "-t", "nat", "-F", "ENVCTL-POSTROUTING", check=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_drift_is_reported_repaired_and_down_still_succeeds(net, backend):
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend=backend))
+    net.envctl("up", "alpha", check=True)
+    veth = next(name for name in net.links() if name.startswith("ve-alpha"))
+
+    in_ns(net, "alpha", "ip", "route", "del", "default", check=True)
+    step = status(net, "alpha")["ipconfig"]
+    assert step["status"] == "drifted"
+    assert [(d["field"], d["have"]) for d in step["diffs"]] == [("route", "missing")]
+    in_ns(net, "alpha", "ip", "addr", "flush", "dev", "eth0", check=True)
+    in_ns(net, "alpha", "ip", "addr", "add", "10.231.0.99/24", "dev", "eth0", check=True)
+    diffs = {d["field"]: d for d in status(net, "alpha")["ipconfig"]["diffs"]}
+    assert diffs["address"]["have"] == "10.231.0.99/24"
+    assert diffs["address"]["want"] == "10.231.0.2/24"
+    _delete_one_rule(net, backend)
+    fw = status(net, "alpha")["firewall"]
+    assert fw["status"] == "drifted" and fw["diffs"][0]["have"] == "missing"
+    assert "masquerade" in fw["diffs"][0]["want"]
+    assert net.envctl("status", "alpha", "--check").returncode == 1
+
+    net.envctl("up", "alpha", check=True)
+    assert {s["status"] for s in status(net, "alpha").values()} == {"ok"}
+    assert ping(net, "alpha", "10.231.0.1")
+
+    net.run("ip", "link", "del", veth, check=True)
+    assert status(net, "alpha")["veth"]["status"] == "missing"
+    net.envctl("up", "alpha", check=True)
+    assert {s["status"] for s in status(net, "alpha").values()} == {"ok"}
+    assert ping(net, "alpha", "10.231.0.1")
+
+    # Gone by hand before `down`: the veth and a rule. Removal treats them as done.
+    net.run("ip", "link", "del", veth, check=True)
+    _delete_one_rule(net, backend)
+    net.envctl("down", "alpha", check=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fault_at_every_network_step_rolls_back(net, backend):
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend=backend))
+    keys = [s["key"] for s in net.envctl_json("plan", "alpha")[0]["steps"]]
+    network = [i for i, k in enumerate(keys)
+               if k.split(":")[0] in ("netns", "bridge", "veth", "ipconfig", "firewall")
+               or k == "sysctl:net.ipv4.ip_forward"]
+    assert len(network) == 6
+    for i in network:
+        for point in ("before", "apply", "after"):
+            res = net.envctl("up", "alpha", env={"ENVCTL_FAULT": f"fail@{point}:#{i}"})
+            assert res.returncode == 1 and "injected fault" in res.stderr, res.stderr
+            assert net.residue() == {"links": ["t-out"], "netns": ["outside"]}, (keys[i], point)
+            assert iptables_residue(net) == [], (keys[i], point)
+
+
+def test_nft_command_transport_and_backend_in_status(net):
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend="nftables"))
+    env = {"ENVCTL_NFT": "cli"}
+    net.envctl("up", "alpha", check=True, env=env)
+    assert len(nft_comments(net)) == 5
+    out = net.envctl("status", "alpha", check=True, env=env).stdout
+    assert "firewall rules of alpha (nftables:" in out
+    server = serve(net, "alpha", 9090)
+    assert connect(net, "outside", HOST_OUT, 9090) == PEER
+    server.wait(5)
+    net.envctl("down", "alpha", check=True, env=env)
+
+
+def test_auto_backend_follows_envctl_firewall(net):
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend="auto"))
+    plan = net.envctl_json("plan", "alpha", env={"ENVCTL_FIREWALL": "iptables"})[0]
+    assert plan["resolved"]["firewall"] == "iptables"
+    plan = net.envctl_json("plan", "alpha")[0]
+    assert plan["resolved"]["firewall"] == "nftables"
+
+
+def test_a_bridge_that_existed_is_kept_and_only_our_address_removed(net):
+    net.run("ip", "link", "add", "t-br0", "type", "bridge", check=True)
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend="nftables"))
+    net.envctl("up", "alpha", check=True)
+    assert ping(net, "alpha", "10.231.0.1")
+    net.envctl("down", "alpha", check=True)
+    assert "t-br0" in net.links()
+    assert "10.231.0.1" not in net.run("ip", "addr", "show", "t-br0", check=True).stdout
+    net.run("ip", "link", "del", "t-br0", check=True)
