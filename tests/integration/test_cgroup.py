@@ -210,3 +210,63 @@ def test_values_the_host_cannot_honour_are_plan_errors(sandbox):
     res = up(sb, "  memory: {swap_max: 1G}")
     assert res.returncode == 2 and "swap_max" in res.stderr
     assert sb.cgroups() == []
+
+
+# ---------------------------------------------------------------- v2 paths on this host
+# The hybrid layout here mounts cgroup2 (without resource controllers) at /sys/fs/cgroup/
+# unified. Pointing ENVCTL_CGROUP_ROOT at it makes envctl drive it as a v2 host: the parent,
+# the environment's cgroup, the BPF device program and cgroup.kill all run on the real kernel.
+
+UNIFIED = Path("/sys/fs/cgroup/unified")
+
+
+@pytest.fixture
+def v2only(clean):
+    if not (UNIFIED / "cgroup.procs").exists():
+        pytest.skip("no cgroup2 mount at /sys/fs/cgroup/unified")
+    return clean
+
+
+def test_v2_bpf_device_program_refuses_devices_outside_the_list(v2only):
+    sb = v2only
+    env = {"ENVCTL_CGROUP_ROOT": str(UNIFIED)}
+    assert up(sb, "", env=env).returncode == 0
+    from envctl.host import bpf
+    from envctl.plan.cgroup import DEFAULT_DEVICES
+
+    path = UNIFIED / sb.cgroup_parent / "lim"
+    assert bpf.attached_device_programs(path) == [bpf.program_name(DEFAULT_DEVICES)]
+    status = sb.envctl_json("status", "lim", env=env)[0]
+    assert {s["status"] for s in status["steps"]} == {"ok"}
+    body = """\
+import errno
+for path, mode in (("/dev/null", os.O_RDWR), ("/dev/urandom", os.O_RDONLY),
+                   ("/dev/kmsg", os.O_RDONLY)):
+    try:
+        os.close(os.open(path, mode))
+        print(path, "ok")
+    except OSError as exc:
+        print(path, errno.errorcode[exc.errno])
+"""
+    res = sb.run(sys.executable, "-c", ATTACH.replace("sys.stdin.readline()\n", "") + body,
+                 "lim", env=env)
+    assert res.stdout.split("\n")[1:4] == ["/dev/null ok", "/dev/urandom ok", "/dev/kmsg EPERM"]
+    # Teardown with a live process: cgroup.kill, then rmdir.
+    kid = sb.popen(sys.executable, "-c", ATTACH + "import time\ntime.sleep(1000)\n", "lim",
+                   env=env)
+    assert kid.stdout.readline().strip() == "attached"
+    sb.envctl("down", "lim", env=env, check=True)
+    assert kid.wait(timeout=10) != 0
+    sb.envctl("down", "lim", env=env, check=True)
+
+
+def test_v2_fault_at_every_step_leaves_no_residue(v2only):
+    sb = v2only
+    env = {"ENVCTL_CGROUP_ROOT": str(UNIFIED)}
+    sb.write_spec("lim", SPEC.format(name="lim", resources=""))
+    keys = [s["key"] for s in sb.envctl_json("plan", "lim", env=env)[0]["steps"]]
+    for point in ("apply", "after"):
+        for i, key in enumerate(keys):
+            res = sb.envctl("up", "lim", env={**env, "ENVCTL_FAULT": f"fail@{point}:#{i}"})
+            assert res.returncode == 1, res.stderr
+            assert sb.residue() == {}, key

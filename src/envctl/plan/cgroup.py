@@ -115,11 +115,6 @@ def _settings(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, st
     except ValueError:
         placement, ok = (), False  # reported by the base section
     nodes = res.memory.nodes
-    if cpu.quota is not None:
-        ncpus = len(placement or facts.cpus)
-        if cpu.quota > 100 * ncpus:
-            plan.warn(f"cpu quota {cpu.quota:g}% is more than the {ncpus} CPU(s) the environment "
-                      "runs on: it will never throttle")
     if (placement or nodes) and not _need(cg, "cpuset", loc_cpu + ("dedicated",),
                                           "dedicated CPUs or memory nodes", plan):
         ok = False

@@ -1,0 +1,165 @@
+"""Cgroup planning, layout detection, value normalisation and the BPF assembler (no root)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from envctl.host import bpf
+from envctl.host.cgroups import CgroupFacts, CgroupLayout, detect_layout, normalize
+from envctl.host.facts import HostFacts
+from envctl.plan.builder import PlanError
+from envctl.plan.cgroup import DEFAULT_DEVICES, bfq_weight, blkio_weight, cpu_shares
+from envctl.plan.planner import plan_env
+from envctl.resources.base import Resource
+from envctl.resources.cgroup import Cgroup, CgroupDevices, CgroupParent, _order
+from envctl.spec.models import EnvSpec
+
+V1 = CgroupFacts(layout="hybrid", version=1,
+                 controllers=("cpu", "cpuacct", "cpuset", "memory", "blkio", "pids", "devices"),
+                 swap=True, io_weight="blkio.bfq.weight", cpus="0-3", mems="0")
+V2 = CgroupFacts()
+
+HYBRID_MOUNTINFO = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct
+34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+50 23 0:40 /docker/abc /other/memory rw - cgroup cgroup rw,memory
+"""
+
+
+def spec(resources: dict | None = None, name: str = "e1") -> EnvSpec:
+    return EnvSpec.model_validate({"name": name, "kind": "cpu", "resources": resources or {}})
+
+
+def facts(cg: CgroupFacts, **kw) -> HostFacts:
+    return HostFacts(cpus=(0, 1, 2, 3), memory_bytes=8 << 30, cgroup=cg, **kw)
+
+
+def cgroup_of(plan) -> Cgroup:
+    return next(r for r in plan.resources if isinstance(r, Cgroup))
+
+
+def settings(plan) -> dict[str, str]:
+    return {f: v for _, f, v in cgroup_of(plan).settings}
+
+
+def test_layout_from_mountinfo(tmp_path):
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self/mountinfo").write_text(HYBRID_MOUNTINFO)
+    lay = detect_layout(proc_root=tmp_path)
+    assert lay.layout == "hybrid" and lay.version == 1
+    assert lay.v1["cpu"] == lay.v1["cpuacct"] == "/sys/fs/cgroup/cpu,cpuacct"
+    assert lay.v1["memory"] == "/sys/fs/cgroup/memory"  # not the container's bind
+    assert lay.controllers() == ("cpu", "cpuacct", "cpuset", "memory")
+    assert CgroupLayout({}, "/sys/fs/cgroup", frozenset({"cpu", "memory"})).layout == "v2"
+    assert CgroupLayout().layout == "none"
+
+
+def test_v1_mapping_of_every_limit():
+    s = spec({"cpu": {"quota": "50%", "weight": 200, "dedicated": "1-2"},
+              "memory": {"max": "1G", "high": "512M", "swap_max": "256M"},
+              "io": {"weight": 500}, "pids": {"max": 100}})
+    plan = plan_env(s, facts(V1))
+    got = settings(plan)
+    assert got["cpu.cfs_quota_us"] == "50000" and got["cpu.cfs_period_us"] == "100000"
+    assert got["cpu.shares"] == "2048"
+    assert got["cpuset.cpus"] == "1-2" and got["cpuset.mems"] == "0"
+    assert got["memory.limit_in_bytes"] == str(1 << 30)
+    assert got["memory.soft_limit_in_bytes"] == str(512 << 20)
+    assert got["memory.memsw.limit_in_bytes"] == str((1 << 30) + (256 << 20))
+    assert got["blkio.bfq.weight"] == str(bfq_weight(500))
+    assert got["pids.max"] == "100"
+    assert any("soft_limit" in w for w in plan.warnings)
+    assert any("bfq" in w for w in plan.warnings)  # no device uses bfq in these facts
+    assert plan.resolved["cgroup.driver"] == "cgroupfs"
+
+
+def test_v2_mapping_and_defaults():
+    plan = plan_env(spec({"cpu": {"quota": "150%", "period_us": 50000}}), facts(V2))
+    got = settings(plan)
+    assert got["cpu.max"] == "75000 50000"
+    assert got["cpu.weight"] == "100"
+    assert got["memory.max"] == got["memory.high"] == got["memory.swap.max"] == "max"
+    assert got["pids.max"] == "max" and got["cpuset.cpus"] == ""
+    devices = next(r for r in plan.resources if isinstance(r, CgroupDevices))
+    assert devices.rules == DEFAULT_DEVICES and devices.version == 2
+
+
+def test_percent_memory_resolves_page_aligned():
+    plan = plan_env(spec({"memory": {"max": "33.3%"}}), facts(V2))
+    assert int(settings(plan)["memory.max"]) % 4096 == 0
+
+
+def test_weight_conversions():
+    assert cpu_shares(100) == 1024 and cpu_shares(1) == 10 and cpu_shares(10000) == 102400
+    assert blkio_weight(100) == 500 and blkio_weight(1) == 10 and blkio_weight(10000) == 1000
+    assert bfq_weight(100) == 100 and bfq_weight(1) == 1 and bfq_weight(10000) == 1000
+
+
+@pytest.mark.parametrize(("resources", "cg", "needle"), [
+    ({"cpu": {"quota": "0.5%"}}, V1, "1000 µs minimum"),
+    ({"memory": {"swap_max": "1G"}}, V1, "set memory.max too"),
+    ({"memory": {"max": "1G", "swap_max": "1G"}}, CgroupFacts(swap=False), "swap"),
+    ({"io": {"weight": 100}}, CgroupFacts(io_weight=""), "no proportional IO weight"),
+    ({"pids": {"max": 10}}, CgroupFacts(controllers=("cpu", "memory")), "'pids'"),
+    ({"cpu": {"dedicated": [1]}}, CgroupFacts(controllers=("cpu",)), "'cpuset'"),
+    ({"memory": {"max": "10%", "high": "2G"}}, V2, "above memory.max"),
+    ({"driver": "systemd"}, V2, "systemd"),
+    ({}, CgroupFacts(layout="none", version=0, controllers=()), "no usable cgroup"),
+])
+def test_values_the_host_cannot_honour(resources, cg, needle):
+    with pytest.raises(PlanError) as exc:
+        plan_env(spec(resources), facts(cg))
+    assert needle in str(exc.value)
+
+
+def test_auto_driver_follows_pid1():
+    plan = plan_env(spec({}), facts(V2))
+    assert plan.resolved["cgroup.driver"] == "cgroupfs"
+
+
+def test_resources_round_trip_through_the_journal_form():
+    plan = plan_env(spec({"cpu": {"quota": "50%"}, "memory": {"max": "1G"}}), facts(V1))
+    for res in plan.resources:
+        if isinstance(res, CgroupParent | Cgroup | CgroupDevices):
+            import json
+
+            assert Resource.from_dict(json.loads(json.dumps(res.to_dict()))) == res
+
+
+def test_normalize_compares_as_the_kernel_means():
+    assert normalize("memory.limit_in_bytes", "9223372036854771712\n") == "max"
+    assert normalize("memory.limit_in_bytes", "-1") == "max"
+    assert normalize("memory.limit_in_bytes", "50000000") == "49999872"
+    assert normalize("cpuset.cpus", "0,1,2\n") == "0-2"
+    assert normalize("io.weight", "default 500\n8:0 100\n") == "500"
+    assert normalize("cpu.max", "max  100000\n") == "max 100000"
+
+
+def test_memsw_goes_first_when_the_memory_limit_grows():
+    todo = [(("memory", "memory.limit_in_bytes", "2097152"), "1048576"),
+            (("memory", "memory.memsw.limit_in_bytes", "4194304"), "1048576")]
+    assert [s[1] for s in _order(todo)] == ["memory.memsw.limit_in_bytes",
+                                            "memory.limit_in_bytes"]
+    todo[1] = (todo[1][0], "8388608")
+    assert [s[1] for s in _order(todo)] == ["memory.limit_in_bytes",
+                                            "memory.memsw.limit_in_bytes"]
+
+
+def test_bpf_program_shape():
+    code = bpf.assemble(("c 1:3 rwm", "c 136:* rw", "a"))
+    insns = [struct.unpack_from("<BBhi", code, i) for i in range(0, len(code), 8)]
+    assert insns[-1][0] == bpf.EXIT and insns[-2] == (bpf.MOV64_K, 0, 0, 0)
+    # Every jump lands inside the program, on the next rule's first instruction or later.
+    for i, (op, _, off, _) in enumerate(insns):
+        if op == bpf.JNE_K:
+            assert 0 < i + 1 + off < len(insns)
+    assert bpf.parse_rule("c 136:* rw") == ("c", 136, -1, bpf.ACC_READ | bpf.ACC_WRITE)
+    assert len(bpf.program_name(DEFAULT_DEVICES)) <= 15
+    with pytest.raises(ValueError):
+        bpf.parse_rule("x 1:2 r")
