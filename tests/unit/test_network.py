@@ -1,0 +1,176 @@
+"""Network without root: name derivation, firewall rule sets, nft JSON, planner output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from envctl.host.facts import HostFacts
+from envctl.host.firewall import detect_backend, env_rules
+from envctl.host.nft import (
+    add_rule_command,
+    delete_table_command,
+    document,
+    rule_exprs,
+    table_commands,
+)
+from envctl.plan.planner import plan_env
+from envctl.resources.base import Resource
+from envctl.spec.loader import load_spec, parse_spec
+from envctl.spec.naming import env_of_comment, host_veth, rule_tag
+
+REPO = Path(__file__).resolve().parents[2]
+FACTS = HostFacts(sysctls=frozenset({"net.ipv4.ip_forward", "kernel.numa_balancing",
+                                      "vm.zone_reclaim_mode"}))
+ENV_NAMES = st.from_regex(r"[a-z](?:[a-z0-9-]{0,30}[a-z0-9])?", fullmatch=True)
+
+
+# ---------------------------------------------------------------- naming
+
+
+@given(ENV_NAMES)
+def test_host_veth_fits_ifnamsiz_and_is_deterministic(name):
+    v = host_veth(name)
+    assert len(v) <= 15 and v.startswith("ve-") and v == host_veth(name)
+    assert all(c.isalnum() or c == "-" for c in v)
+
+
+def test_names_sharing_a_prefix_do_not_collide():
+    names = [f"gpu-compute-{i}" for i in range(200)] + ["gpu-compute", "gpu-co", "gpu-cx"]
+    assert len({host_veth(n) for n in names}) == len(names)
+
+
+def test_shipped_names():
+    assert host_veth("cpu-compute") == "ve-cpu-co-f2f1e"
+    assert host_veth("a") == "ve-a-ca978"
+
+
+def test_rule_tags_round_trip():
+    assert env_of_comment(rule_tag("cpu-compute") + " dnat tcp/9090") == "cpu-compute"
+    assert env_of_comment("envctl: jump") is None
+    assert env_of_comment("sentinel") is None and env_of_comment(None) is None
+
+
+# ---------------------------------------------------------------- rules and nft JSON
+
+
+def rules(**kw):
+    args = dict(bridge="br0", address="10.0.0.2", nat=True, isolate=True,
+                ports=(("tcp", 8080, 80), ("udp", 5353, 53)))
+    args.update(kw)
+    return env_rules("alpha", **args)
+
+
+def test_rule_set_per_option():
+    assert [r.chain for r in rules()] == ["postrouting", "prerouting", "output", "prerouting",
+                                          "output", "forward", "forward"]
+    assert rules(nat=False, isolate=False, ports=()) == []
+    assert all(r.comment.startswith("envctl:alpha ") for r in rules())
+    assert len({r.comment for r in rules()}) == len(rules())
+
+
+def test_comments_change_when_the_rule_would():
+    a = {r.comment for r in rules()}
+    b = {r.comment for r in rules(address="10.0.0.3")}
+    assert not a & b
+
+
+def test_nft_json_of_each_rule():
+    masq, dnat, local, *_ = rules()
+    assert rule_exprs(masq) == [
+        {"match": {"op": "!=", "left": {"meta": {"key": "oifname"}}, "right": "br0"}},
+        {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
+                   "right": "10.0.0.2"}},
+        {"masquerade": None}]
+    assert rule_exprs(dnat)[0] == {"match": {"op": "==", "left": {
+        "fib": {"result": "type", "flags": ["daddr"]}}, "right": "local"}}
+    assert rule_exprs(dnat)[-1] == {"dnat": {"family": "ip", "addr": "10.0.0.2", "port": 80}}
+    assert {"match": {"op": "!=", "left": {"payload": {"protocol": "ip", "field": "daddr"}},
+                      "right": {"prefix": {"addr": "127.0.0.0", "len": 8}}}} in rule_exprs(local)
+    isolate = rules()[-2]
+    assert rule_exprs(isolate)[-2:] == [
+        {"match": {"op": "!=", "left": {"ct": {"key": "status"}}, "right": "dnat"}},
+        {"drop": None}]
+
+
+def test_transaction_touches_only_table_inet_envctl():
+    cmds = table_commands() + [add_rule_command(r) for r in rules()] + [delete_table_command()]
+    for cmd in cmds:
+        (obj,) = cmd.values()
+        (body,) = obj.values()
+        assert body["family"] == "inet"
+        assert body.get("table", body.get("name")) == "envctl"
+    assert not any("flush" in c for c in cmds)
+    assert json.loads(document(cmds))["nftables"] == cmds
+
+
+@pytest.mark.skipif(subprocess.run(["nft", "--version"], capture_output=True).returncode != 0
+                    if sys.platform == "linux" else True, reason="needs the nft command")
+def test_nft_accepts_the_generated_document():
+    doc = document(table_commands() + [add_rule_command(r) for r in rules()])
+    res = subprocess.run(["nft", "-c", "-j", "-f", "-"], input=doc, capture_output=True,
+                         text=True)
+    if "Operation not permitted" in res.stderr:
+        pytest.skip("nft -c needs CAP_NET_ADMIN")
+    assert res.returncode == 0, res.stderr
+
+
+def test_detect_backend_honours_envctl_firewall():
+    assert detect_backend({"ENVCTL_FIREWALL": "iptables"}) == "iptables"
+    assert detect_backend({"ENVCTL_FIREWALL": "nftables"}) == "nftables"
+
+
+# ---------------------------------------------------------------- planner
+
+
+def keys(plan):
+    return [r.key for r in plan.resources]
+
+
+def test_cpu_compute_network_plan():
+    plan = plan_env(load_spec(REPO / "configs" / "cpu-compute.yaml").spec, FACTS)
+    net = [r for r in plan.resources
+           if r.kind in ("netns", "bridge", "veth", "ipconfig", "firewall")]
+    assert [r.key for r in net] == ["netns:cpu-compute", "bridge:compute-bridge",
+                                    "veth:ve-cpu-co-f2f1e", "ipconfig:cpu-compute/eth0",
+                                    "firewall:cpu-compute"]
+    bridge, veth, ipc, fw = net[1:]
+    assert bridge.address == "10.200.0.1/24" and bridge.shared
+    assert (veth.bridge, veth.netns, veth.interface, veth.isolated) == (
+        "compute-bridge", "cpu-compute", "eth0", True)
+    assert (ipc.address, ipc.gateway) == ("10.200.0.21/24", "10.200.0.1")
+    assert (fw.backend, fw.nat, fw.isolate, fw.ports) == ("nftables", True, True,
+                                                          ("tcp:9090:9090",))
+    assert keys(plan).count("sysctl:net.ipv4.ip_forward") == 1
+    assert keys(plan).index("sysctl:net.ipv4.ip_forward") < keys(plan).index(
+        "firewall:cpu-compute")
+    assert plan.resolved["firewall"] == "nftables"
+    for r in plan.resources:
+        assert Resource.from_dict(r.to_dict()) == r
+
+
+def _spec(network: str):
+    return parse_spec(f"name: x\nkind: cpu\nnetwork:\n{network}", "x.yaml").spec
+
+
+def test_ip_forward_only_when_routing_is_needed_and_backend_choice():
+    plain = plan_env(_spec("  address: 10.200.0.5\n  nat: false\n  isolate: false\n"), FACTS)
+    assert "sysctl:net.ipv4.ip_forward" not in keys(plain)
+    assert "firewall:x" not in keys(plain)
+    forced = plan_env(_spec("  address: 10.200.0.5\n  firewall: iptables\n"), FACTS)
+    assert [r.backend for r in forced.resources if r.kind == "firewall"] == ["iptables"]
+    auto = plan_env(_spec("  address: 10.200.0.5\n"), HostFacts(firewall="iptables"))
+    assert auto.resolved["firewall"] == "iptables"
+
+
+def test_gateway_and_interface_from_the_spec():
+    plan = plan_env(_spec("  address: 10.9.0.5\n  bridge_address: 10.9.0.1/16\n"
+                          "  gateway: 10.9.0.254\n  interface: net0\n"), FACTS)
+    (ipc,) = [r for r in plan.resources if r.kind == "ipconfig"]
+    assert (ipc.interface, ipc.address, ipc.gateway) == ("net0", "10.9.0.5/16", "10.9.0.254")
