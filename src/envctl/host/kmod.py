@@ -148,7 +148,7 @@ class KernelModules:
         """Whether modprobe could load `name` here, from modules.dep (read, never run)."""
         if not self.tree.is_dir():
             return Availability(False, reason=f"{self.tree} does not exist (no modules are "
-                                              f"installed for kernel {self.release})")
+                                              "installed for this kernel)")
         try:
             text = (self.tree / "modules.dep").read_text()
         except FileNotFoundError:
