@@ -173,7 +173,7 @@ def status_rows(ws: Workspace | None, host: Host, names: list[str]) -> dict[str,
             except SpecError:
                 resources = None
         out[name] = engine.status(name, resources)
-        _annotate_restores(host, name, out[name])
+        annotate_restores(host, name, out[name])
     return out
 
 
@@ -193,7 +193,7 @@ def status_warnings(ws: Workspace | None, host: Host, names: list[str]) -> dict[
     return out
 
 
-def _annotate_restores(host: Host, env: str, steps: list[Step]) -> None:
+def annotate_restores(host: Host, env: str, steps: list[Step]) -> None:
     """Say, on each host setting envctl holds, what it found and will restore at `down`."""
     ledger = Ledger.open(host.state_dir)
     for step in steps:

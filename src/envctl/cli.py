@@ -158,8 +158,9 @@ def plan(
         if not targets:
             raise typer.BadParameter("name at least one environment, or use --all")
         for n in targets:
-            out.append({"env": n, "warnings": [], "resolved": {},
-                        "steps": engine.diff_down(n)})
+            steps = engine.diff_down(n)
+            ops.annotate_restores(ws.host, n, steps)  # what each host setting goes back to
+            out.append({"env": n, "warnings": [], "resolved": {}, "steps": steps})
     else:
         for p in ws.plan_all(ws.select(env_names, all_=all_)):
             out.append({"env": p.env, "warnings": p.warnings, "resolved": p.resolved,

@@ -52,6 +52,8 @@ def test_sysctls_already_equal_shared_by_two_envs_restored_exactly(clean):
     assert "found 1" in steps["sysctl:net.ipv4.ip_forward"]["note"]
     sb.envctl("down", "a", check=True)
     assert sb.sysctl("vm.zone_reclaim_mode") == "1"  # b still holds it
+    down_plan = sb.envctl("plan", "--down", "b", check=True).stdout
+    assert "- sysctl vm.zone_reclaim_mode = 1  (found 0: restored at down)" in down_plan
     sb.envctl("down", "b", check=True)
     assert (sb.sysctl("net.ipv4.ip_forward"), sb.sysctl("vm.zone_reclaim_mode"),
             sb.sysctl("net.ipv4.ip_local_port_range")) == ("1", "0", "32768\t60999")
