@@ -110,13 +110,14 @@ class Netlink:
 
     def link(self, name: str, *, netns: str | None = None) -> Link | None:
         """The interface called `name`, or None."""
-        msgs = self._do(f"read link '{name}'", "get link", netns, "get_links", ifname=name,
+        # RTM_GETLINK for one name: get_links(ifname=…) would dump every link and filter here.
+        msgs = self._do(f"read link '{name}'", "get link", netns, "link", "get", ifname=name,
                         ok=(errno.ENODEV,))
         msgs = list(msgs or ())
         return _link(msgs[0]) if msgs else None
 
     def link_by_index(self, index: int, *, netns: str | None = None) -> Link | None:
-        msgs = self._do(f"read link #{index}", "get link", netns, "get_links", index,
+        msgs = self._do(f"read link #{index}", "get link", netns, "link", "get", index=index,
                         ok=(errno.ENODEV,))
         msgs = list(msgs or ())
         return _link(msgs[0]) if msgs else None
