@@ -147,6 +147,8 @@ class Engine:
                 if not isinstance(exc, EnvctlError | OSError):
                     raise
                 rolled, errors = self._rollback(env, applied, journal, ledger)
+                journal.save(durable=True)
+                ledger.save(durable=True)
                 raise StepFailed(res.describe(), exc, rolled_back=rolled,
                                  rollback_errors=errors) from exc
             outcome.steps.append(step)
@@ -155,7 +157,8 @@ class Engine:
         # Keep the journal in plan order so teardown is the plan reversed.
         order = {r.key: i for i, r in enumerate(resources)}
         journal.entries.sort(key=lambda e: order.get(e.key, -1))
-        journal.save()
+        journal.save(durable=True)
+        ledger.save(durable=True)
         return outcome
 
     def _converge(self, env: str, index: int, res: Resource, journal: Journal, ledger: Ledger,
@@ -228,6 +231,8 @@ class Engine:
                             f"still used by {', '.join(others)}" if others else "")
                 outcome.steps.append(step)
                 self.progress("done", step)
+            journal.save(durable=True)
+            ledger.save(durable=True)
             return outcome
 
     def _teardown_order(self, env: str, journal: Journal,

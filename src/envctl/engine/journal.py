@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from envctl.host.files import read_json, write_json
+from envctl.host.files import read_json, sync_dir, write_json
 from envctl.resources.base import Resource
 
 VERSION = 1
@@ -63,14 +63,17 @@ class Journal:
         self.entries = [e for e in self.entries if e.key != key]
         self.save()
 
-    def save(self) -> None:
+    def save(self, *, durable: bool = False) -> None:
+        """Write atomically; `durable` (once per run, see host.files) also fsyncs."""
         if not self.entries:
             self.path.unlink(missing_ok=True)
+            if durable and self.path.parent.is_dir():
+                sync_dir(self.path.parent)
             return
         write_json(self.path, {
             "version": VERSION, "env": self.env, "updated": time.time(),
             "entries": [vars(e) for e in self.entries],
-        })
+        }, durable=durable)
 
     @staticmethod
     def environments(state_dir: Path) -> list[str]:
@@ -118,8 +121,10 @@ class Ledger:
             del self.items[key]
         self.save()
 
-    def save(self) -> None:
+    def save(self, *, durable: bool = False) -> None:
         if not self.items:
             self.path.unlink(missing_ok=True)
+            if durable and self.path.parent.is_dir():
+                sync_dir(self.path.parent)
             return
-        write_json(self.path, {"version": VERSION, "items": self.items})
+        write_json(self.path, {"version": VERSION, "items": self.items}, durable=durable)
