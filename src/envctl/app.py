@@ -216,3 +216,23 @@ def annotate_restores(host: Host, env: str, steps: list[Step]) -> None:
 
 def problems_json(problems: list[Problem]) -> list[dict]:
     return [vars(p) for p in problems]
+
+
+def cgroup_usage(host: Host, rows: dict[str, list[Step]]) -> dict[str, dict]:
+    """Per environment: the cgroup driver in use and, when its cgroup exists, its usage."""
+    from envctl.errors import HostError
+
+    out: dict[str, dict] = {}
+    for env, steps in rows.items():
+        for s in steps:
+            driver = getattr(s.resource, "driver", None)
+            if s.resource.kind != "cgroup" or driver is None:
+                continue
+            info: dict = {"driver": driver, "version": getattr(s.resource, "version", None)}
+            if s.op in ("=", "~") and s.note != "not applied":
+                try:
+                    info["stats"] = host.cgroups.stats(env).to_json()
+                except HostError as exc:
+                    info["error"] = str(exc)
+            out[env] = info
+    return out

@@ -264,12 +264,14 @@ def status(
     targets = env_names or ops.known_environments(ws, host)
     rows = ops.status_rows(ws, host, targets)
     warnings = ops.status_warnings(ws, host, targets)
+    cgroups = ops.cgroup_usage(host, rows)
     if json_:
         _emit_json([{"env": env, "up": any(s.op != "+" for s in steps) and bool(steps),
                      "steps": [s.to_json() for s in steps],
-                     "warnings": warnings.get(env, [])} for env, steps in rows.items()])
+                     "warnings": warnings.get(env, []), "cgroup": cgroups.get(env)}
+                    for env, steps in rows.items()])
     else:
-        render_status(_console(), rows, warnings)
+        render_status(_console(), rows, warnings, cgroups=cgroups)
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):
         raise typer.Exit(1)

@@ -85,7 +85,8 @@ def render_outcomes(console: Console, outcomes: list[Outcome], *, verb: str) -> 
 
 
 def render_status(console: Console, rows: dict[str, list[Step]],
-                  warnings: dict[str, list[str]] | None = None) -> None:
+                  warnings: dict[str, list[str]] | None = None, *,
+                  cgroups: dict[str, dict] | None = None) -> None:
     if not rows:
         console.print("no environments")
     for env, steps in rows.items():
@@ -98,6 +99,8 @@ def render_status(console: Console, rows: dict[str, list[Step]],
             state = "degraded"
         colour = {"up": "green", "down": "dim", "degraded": "yellow"}[state]
         console.print(f"[bold]{env}[/]  [{colour}]{state}[/]")
+        if (cgroups or {}).get(env):
+            console.print(f"  {'cgroup':<12} {_cgroup_line(cgroups[env])}")
         for s in steps:
             word = {"+": "missing", "~": "drifted", "=": "ok"}.get(s.op, s.op)
             if s.note == "not applied":
@@ -110,3 +113,23 @@ def render_status(console: Console, rows: dict[str, list[Step]],
                           + (f"  [dim]({notes})[/]" if notes else ""))
         for w in (warnings or {}).get(env, []):
             console.print(f"  [yellow]! {w}[/]")
+
+
+def _cgroup_line(info: dict[str, Any]) -> str:
+    """`cgroupfs (v1): cpu 1.2 s, throttled 3/10 periods, memory 12M (peak 20M), ...`"""
+    text = f"driver {info['driver']} (cgroup v{info.get('version')})"
+    st = info.get("stats") or {}
+    parts = []
+    if st.get("cpu_usage_us") is not None:
+        parts.append(f"cpu {st['cpu_usage_us'] / 1e6:.1f} s")
+    if st.get("nr_periods"):
+        parts.append(f"throttled {st.get('nr_throttled') or 0}/{st['nr_periods']} periods")
+    if st.get("memory_current") is not None:
+        peak = st.get("memory_peak")
+        parts.append(f"memory {format_size(st['memory_current'])}"
+                     + (f" (peak {format_size(peak)})" if peak is not None else ""))
+    if st.get("oom_kills") is not None:
+        parts.append(f"{st['oom_kills']} OOM kills")
+    if st.get("pids_current") is not None:
+        parts.append(f"{st['pids_current']} pids")
+    return text + (": " + ", ".join(parts) if parts else "")

@@ -80,7 +80,9 @@ def test_up_writes_limits_and_down_removes_everything(clean):
     assert v1_path(sb, "cpuset", "cpuset.cpus").read_text().strip()
     status = sb.envctl_json("status", "lim")[0]
     assert {s["status"] for s in status["steps"]} == {"ok"}
-    assert any("cgroupfs" in s["describe"] for s in status["steps"])
+    assert status["cgroup"]["driver"] == "cgroupfs" and status["cgroup"]["version"] == 1
+    assert status["cgroup"]["stats"]["pids_current"] == 0
+    assert "driver cgroupfs (cgroup v1)" in sb.envctl("status", "lim", check=True).stdout
     # Up again is a no-op; drift is seen and repaired.
     v1_path(sb, "pids", "lim", "pids.max").write_text("5")
     status = sb.envctl_json("status", "lim")[0]

@@ -4,7 +4,7 @@ and its device allow-list (v1 devices.deny/allow, v2 a BPF_PROG_TYPE_CGROUP_DEVI
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from envctl.errors import HostError
 from envctl.host.cgroups import normalize
@@ -73,6 +73,7 @@ class Cgroup(Resource):
     the directories go; a cgroup already gone counts as removed."""
 
     kind = "cgroup"
+    driver: ClassVar[str] = "cgroupfs"  # what `envctl status` reports
     env: str
     version: int
     controllers: tuple[str, ...]

@@ -1,0 +1,155 @@
+"""Run INSIDE the v2 VM (tests/vm/test_vm_cgroup.py boots it): the cgroup tests of
+tests/integration/test_cgroup.py against a real cgroup v2 kernel with every controller."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from envctl.host.cgroups import Cgroups, detect_layout, read_cgroup_facts
+from tests.integration.sandbox import Sandbox
+from tests.integration.test_cgroup import ATTACH, SPEC, run_child, start_child, up
+
+pytestmark = pytest.mark.root
+ROOT = Path("/sys/fs/cgroup")
+
+
+@pytest.fixture
+def clean(tmp_path):
+    if detect_layout().version != 2:
+        pytest.skip("not a cgroup v2 host")
+    sb = Sandbox(tmp_path)
+    sb.nft_tables = lambda: []  # the VM loads no nf_tables module; envctl's cgroups need none
+    yield sb
+    residue = sb.residue()
+    sb.close()
+    assert residue == {}, "residue left behind"
+
+
+def cg(sb) -> Cgroups:
+    return Cgroups(detect_layout(), sb.cgroup_parent, kill_grace=1.0)
+
+
+def path(sb, *rest: str) -> Path:
+    return ROOT.joinpath(sb.cgroup_parent, *rest)
+
+
+def read(sb, *rest: str) -> str:
+    return path(sb, *rest).read_text().strip()
+
+
+def test_layout_is_pure_v2_with_all_controllers():
+    facts = read_cgroup_facts()
+    assert facts.layout == "v2" and facts.version == 2
+    assert set(facts.controllers) == {"cpu", "cpuset", "memory", "io", "pids"}
+
+
+def test_up_writes_limits_and_down_removes_everything(clean):
+    sb = clean
+    io = "\n  io: {weight: 200}" if read_cgroup_facts().io_weight else ""
+    res = up(sb, "  cpu: {quota: 50%, weight: 200}\n  memory: {max: 64M, high: 48M}\n"
+                 "  pids: {max: 64}" + io)
+    assert res.returncode == 0, res.stderr
+    assert read(sb, "lim", "cpu.max") == "50000 100000"
+    assert read(sb, "lim", "cpu.weight") == "200"
+    assert read(sb, "lim", "memory.max") == str(64 * 2**20)
+    assert read(sb, "lim", "memory.high") == str(48 * 2**20)
+    assert read(sb, "lim", "pids.max") == "64"
+    if io:
+        weight_file = read_cgroup_facts().io_weight
+        assert "200" in read(sb, "lim", weight_file) or weight_file == "io.bfq.weight"
+    # The parent delegates the controllers to the environment.
+    assert {"cpu", "memory", "pids"} <= set(read(sb, "cgroup.subtree_control").split())
+    status = sb.envctl_json("status", "lim")[0]
+    assert {s["status"] for s in status["steps"]} == {"ok"}, status
+    path(sb, "lim", "pids.max").write_text("5")
+    assert sb.envctl("up", "lim").returncode == 0
+    assert read(sb, "lim", "pids.max") == "64"
+    for _ in range(2):
+        sb.envctl("down", "lim", check=True)
+
+
+def test_cpu_burner_under_half_quota_is_throttled(clean):
+    sb = clean
+    assert up(sb, "  cpu: {quota: 50%}").returncode == 0
+    proc = start_child(sb, "lim", "while True: pass\n")
+    try:
+        assert proc.stdout.readline().strip() == "attached"
+        deadline = time.monotonic() + 60
+        st = cg(sb).stats("lim")
+        while (st.nr_throttled or 0) < 5 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            st = cg(sb).stats("lim")
+        assert st.nr_throttled >= 5 and st.throttled_us > 0, st
+        assert st.cpu_usage_us > 0
+    finally:
+        sb.envctl("down", "lim", check=True)
+        proc.wait(timeout=30)
+
+
+def test_memory_hog_above_limit_is_oom_killed(clean):
+    sb = clean
+    assert up(sb, "  memory: {max: 32M}").returncode == 0
+    hog = ("chunks = []\nfor _ in range(64):\n    chunks.append(bytearray(8 << 20))\n"
+           "print('survived')\n")
+    res = run_child(sb, "lim", hog, timeout=300)
+    assert res.returncode == -9, (res.returncode, res.stdout, res.stderr)
+    st = cg(sb).stats("lim")
+    assert st.oom_kills >= 1, st
+    assert st.memory_peak is not None and st.memory_peak <= 32 * 2**20
+    sb.envctl("down", "lim", check=True)
+
+
+def test_bpf_device_program_refuses_devices_outside_the_list(clean):
+    sb = clean
+    assert up(sb, "").returncode == 0
+    body = """\
+import errno
+for path in ("/dev/null", "/dev/urandom", "/dev/kmsg"):
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+        print(path, "ok")
+    except OSError as exc:
+        print(path, errno.errorcode[exc.errno])
+"""
+    res = run_child(sb, "lim", body, timeout=120)
+    assert res.stdout.split("\n")[1:4] == ["/dev/null ok", "/dev/urandom ok", "/dev/kmsg EPERM"]
+    sb.envctl("down", "lim", check=True)
+
+
+def test_dedicated_cpus_show_in_the_process_affinity(clean):
+    sb = clean
+    assert up(sb, "  cpu: {dedicated: [1]}").returncode == 0
+    assert read(sb, "lim", "cpuset.cpus") == "1"
+    res = run_child(sb, "lim", "print(sorted(os.sched_getaffinity(0)))\n", timeout=120)
+    assert res.stdout.split("\n")[1] == "[1]", res.stdout + res.stderr
+    sb.envctl("down", "lim", check=True)
+
+
+def test_down_kills_live_processes_with_cgroup_kill(clean):
+    sb = clean
+    assert up(sb, "  pids: {max: 32}").returncode == 0
+    kids = [sb.popen(sys.executable, "-c", ATTACH + "import time\ntime.sleep(1000)\n", "lim")
+            for _ in range(2)]
+    for k in kids:
+        assert k.stdout.readline().strip() == "attached"
+    assert cg(sb).stats("lim").pids_current == 2
+    sb.envctl("down", "lim", check=True)
+    for k in kids:
+        assert k.wait(timeout=30) != 0
+    sb.envctl("down", "lim", check=True)
+
+
+def test_fault_at_every_cgroup_step_leaves_no_residue(clean):
+    sb = clean
+    sb.write_spec("lim", SPEC.format(name="lim", resources="  memory: {max: 64M}"))
+    keys = [s["key"] for s in sb.envctl_json("plan", "lim")[0]["steps"]]
+    for i, key in enumerate(keys):
+        if not key.startswith("cgroup"):
+            continue
+        res = sb.envctl("up", "lim", env={"ENVCTL_FAULT": f"fail@after:#{i}"})
+        assert res.returncode == 1, res.stderr
+        assert sb.residue() == {}, key

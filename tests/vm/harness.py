@@ -1,0 +1,168 @@
+"""A qemu VM with a real cgroup v2 kernel (Debian's 6.1) that runs a command on this host's
+own root filesystem (9p, read-only) and hands back its output and exit status.
+
+The recipe is DESIGN.md's: `apt-get download` the generic linux-image-6.1.0-*-amd64 package,
+`dpkg -x` it, build a busybox initramfs whose /init loads the virtio + 9p modules, mounts the
+host root read-only, proc/sys/dev, tmpfs on /tmp and /run, cgroup2 on /sys/fs/cgroup, a
+writable 9p share for results, and switch_roots into the host root to run the command.
+Downloads and builds are cached in $ENVCTL_VM_CACHE (default /var/cache/envctl-vm).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE = Path(os.environ.get("ENVCTL_VM_CACHE", "/var/cache/envctl-vm"))
+MODULES = ("virtio_ring", "virtio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev",
+           "virtio_pci", "netfs", "fscache", "9pnet", "9pnet_virtio", "9p")
+QEMU = "qemu-system-x86_64"
+
+INIT = """#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+# No modules.dep in the package: load in order, retrying until every one is in.
+for try in 1 2 3 4 5; do
+  for m in {modules}; do insmod /lib/modules/$m.ko 2>/dev/null; done
+done
+mkdir -p /host
+mount -t 9p -o trans=virtio,version=9p2000.L,ro hostroot /host || echo "envctl-vm: no 9p root"
+mount -t proc proc /host/proc
+mount -t sysfs sys /host/sys
+mount -t devtmpfs dev /host/dev
+mkdir -p /host/dev/pts /host/dev/shm
+mount -t devpts devpts /host/dev/pts
+mount -t tmpfs tmp /host/tmp
+mount -t tmpfs run /host/run
+mount -t tmpfs shm /host/dev/shm
+mount -t cgroup2 cgroup2 /host/sys/fs/cgroup
+mkdir -p /host/tmp/out
+mount -t 9p -o trans=virtio,version=9p2000.L out /host/tmp/out
+echo "envctl-vm: running"
+# switch_root, not chroot: the host root must be the mount namespace's root, or nsenter -m
+# (the test sandboxes) would land back in this initramfs.
+cat > /host/tmp/envctl-vm-init <<'END'
+/bin/sh /tmp/out/run.sh > /tmp/out/log 2>&1
+echo $? > /tmp/out/rc
+sync
+umount /tmp/out
+echo 1 > /proc/sys/kernel/sysrq
+echo o > /proc/sysrq-trigger
+END
+umount /proc /sys 2>/dev/null
+exec switch_root /host /bin/sh /tmp/envctl-vm-init
+"""
+
+
+@dataclass
+class Result:
+    rc: int | None  # None: the command never finished (boot failure, timeout)
+    log: str
+    console: str
+
+
+def _run(argv: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, check=True, capture_output=True, text=True, **kw)
+
+
+def missing_tools() -> list[str]:
+    return [t for t in (QEMU, "apt-get", "dpkg", "cpio") if shutil.which(t) is None] + \
+        ([] if _busybox() else ["busybox (busybox-static)"])
+
+
+def _busybox() -> str | None:
+    for p in ("/bin/busybox", "/usr/bin/busybox"):
+        if Path(p).exists():
+            return p
+    return shutil.which("busybox")
+
+
+def kernel() -> tuple[Path, Path]:
+    """(vmlinuz, modules dir) of the newest Debian 6.1 generic kernel, downloaded once."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    done = CACHE / "kernel.done"
+    if not done.exists():
+        out = _run(["apt-cache", "search", "--names-only", r"^linux-image-6\.1\.0-[0-9]+-amd64$"])
+        names = sorted((line.split()[0] for line in out.stdout.splitlines()),
+                       key=lambda n: int(n.split("-")[3]))
+        if not names:
+            raise RuntimeError("apt-cache knows no linux-image-6.1.0-*-amd64 (apt-get update?)")
+        for deb in CACHE.glob("*.deb"):
+            deb.unlink()
+        _run(["apt-get", "download", "-q", names[-1]], cwd=CACHE)
+        deb = next(CACHE.glob("linux-image-*.deb"))
+        shutil.rmtree(CACHE / "kernel", ignore_errors=True)
+        _run(["dpkg", "-x", str(deb), str(CACHE / "kernel")])
+        deb.unlink()
+        done.write_text(names[-1] + "\n")
+    vmlinuz = next((CACHE / "kernel/boot").glob("vmlinuz-*"))
+    modules = next((CACHE / "kernel/lib/modules").iterdir())
+    return vmlinuz, modules
+
+
+def initramfs() -> Path:
+    """The busybox initramfs (cached; rebuilt when this file's /init changes)."""
+    _, modules = kernel()
+    init = INIT.format(modules=" ".join(MODULES))
+    target = CACHE / "initrd.gz"
+    stamp = CACHE / "initrd.init"
+    if target.exists() and stamp.exists() and stamp.read_text() == init:
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for d in ("bin", "proc", "sys", "dev", "host", "lib/modules"):
+            (root / d).mkdir(parents=True)
+        shutil.copy(_busybox(), root / "bin/busybox")
+        for m in MODULES:
+            found = list(modules.rglob(f"{m}.ko*"))
+            if not found:
+                raise RuntimeError(f"module {m} not in the kernel package")
+            data = found[0].read_bytes()
+            if found[0].name.endswith(".xz") or found[0].name.endswith(".zst"):
+                raise RuntimeError(f"{found[0]} is compressed; busybox insmod needs plain .ko")
+            (root / "lib/modules" / f"{m}.ko").write_bytes(data)
+        (root / "init").write_text(init)
+        (root / "init").chmod(0o755)
+        files = subprocess.run(["find", "."], cwd=root, check=True, capture_output=True).stdout
+        archive = subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=root, input=files,
+                                 check=True, capture_output=True).stdout
+        tmp_target = target.with_suffix(".tmp")
+        tmp_target.write_bytes(gzip.compress(archive, compresslevel=1))
+        tmp_target.replace(target)
+    stamp.write_text(init)
+    return target
+
+
+def run(script: str, *, timeout: float = 900, memory_mb: int = 1024, cpus: int = 2) -> Result:
+    """Boot the VM, run `script` (sh) as root in the host's root filesystem, power off."""
+    vmlinuz, _ = kernel()
+    initrd = initramfs()
+    with tempfile.TemporaryDirectory(prefix="envctl-vm-") as tmp:
+        out = Path(tmp)
+        out.chmod(0o777)
+        (out / "run.sh").write_text(script)
+        argv = [QEMU, "-accel", "tcg", "-m", str(memory_mb), "-smp", str(cpus), "-nographic",
+                "-kernel", str(vmlinuz), "-initrd", str(initrd),
+                "-append", "console=ttyS0 quiet panic=-1", "-no-reboot",
+                "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
+                "multidevs=remap",
+                "-virtfs", f"local,path={out},mount_tag=out,security_model=none"]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                  stdin=subprocess.DEVNULL)
+            console = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            console = (exc.stdout or b"").decode(errors="replace") if isinstance(
+                exc.stdout, bytes) else (exc.stdout or "")
+            console += "\nenvctl-vm: timed out"
+        rc_file, log_file = out / "rc", out / "log"
+        rc = int(rc_file.read_text().strip()) if rc_file.exists() else None
+        log = log_file.read_text(errors="replace") if log_file.exists() else ""
+        return Result(rc, log, console)
