@@ -312,6 +312,22 @@ class Cgroups:
                     self._parent_write(d / "cgroup.subtree_control",
                                        " ".join(f"+{c}" for c in missing))
 
+    def parent_ready(self) -> bool:
+        """v1: the parent's cpuset has CPUs and nodes; v2: it delegates the controllers."""
+        try:
+            if self.version == 1 and "cpuset" in self.lay.v1:
+                d = Path(self.lay.v1["cpuset"]) / self.parent
+                return all((d / f).read_text().strip() for f in ("cpuset.cpus", "cpuset.mems"))
+            if self.version == 2:
+                d = Path(self.lay.unified or "") / self.parent
+                have = set((d / "cgroup.subtree_control").read_text().split())
+                return {c for c in V2_CONTROLLERS if c in self.lay.v2_controllers} <= have
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise HostError(f"check cgroup '{self.parent}': {exc.strerror}") from exc
+        return True
+
     def _parent_write(self, p: Path, value: str) -> None:
         try:
             _write(p, value)

@@ -49,6 +49,8 @@ class CgroupParent(Resource):
             return Check.absent()
         if not all(present):
             return Check(Status.DRIFTED, detail="missing in some hierarchies")
+        if not host.cgroups.parent_ready():
+            return Check(Status.DRIFTED, detail="cpuset or controller delegation not set up")
         return Check.present()
 
     def snapshot(self, host: Host) -> dict[str, Any]:
