@@ -88,3 +88,12 @@ def test_problems_from_several_files_and_conflicts_together(tmp_path):
                                 "c.yaml": spec("c", addr="10.50.0.3")})
     files = {p.file.rsplit("/", 1)[-1] for p in found}
     assert files == {"a.yaml", "c.yaml"}
+
+
+def test_derived_interface_names_that_collide_are_refused(tmp_path, monkeypatch):
+    import envctl.spec.conflicts as conflicts
+
+    monkeypatch.setattr(conflicts, "host_veth", lambda name: "ve-same-00000")
+    found = problems(tmp_path, {"a.yaml": spec("a", addr="10.50.0.2"),
+                                "b.yaml": spec("b", addr="10.50.0.3")})
+    assert "host interface name ve-same-00000" in str(found[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from envctl.errors import Problem
+from envctl.spec.naming import host_veth
 from envctl.spec.resolve import dedicated_cpus
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
                                         f"'{other.spec.name}' ({other.path})"))
 
     names: dict = {}
+    veths: dict = {}
     cpus: dict = {}
     gpus: dict = {}
     addresses: dict = {}
@@ -64,6 +66,10 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
                         f"subnet {net.subnet} overlaps {other_addr.network} of bridge "
                         f"'{other_name}' ({other.path})"))
             bridges.setdefault(net.bridge, (ls, net.bridge_address))
+            # Derived names are hashed, so this almost never fires; when it does, say so
+            # rather than let two environments fight over one interface.
+            claim(veths, host_veth(s.name), ls, ("name",),
+                  f"host interface name {host_veth(s.name)} (derived from the name)")
             claim(addresses, net.address, ls, ("network", "address"), f"address {net.address}")
             for i, pf in enumerate(net.ports):
                 claim(ports, (pf.host, pf.protocol), ls, ("network", "ports", i),
