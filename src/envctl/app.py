@@ -226,12 +226,12 @@ def cgroup_usage(host: Host, rows: dict[str, list[Step]]) -> dict[str, dict]:
     for env, steps in rows.items():
         for s in steps:
             driver = getattr(s.resource, "driver", None)
-            if s.resource.kind != "cgroup" or driver is None:
+            if s.resource.kind not in ("cgroup", "cgroup-slice") or driver is None:
                 continue
             info: dict = {"driver": driver, "version": getattr(s.resource, "version", None)}
             if s.op in ("=", "~") and s.note != "not applied":
                 try:
-                    info["stats"] = host.cgroups.stats(env).to_json()
+                    info["stats"] = host.cgroups.stats(env, driver=driver).to_json()
                 except HostError as exc:
                     info["error"] = str(exc)
             out[env] = info

@@ -112,6 +112,8 @@ class CgroupFacts:
     # Block devices using the bfq scheduler (a bfq weight acts only on those).
     bfq_devices: tuple[str, ...] = ()
     systemd: bool = False
+    # What `resources.driver: auto` means here when ENVCTL_CGROUP_DRIVER says so ("" = by PID 1).
+    default_driver: str = ""
     cpus: str = ""  # the root cpuset (v1 parents are initialised to it)
     mems: str = ""
 
@@ -147,7 +149,12 @@ def read_cgroup_facts(*, proc_root: Path = Path("/proc"), sys_root: Path = Path(
     return CgroupFacts(layout=lay.layout, version=lay.version, controllers=lay.controllers(),
                        swap=swap, io_weight=io_weight, bfq_devices=bfq,
                        systemd=_read_text(proc_root / "1/comm") == "systemd", cpus=cpus,
-                       mems=mems)
+                       mems=mems, default_driver=_default_driver())
+
+
+def _default_driver() -> str:
+    value = os.environ.get("ENVCTL_CGROUP_DRIVER", "").strip()
+    return "" if value == "auto" else value
 
 
 def _schedulers(sys_root: Path) -> dict[str, str]:
@@ -434,8 +441,17 @@ class Cgroups:
             self.write(env, "devices", "devices.allow", rule)
 
     # -- stats
-    def stats(self, env: str) -> Stats:
-        """CPU usage, throttling, memory current/peak, OOM kills and pids of one environment."""
+    def stats(self, env: str, *, driver: str | None = None) -> Stats:
+        """CPU usage, throttling, memory current/peak, OOM kills and pids of one environment.
+
+        `driver` "systemd" reads the environment's slice (`<parent>.slice/<parent>-<env>.slice`,
+        see envctl.host.systemd); None reads whichever of the two exists, cgroupfs first."""
+        if driver == "systemd" or (driver is None and not any(self.present(env))):
+            from envctl.host.systemd import env_slice, parent_slice
+
+            sliced = Cgroups(self.lay, parent_slice(self.parent))
+            if driver == "systemd" or any(sliced.present(env_slice(env, self.parent))):
+                return sliced.stats(env_slice(env, self.parent), driver="cgroupfs")
         rd = self.read
         if self.version == 2:
             cpu = _kv(rd(env, "cpu", "cpu.stat") or "")
@@ -494,6 +510,7 @@ def _rmdir(path: Path) -> None:
             time.sleep(0.05)
 
 
-def stats(env: str) -> Stats:
-    """Usage of environment `env` on this host (for `envctl monitor` and the job system)."""
-    return Cgroups.from_env().stats(env)
+def stats(env: str, *, driver: str | None = None) -> Stats:
+    """Usage of environment `env` on this host (for `envctl monitor` and the job system), from
+    its cgroupfs cgroup or its systemd slice (`driver`; None: whichever exists)."""
+    return Cgroups.from_env().stats(env, driver=driver)

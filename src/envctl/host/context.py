@@ -77,6 +77,13 @@ class Host:
         return Cgroups.from_env(proc_root=self.proc)
 
     @cached_property
+    def systemd(self):  # noqa: ANN201
+        # The systemd cgroup driver's adapter; ENVCTL_SYSTEMCTL points it at a fake systemctl.
+        from envctl.host.systemd import Systemd
+
+        return Systemd.from_env(proc_root=self.proc)
+
+    @cached_property
     def netlink(self):  # noqa: ANN201
         from envctl.host.netlink import Netlink
 

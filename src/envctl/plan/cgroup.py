@@ -50,13 +50,18 @@ def plan_cgroup(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     res = spec.resources
     driver = res.driver
     if driver == "auto":
-        driver = "systemd" if cg.systemd else "cgroupfs"
+        # ENVCTL_CGROUP_DRIVER (read into the facts) says what `auto` means on this host.
+        driver = cg.default_driver or ("systemd" if cg.systemd else "cgroupfs")
     plan.resolved["cgroup.driver"] = driver
     plan.resolved["cgroup.layout"] = cg.layout
+    if driver not in ("cgroupfs", "systemd"):
+        plan.error(("resources", "driver"), f"ENVCTL_CGROUP_DRIVER={driver!r} is not a cgroup "
+                   "driver; use cgroupfs or systemd")
+        return
     if driver == "systemd":
-        plan.error(("resources", "driver"), "the systemd cgroup driver is not implemented yet; "
-                   "set resources.driver: cgroupfs (on a systemd host this writes outside "
-                   "systemd's tree)")
+        from envctl.plan.cgroup_systemd import plan_systemd
+
+        plan_systemd(spec, facts, plan)
         return
     if cg.version not in (1, 2):
         plan.error(("resources",), f"this host has no usable cgroup hierarchy (layout: "

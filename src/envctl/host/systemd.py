@@ -1,0 +1,477 @@
+"""systemd slices for environments (the systemd cgroup driver): unit names, runtime unit files
+under /run/systemd/system, systemctl calls, properties read back, /dev/char links, attaching
+processes, and stopping a slice with the same grace as the cgroupfs driver.
+
+envctl never writes cgroupfs files of a slice (systemd's single-writer rule): limits go through
+the unit file (and `systemctl set-property --runtime` where a drop-in shadows it), processes go
+in as transient scopes, and teardown signals processes and asks systemd to stop the slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import stat
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from envctl.errors import HostError
+from envctl.host.cgroups import DEFAULT_PARENT, DEFAULT_ROOT, CgroupLayout, detect_layout
+from envctl.spec.units import format_cpu_list, parse_cpu_list
+
+UNIT_DIR = Path("/run/systemd/system")
+# Where `systemctl set-property --runtime` leaves its drop-ins.
+CONTROL_DIR = Path("/run/systemd/system.control")
+# systemctl's exit status for "unit not loaded / unknown" (LSB "not installed").
+EXIT_NOT_LOADED = 5
+
+Runner = Callable[[list[str]], subprocess.CompletedProcess]
+
+
+# ---------------------------------------------------------------- names
+
+
+def escape(text: str) -> str:
+    """`systemd-escape TEXT`: keep [A-Za-z0-9:_.], '/' becomes '-', anything else (also '-')
+    becomes \\xHH; a leading '.' is escaped too."""
+    out = []
+    for i, ch in enumerate(text):
+        if ch == "/":
+            out.append("-")
+        elif (ch.isascii() and ch.isalnum()) or ch in ":_" or (ch == "." and i > 0):
+            out.append(ch)
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode())
+    return "".join(out)
+
+
+def _label(name: str) -> str:
+    # In a slice name '-' means "child of": envctl-cpu-compute.slice would sit under
+    # envctl-cpu.slice. Like kubelet (pod UIDs), '-' becomes '_'; environment names are
+    # [a-z0-9-], so this cannot make two of them collide. Anything else is escaped.
+    return escape(name.replace("-", "_"))
+
+
+def parent_slice(parent: str = DEFAULT_PARENT) -> str:
+    """The slice every environment's slice sits in: `envctl.slice`."""
+    return f"{_label(parent)}.slice"
+
+
+def env_slice(env: str, parent: str = DEFAULT_PARENT) -> str:
+    """An environment's slice: `envctl-cpu_compute.slice` for `cpu-compute`."""
+    return f"{_label(parent)}-{_label(env)}.slice"
+
+
+def slice_cgroup(env: str, parent: str = DEFAULT_PARENT) -> str:
+    """The slice's cgroup, relative to a hierarchy's root: `envctl.slice/envctl-x.slice`."""
+    return f"{parent_slice(parent)}/{env_slice(env, parent)}"
+
+
+# ---------------------------------------------------------------- unit files and properties
+
+# Unit-file setting -> the property `systemctl show` reports it as.
+SHOW_KEY = {"CPUQuota": "CPUQuotaPerSecUSec", "CPUQuotaPeriodSec": "CPUQuotaPeriodUSec"}
+_SPAN_UNITS = {"us": 1, "ms": 1000, "s": 1_000_000, "min": 60_000_000, "h": 3_600_000_000,
+               "d": 86_400_000_000, "w": 604_800_000_000}
+
+
+def show_key(setting: str) -> str:
+    return SHOW_KEY.get(setting, setting)
+
+
+def parse_timespan(text: str) -> str:
+    """A time span as systemctl prints it ('500ms', '1s 500ms', 'infinity') in µs."""
+    text = text.strip()
+    if text in ("", "infinity"):
+        return "infinity"
+    total = 0
+    for num, unit in re.findall(r"([0-9.]+)\s*([a-z]*)", text):
+        total += round(float(num) * _SPAN_UNITS.get(unit or "us", 1))
+    return str(total)
+
+
+def want_value(setting: str, value: str) -> str:
+    """A unit-file value as `systemctl show` will report it, normalised."""
+    value = value.strip()
+    if setting == "CPUQuota":
+        return "infinity" if not value else str(round(float(value.rstrip("%")) * 10_000))
+    if setting == "CPUQuotaPeriodSec":
+        return parse_timespan(value)
+    return have_value(setting, value)
+
+
+def have_value(setting: str, value: str) -> str:
+    """A value `systemctl show` printed, normalised for comparison with `want_value`."""
+    value = value.strip()
+    if setting in SHOW_KEY:
+        return parse_timespan(value)
+    if setting in ("AllowedCPUs", "AllowedMemoryNodes"):
+        return format_cpu_list(parse_cpu_list(value)) if value else ""
+    if setting in ("MemoryMax", "MemoryHigh", "MemorySwapMax", "TasksMax") and value in (
+            "", "infinity", str(2**64 - 1)):
+        return "infinity"
+    return " ".join(value.split())
+
+
+def unit_text(description: str, settings: Sequence[tuple[str, str]],
+              device_allow: Sequence[str] = (), *, policy: bool = True) -> str:
+    """The unit file of a slice: [Unit] Description, then every setting in order."""
+    lines = ["# Made by envctl; `envctl down` removes it. Do not edit: `envctl up` rewrites it.",
+             "[Unit]", f"Description={description}", "", "[Slice]"]
+    lines += [f"{k}={v}" for k, v in settings]
+    if policy:
+        lines.append("DevicePolicy=closed")
+        lines += [f"DeviceAllow={d}" for d in device_allow]
+    return "\n".join(lines) + "\n"
+
+
+def expected(settings: Sequence[tuple[str, str]], device_allow: Sequence[str] = (), *,
+             policy: bool = True) -> dict[str, str]:
+    """setting -> normalised value systemd should report for the unit file `unit_text` makes."""
+    want = {k: want_value(k, v) for k, v in settings}
+    if policy:
+        want["DevicePolicy"] = "closed"
+        want["DeviceAllow"] = _device_set(device_allow)
+    return want
+
+
+def _device_set(entries: Iterable[str]) -> str:
+    # systemd keeps DeviceAllow= newest first; the order means nothing.
+    return "; ".join(sorted({" ".join(e.split()) for e in entries if e.strip()}))
+
+
+def read_proc_devices(proc: Path) -> dict[tuple[str, int], str]:
+    """('c'|'b', major) -> driver name, from /proc/devices."""
+    out: dict[tuple[str, int], str] = {}
+    kind = ""
+    try:
+        text = (proc / "devices").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("Character"):
+            kind = "c"
+        elif line.startswith("Block"):
+            kind = "b"
+        elif kind and (parts := line.split()) and len(parts) == 2 and parts[0].isdigit():
+            out.setdefault((kind, int(parts[0])), parts[1])
+    return out
+
+
+def device_allow(rule: str, names: dict[tuple[str, int], str]) -> str:
+    """A cgroup v1 rule ('c 195:0 rwm', 'c 136:* rwm') as a DeviceAllow= value.
+
+    A single node becomes /dev/char/MAJ:MIN, which systemd parses without stat()ing it; a
+    whole major becomes char-NAME (its /proc/devices name), which is how systemd spells it."""
+    kind, numbers, access = rule.split()
+    major, minor = numbers.split(":")
+    base = "char" if kind == "c" else "block"
+    if minor == "*":
+        name = names.get((kind, int(major)))
+        if name is None:
+            raise HostError(f"map device rule '{rule}': major {major} is not in /proc/devices, "
+                            "and systemd's DeviceAllow= names a whole major only by that name")
+        return f"{base}-{name} {access}"
+    return f"/dev/{base}/{major}:{minor} {access}"
+
+
+# ---------------------------------------------------------------- the adapter
+
+
+class Systemd:
+    """Environments' slices through systemctl: unit files in `unit_dir`, properties read back."""
+
+    def __init__(self, layout: CgroupLayout, parent: str = DEFAULT_PARENT, *,
+                 unit_dir: Path = UNIT_DIR, control_dir: Path = CONTROL_DIR,
+                 systemctl: Sequence[str] = ("systemctl",), busctl: Sequence[str] = ("busctl",),
+                 proc: Path = Path("/proc"), dev: Path = Path("/dev"),
+                 runner: Runner | None = None, kill_grace: float = 5.0):
+        self.lay = layout
+        self.parent = parent
+        self.unit_dir = unit_dir
+        self.control_dir = control_dir
+        self.systemctl = list(systemctl)
+        self.busctl = list(busctl)
+        self.proc = proc
+        self.dev = dev
+        self.runner = runner or _run
+        self.kill_grace = kill_grace
+
+    @classmethod
+    def from_env(cls, *, proc_root: Path = Path("/proc")) -> Systemd:
+        """The real host; ENVCTL_SYSTEMCTL (shlex-split argv) points tests at a fake."""
+        env = os.environ
+        root = Path(env.get("ENVCTL_CGROUP_ROOT", DEFAULT_ROOT))
+        return cls(detect_layout(proc_root=proc_root, root=root),
+                   env.get("ENVCTL_CGROUP_PARENT", DEFAULT_PARENT),
+                   unit_dir=Path(env.get("ENVCTL_SYSTEMD_UNIT_DIR", UNIT_DIR)),
+                   systemctl=shlex.split(env.get("ENVCTL_SYSTEMCTL", "systemctl")),
+                   proc=proc_root)
+
+    # -- names
+    @property
+    def parent_unit(self) -> str:
+        return parent_slice(self.parent)
+
+    def unit(self, env: str) -> str:
+        return env_slice(env, self.parent)
+
+    def cgroup(self, env: str) -> str:
+        return slice_cgroup(env, self.parent)
+
+    def unit_path(self, unit: str) -> Path:
+        return self.unit_dir / unit
+
+    # -- systemctl
+    def _ctl(self, action: str, unit: str, *args: str,
+             ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess:
+        argv = [*self.systemctl, *args]
+        try:
+            res = self.runner(argv)
+        except OSError as exc:
+            raise HostError(f"{action} slice '{unit}': {argv[0]}: {exc.strerror}") from exc
+        if res.returncode not in ok:
+            cause = (res.stderr or res.stdout or "").strip().splitlines()
+            raise HostError(f"{action} slice '{unit}': systemctl {' '.join(args)}: "
+                            f"{cause[-1] if cause else f'exit status {res.returncode}'}")
+        return res
+
+    def show(self, unit: str, keys: Iterable[str]) -> dict[str, list[str]]:
+        """`systemctl show -p K1,K2 UNIT`: key -> its values (DeviceAllow has several)."""
+        res = self._ctl("check", unit, "show", "-p", ",".join(keys), "--", unit)
+        out: dict[str, list[str]] = {}
+        for line in res.stdout.splitlines():
+            key, sep, value = line.partition("=")
+            if sep:
+                out.setdefault(key, []).append(value)
+        return out
+
+    def state(self, unit: str, settings: Iterable[str] = ()) -> dict[str, str]:
+        """LoadState, ActiveState, FragmentPath and each setting, normalised (see have_value)."""
+        keys = {s: show_key(s) for s in settings}
+        raw = self.show(unit, ["LoadState", "ActiveState", "FragmentPath", *keys.values()])
+        out = {k: (raw.get(k) or [""])[-1] for k in ("LoadState", "ActiveState", "FragmentPath")}
+        for setting, key in keys.items():
+            values = raw.get(key, [])
+            if setting == "DeviceAllow":
+                out[setting] = _device_set(values)
+            else:
+                out[setting] = have_value(setting, values[-1] if values else "")
+        return out
+
+    def read_unit(self, unit: str) -> str | None:
+        try:
+            return self.unit_path(unit).read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise HostError(f"check slice '{unit}': read {self.unit_path(unit)}: "
+                            f"{exc.strerror}") from exc
+
+    def write_unit(self, unit: str, text: str) -> bool:
+        """Write the unit file when its content differs (atomically); True when it changed."""
+        if self.read_unit(unit) == text:
+            return False  # already so
+        path = self.unit_path(unit)
+        tmp = path.with_name(f".{unit}.envctl-tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text)
+            tmp.replace(path)
+        except OSError as exc:
+            raise HostError(f"create slice '{unit}': write {path}: {exc.strerror}") from exc
+        return True
+
+    def daemon_reload(self, unit: str) -> None:
+        self._ctl("load", unit, "daemon-reload")
+
+    def start(self, unit: str) -> None:
+        self._ctl("start", unit, "start", "--", unit)
+
+    def set_property(self, unit: str, assignments: Sequence[str]) -> None:
+        """`systemctl set-property --runtime`: takes effect now, gone at reboot."""
+        self._ctl("set", unit, "set-property", "--runtime", "--", unit, *assignments)
+
+    def ensure_slice(self, unit: str, text: str) -> None:
+        """The unit file says `text`, systemd has loaded it and the slice is active."""
+        if self.write_unit(unit, text):
+            self.daemon_reload(unit)
+        self.start(unit)
+
+    def remove_slice(self, unit: str, cgroup: str | None = None) -> None:
+        """Stop the slice (its processes first, with the grace period), then delete its unit
+        file and any runtime drop-ins; a slice already gone counts as removed."""
+        if cgroup is not None:
+            self.kill(unit, cgroup)
+        # EXIT_NOT_LOADED: no such unit any more, nothing to stop.
+        self._ctl("remove", unit, "stop", "--", unit, ok=(0, EXIT_NOT_LOADED))
+        changed = False
+        path = self.unit_path(unit)
+        try:
+            path.unlink()
+            changed = True
+        except FileNotFoundError:
+            pass  # ENOENT: already gone
+        except OSError as exc:
+            raise HostError(f"remove slice '{unit}': unlink {path}: {exc.strerror}") from exc
+        if (self.control_dir / f"{unit}.d").is_dir():
+            # Drop-ins from set-property (ours, when a repair needed one, or an operator's):
+            # `revert` deletes them; it leaves unit files that have no vendor copy alone.
+            self._ctl("remove", unit, "revert", "--", unit)
+            changed = True
+        if changed:
+            self.daemon_reload(unit)
+
+    # -- processes
+    def _dirs(self, cgroup: str) -> list[Path]:
+        mounts = [self.lay.unified] if self.lay.unified else []
+        mounts += sorted(set(self.lay.v1.values()))
+        return [Path(m) / cgroup for m in mounts if m]
+
+    def procs(self, cgroup: str) -> set[int]:
+        """Every process in the slice's cgroup or below (its scopes and services)."""
+        pids: set[int] = set()
+        for top in self._dirs(cgroup):
+            if not top.is_dir():
+                continue
+            for d in [top, *(p for p in top.rglob("*") if p.is_dir())]:
+                with contextlib.suppress(FileNotFoundError):
+                    pids.update(int(x) for x in (d / "cgroup.procs").read_text().split())
+        return pids
+
+    def kill(self, unit: str, cgroup: str, *, grace: float | None = None) -> None:
+        """SIGTERM everything in the slice, wait up to the grace period, then SIGKILL until it
+        is empty (10 s limit) — the cgroupfs driver's semantics, by signals, not cgroupfs."""
+        grace = self.kill_grace if grace is None else grace
+        if not self.procs(cgroup):
+            return
+        self._signal(cgroup, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self.procs(cgroup) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        deadline = time.monotonic() + 10.0
+        while self.procs(cgroup):
+            self._signal(cgroup, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                raise HostError(f"remove slice '{unit}': kill processes: "
+                                f"{sorted(self.procs(cgroup))} still running after SIGKILL")
+            time.sleep(0.02)
+
+    def _signal(self, cgroup: str, sig: int) -> None:
+        for pid in self.procs(cgroup):
+            # ESRCH: exited between reading the list and the signal.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def run_argv(self, env: str, argv: Sequence[str], *, unit: str | None = None) -> list[str]:
+        """The argv that runs `argv` inside the environment's slice, in a transient scope
+        (`systemd-run --scope` execs it in the foreground: its exit status is the command's)."""
+        extra = [f"--unit={unit}"] if unit else []
+        return ["systemd-run", "--quiet", "--scope", "--collect", f"--slice={self.unit(env)}",
+                *extra, "--", *argv]
+
+    def attach(self, env: str, pid: int, *, timeout: float = 10.0) -> str:
+        """Move running process `pid` into the environment's slice, as a transient scope made
+        with D-Bus StartTransientUnit (busctl); returns the scope's name. A slice holds no
+        process itself: the scope does, and goes away when its processes have exited."""
+        unit = self.unit(env)
+        scope = f"{unit.removesuffix('.slice')}-{pid}.scope"
+        argv = [*self.busctl, "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
+                scope, "fail", "3", "PIDs", "au", "1", str(pid), "Slice", "s", unit,
+                "CollectMode", "s", "inactive-or-failed", "0"]
+        try:
+            res = self.runner(argv)
+        except OSError as exc:
+            raise HostError(f"attach to slice '{unit}': {argv[0]}: {exc.strerror}") from exc
+        if res.returncode != 0:
+            cause = (res.stderr or res.stdout or "").strip() or f"exit {res.returncode}"
+            raise HostError(f"attach to slice '{unit}': process {pid}: {cause}")
+        # The call only queues a job: wait until the process is in the scope.
+        want = f"/{self.cgroup(env)}/{scope}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                text = (self.proc / str(pid) / "cgroup").read_text()
+            except FileNotFoundError as exc:
+                raise HostError(f"attach to slice '{unit}': process {pid} exited") from exc
+            if any(line.endswith(want) for line in text.splitlines()):
+                return scope
+            time.sleep(0.02)
+        raise HostError(f"attach to slice '{unit}': process {pid} not in {want} after "
+                        f"{timeout:g} s")
+
+    # -- /dev/char links
+    def char_links(self, rules: Iterable[str]) -> dict[str, str | None]:
+        """/dev/char/MAJ:MIN link -> the node it should point to (relative), for each single
+        node in `rules`; None where /dev has no such node."""
+        wanted = {}
+        for rule in rules:
+            kind, numbers, _ = rule.split()
+            major, minor = numbers.split(":")
+            if kind == "c" and minor != "*":
+                wanted[(int(major), int(minor))] = f"{major}:{minor}"
+        if not wanted:
+            return {}
+        nodes = self._char_nodes(set(wanted))
+        return {str(self.dev / "char" / name): nodes.get(key) for key, name in wanted.items()}
+
+    def _char_nodes(self, want: set[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        found: dict[tuple[int, int], str] = {}
+        skip = {"char", "block", "fd", "pts", "shm", "mqueue", "hugepages", "disk"}
+        for dirpath, dirnames, filenames in os.walk(self.dev):
+            rel = os.path.relpath(dirpath, self.dev)
+            if rel == ".":
+                dirnames[:] = sorted(d for d in dirnames if d not in skip)
+            for name in sorted(filenames):
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                key = (os.major(st.st_rdev), os.minor(st.st_rdev))
+                if stat.S_ISCHR(st.st_mode) and key in want and key not in found:
+                    found[key] = os.path.normpath(os.path.join("..", rel, name))
+        return found
+
+    def missing_char_links(self, rules: Iterable[str]) -> list[str]:
+        """Links that do not resolve to a character device with the right numbers."""
+        missing = []
+        for link, target in self.char_links(rules).items():
+            if target is None:
+                continue  # no node to point at; systemd parses /dev/char/M:N itself anyway
+            major, minor = (int(x) for x in Path(link).name.split(":"))
+            try:
+                st = os.stat(link)
+                ok = stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev),
+                                                   os.minor(st.st_rdev)) == (major, minor)
+            except OSError:
+                ok = False
+            if not ok:
+                missing.append(link)
+        return missing
+
+    def ensure_char_links(self, rules: Iterable[str]) -> None:
+        """Make /dev/char/MAJ:MIN -> ../NODE for each allowed single node that has a node in
+        /dev (udev makes these for its devices, but not for nodes made by nvidia-modprobe)."""
+        links = self.char_links(rules)
+        for link in self.missing_char_links(rules):
+            target = links[link]
+            path = Path(link)
+            try:
+                path.parent.mkdir(exist_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()  # a dangling or wrong link: replace it
+                path.symlink_to(target)
+            except OSError as exc:
+                raise HostError(f"create device link '{link}': symlink to {target}: "
+                                f"{exc.strerror}") from exc
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)

@@ -1,0 +1,164 @@
+"""Cgroups made through systemd (the systemd driver): envctl's parent slice and each
+environment's slice, a runtime unit file with its limits and device allow-list."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from envctl.errors import HostError
+from envctl.host import systemd as sd
+from envctl.resources.base import Check, Diff, Resource, Status
+
+if TYPE_CHECKING:
+    from envctl.host.context import Host
+
+Property = tuple[str, str]  # (unit-file setting, value), written in this order
+
+
+def _version_mismatch(host: Host, version: int) -> Check | None:
+    have = host.cgroups.version
+    if have != version:
+        return Check.wrong_kind(f"planned for cgroup v{version}, the host now drives v{have}")
+    return None
+
+
+def _slice_check(host: Host, unit: str, text: str, want: dict[str, str]) -> Check:
+    """Absent, or present with one Diff per property systemd reports differently, the unit
+    file's content and whether the slice is active."""
+    s = host.systemd
+    have_text = s.read_unit(unit)
+    state = s.state(unit, want)
+    if have_text is None and state["ActiveState"] in ("inactive", ""):
+        return Check.absent()  # not loaded, or loaded but stopped: nothing of ours
+    ours = str(s.unit_path(unit))
+    if have_text is None and state["FragmentPath"] not in ("", ours):
+        return Check.wrong_kind(f"slice {unit} is defined by {state['FragmentPath']}, "
+                                f"not by envctl's {ours}")
+    diffs = [Diff(k, v, state.get(k)) for k, v in want.items() if state.get(k) != v]
+    if have_text != text:
+        diffs.insert(0, Diff("unit file", ours, "missing" if have_text is None else "differs"))
+    if state["ActiveState"] != "active":
+        diffs.insert(0, Diff("ActiveState", "active", state["ActiveState"] or "unknown"))
+    return Check(Status.DRIFTED, tuple(diffs)) if diffs else Check.present()
+
+
+@dataclass(frozen=True)
+class SystemdParentSlice(Resource):
+    """`envctl.slice`, which every environment's slice sits in; shared by all environments.
+    A parent slice that was active before envctl wrote its unit file is never stopped."""
+
+    kind = "cgroup-parent-slice"
+    shared = True
+    version: int
+
+    def ident(self) -> str:
+        return "parent"
+
+    def _unit(self, host: Host) -> str:
+        return host.systemd.parent_unit
+
+    def _text(self, host: Host) -> str:
+        return sd.unit_text("envctl environments", (), policy=False)
+
+    def describe(self) -> str:
+        return f"parent slice (systemd, cgroup v{self.version})"
+
+    def check(self, host: Host) -> Check:
+        if (bad := _version_mismatch(host, self.version)) is not None:
+            return bad
+        return _slice_check(host, self._unit(host), self._text(host), {})
+
+    def snapshot(self, host: Host) -> dict[str, Any]:
+        unit = self._unit(host)
+        active = host.systemd.state(unit)["ActiveState"] == "active"
+        return {"existed": active and host.systemd.read_unit(unit) is None}
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        host.systemd.ensure_slice(self._unit(host), self._text(host))
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        if memo.get("existed"):
+            return  # somebody else's slice: used, never stopped
+        host.systemd.remove_slice(self._unit(host))
+
+
+@dataclass(frozen=True)
+class SystemdSlice(Resource):
+    """One environment's slice: `properties` (CPUQuota, MemoryMax, …) and DevicePolicy=closed
+    with one DeviceAllow= per rule of `devices` ("c 195:0 rwm", as the cgroupfs driver's).
+
+    Applying writes the unit file under /run/systemd/system, reloads systemd when it changed
+    and starts the slice; a property a drop-in shadows is set with `set-property --runtime`.
+    /dev/char/MAJ:MIN links are ensured for every allowed node so that no daemon-reload can
+    drop a rule. Removal stops the processes inside (SIGTERM, grace, SIGKILL), stops the slice
+    and deletes the unit file; a slice already gone counts as removed."""
+
+    kind = "cgroup-slice"
+    driver: ClassVar[str] = "systemd"  # what `envctl status` reports
+    env: str
+    version: int
+    properties: tuple[Property, ...] = ()
+    devices: tuple[str, ...] = ()
+
+    def ident(self) -> str:
+        return self.env
+
+    def describe(self) -> str:
+        return f"slice of {self.env} (systemd, cgroup v{self.version}, " \
+               f"{len(self.devices)} device rules)"
+
+    def _want(self, host: Host) -> tuple[str, str, dict[str, str]]:
+        s = host.systemd
+        names = sd.read_proc_devices(s.proc)
+        allow = [sd.device_allow(r, names) for r in self.devices]
+        text = sd.unit_text(f"envctl environment {self.env}", self.properties, allow)
+        return s.unit(self.env), text, sd.expected(self.properties, allow)
+
+    def check(self, host: Host) -> Check:
+        if (bad := _version_mismatch(host, self.version)) is not None:
+            return bad
+        unit, text, want = self._want(host)
+        found = _slice_check(host, unit, text, want)
+        missing = host.systemd.missing_char_links(self.devices)
+        if found.status is Status.ABSENT or not missing:
+            return found
+        diffs = (*found.diffs, Diff("/dev/char links", "present", "missing: " +
+                                    ", ".join(missing)))
+        return Check(Status.DRIFTED, diffs, found.detail)
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        s = host.systemd
+        unit, text, want = self._want(host)
+        # Links first: systemd resolves DeviceAllow= paths when it applies the unit.
+        s.ensure_char_links(self.devices)
+        s.ensure_slice(unit, text)
+        state = s.state(unit, want)
+        drifted = [k for k, v in want.items() if state.get(k) != v]
+        if not drifted:
+            return  # the unit file holds
+        # A drop-in (an operator's set-property) shadows the unit file: override it at
+        # runtime, the way systemd wants properties of a running unit changed.
+        assignments = []
+        for key in drifted:
+            if key == "DeviceAllow":
+                assignments += ["DeviceAllow=", *(f"DeviceAllow={d}" for d in
+                                                  _allow_lines(text))]
+            elif key == "DevicePolicy":
+                assignments.append("DevicePolicy=closed")
+            else:
+                assignments.append(f"{key}={dict(self.properties)[key]}")
+        s.set_property(unit, assignments)
+        state = s.state(unit, want)
+        still = [f"{k}: {state.get(k)} (want {v})" for k, v in want.items() if state.get(k) != v]
+        if still:
+            raise HostError(f"set slice '{unit}': systemd reports {'; '.join(still)}")
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        s = host.systemd
+        s.remove_slice(s.unit(self.env), s.cgroup(self.env))
+
+
+def _allow_lines(text: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in text.splitlines()
+            if line.startswith("DeviceAllow=")]

@@ -1,0 +1,426 @@
+"""The systemd cgroup driver without systemd: slice names and escaping, the spec -> unit
+property mapping, driver selection, unit files, and check/apply/remove against a fake
+systemctl that behaves like systemd's (properties change only at daemon-reload)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from envctl.errors import HostError
+from envctl.host import systemd as sd
+from envctl.host.cgroups import CgroupFacts, CgroupLayout, Cgroups
+from envctl.host.facts import HostFacts
+from envctl.plan.builder import PlanError
+from envctl.plan.cgroup import DEFAULT_DEVICES
+from envctl.plan.planner import plan_env
+from envctl.resources.base import Resource, Status
+from envctl.resources.cgroup import Cgroup
+from envctl.resources.cgroup_systemd import SystemdParentSlice, SystemdSlice
+from envctl.spec.models import EnvSpec
+
+SD_V2 = CgroupFacts(systemd=True)
+SD_V1 = CgroupFacts(layout="hybrid", version=1, systemd=True,
+                    controllers=("cpu", "cpuacct", "cpuset", "memory", "blkio", "pids",
+                                 "devices"), io_weight="blkio.bfq.weight", cpus="0-3", mems="0")
+PROC_DEVICES = "Character devices:\n  1 mem\n  5 /dev/tty\n136 pts\n195 nvidia\n\n" \
+               "Block devices:\n  8 sd\n"
+
+
+def spec(resources: dict, name: str = "cpu-compute") -> EnvSpec:
+    return EnvSpec.model_validate({"name": name, "kind": "cpu", "resources": resources})
+
+
+def facts(cg: CgroupFacts) -> HostFacts:
+    return HostFacts(cpus=(0, 1, 2, 3), memory_bytes=8 * 2**30, cgroup=cg)
+
+
+def props(plan) -> dict[str, str]:
+    (res,) = [r for r in plan.resources if isinstance(r, SystemdSlice)]
+    return dict(res.properties)
+
+
+# ---------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("text", ["cpu-compute", "a/b", "x y", ".hidden", "caf\u00e9", "a:b_c.d"])
+def test_escape_matches_systemd_escape(text):
+    if shutil.which("systemd-escape") is None:
+        pytest.skip("no systemd-escape")
+    real = subprocess.run(["systemd-escape", "--", text], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert sd.escape(text) == real
+
+
+def test_slice_names_keep_dashes_out_of_the_hierarchy():
+    assert sd.parent_slice() == "envctl.slice"
+    assert sd.env_slice("cpu-compute") == "envctl-cpu_compute.slice"
+    assert sd.slice_cgroup("gpu-a-1") == "envctl.slice/envctl-gpu_a_1.slice"
+    # A test parent with dashes stays one level: no envctl-test.slice in between.
+    assert sd.parent_slice("envctl-test-12-ab") == "envctl_test_12_ab.slice"
+    assert sd.env_slice("lim", "envctl-test-12-ab") == "envctl_test_12_ab-lim.slice"
+    # Distinct environment names never share a slice.
+    names = ["a-b", "ab", "a-b-c", "a-bc", "ab-c"]
+    assert len({sd.env_slice(n) for n in names}) == len(names)
+
+
+@pytest.mark.parametrize(("text", "us"), [("500ms", "500000"), ("1s 500ms", "1500000"),
+                                          ("100ms", "100000"), ("infinity", "infinity"),
+                                          ("2min 3s", "123000000"), ("50us", "50")])
+def test_timespans_as_systemctl_prints_them(text, us):
+    assert sd.parse_timespan(text) == us
+
+
+# ---------------------------------------------------------------- planning
+
+
+def test_auto_is_systemd_when_pid1_is_systemd_and_maps_the_spec():
+    plan = plan_env(spec({"cpu": {"quota": "150%", "period_us": 50000, "weight": 200,
+                                  "dedicated": [1, 2]},
+                          "memory": {"max": "1G", "high": "512M", "swap_max": "256M",
+                                     "nodes": [0]},
+                          "io": {"weight": 300}, "pids": {"max": 64}}), facts(SD_V2))
+    assert plan.resolved["cgroup.driver"] == "systemd"
+    kinds = [r.kind for r in plan.resources if r.kind.startswith("cgroup")]
+    assert kinds == ["cgroup-parent-slice", "cgroup-slice"]
+    assert props(plan) == {
+        "CPUAccounting": "yes", "MemoryAccounting": "yes", "TasksAccounting": "yes",
+        "CPUQuota": "150%", "CPUQuotaPeriodSec": "50000us", "CPUWeight": "200",
+        "AllowedCPUs": "1-2", "AllowedMemoryNodes": "0",
+        "MemoryMax": str(2**30), "MemoryHigh": str(2**29), "MemorySwapMax": str(2**28),
+        "IOAccounting": "yes", "IOWeight": "300", "TasksMax": "64"}
+    (res,) = [r for r in plan.resources if isinstance(r, SystemdSlice)]
+    assert res.devices == DEFAULT_DEVICES
+
+
+def test_defaults_are_written_so_dropped_limits_reset():
+    p = props(plan_env(spec({}), facts(SD_V2)))
+    assert (p["CPUQuota"], p["CPUWeight"], p["MemoryMax"], p["MemoryHigh"], p["TasksMax"],
+            p["AllowedCPUs"], p["IOWeight"]) == ("", "100", "infinity", "infinity",
+                                                 "infinity", "", "100")
+
+
+def test_v1_host_gets_only_what_systemd_sets_on_v1():
+    p = props(plan_env(spec({"cpu": {"quota": "12.5%"}, "memory": {"max": "1G"}}),
+                       facts(SD_V1)))
+    assert p["CPUQuota"] == "12.5%" and p["MemoryMax"] == str(2**30)
+    assert not {"AllowedCPUs", "MemoryHigh", "MemorySwapMax"} & set(p)
+
+
+@pytest.mark.parametrize(("resources", "cg", "needle"), [
+    ({"cpu": {"dedicated": [1]}}, SD_V1, "unified (v2)"),
+    ({"memory": {"max": "1G", "high": "512M"}}, SD_V1, "MemoryHigh"),
+    ({"memory": {"max": "1G", "swap_max": "1G"}}, SD_V1, "MemorySwapMax"),
+    ({"memory": {"max": "1G", "swap_max": "1G"}}, CgroupFacts(systemd=True, swap=False),
+     "does not account swap"),
+    ({"cpu": {"quota": "0.5%"}}, SD_V2, "1000 µs minimum"),
+    ({"io": {"weight": 10}}, CgroupFacts(systemd=True, io_weight=""), "no proportional IO"),
+    ({"pids": {"max": 10}}, CgroupFacts(systemd=True, controllers=("cpu",)), "'pids'"),
+    ({"driver": "systemd"}, CgroupFacts(), "PID 1 here is not systemd"),
+])
+def test_values_systemd_cannot_set_are_plan_errors(resources, cg, needle):
+    with pytest.raises(PlanError) as exc:
+        plan_env(spec(resources), facts(cg))
+    assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize(("default", "systemd", "driver", "want"), [
+    ("", True, "auto", "systemd"), ("", False, "auto", "cgroupfs"),
+    ("cgroupfs", True, "auto", "cgroupfs"), ("systemd", True, "auto", "systemd"),
+    ("systemd", True, "cgroupfs", "cgroupfs"),  # the spec's explicit choice wins
+])
+def test_driver_selection(default, systemd, driver, want):
+    cg = CgroupFacts(systemd=systemd, default_driver=default)
+    plan = plan_env(spec({"driver": driver}), facts(cg))
+    assert plan.resolved["cgroup.driver"] == want
+    kinds = {r.kind for r in plan.resources}
+    assert ("cgroup-slice" in kinds) == (want == "systemd")
+    assert ("cgroup" in kinds) == (want == "cgroupfs")
+
+
+def test_unknown_driver_override_is_a_plan_error():
+    with pytest.raises(PlanError, match="ENVCTL_CGROUP_DRIVER"):
+        plan_env(spec({}), facts(CgroupFacts(default_driver="sytemd")))
+
+
+def test_driver_override_is_read_into_facts(monkeypatch):
+    from envctl.host.cgroups import read_cgroup_facts
+
+    monkeypatch.setenv("ENVCTL_CGROUP_DRIVER", "systemd")
+    assert read_cgroup_facts().default_driver == "systemd"
+    monkeypatch.setenv("ENVCTL_CGROUP_DRIVER", "auto")
+    assert read_cgroup_facts().default_driver == ""
+
+
+def test_slices_round_trip_through_the_journal_form():
+    import json
+
+    for res in plan_env(spec({"memory": {"max": "1G"}}), facts(SD_V2)).resources:
+        if res.kind.startswith("cgroup"):
+            assert Resource.from_dict(json.loads(json.dumps(res.to_dict()))) == res
+
+
+# ---------------------------------------------------------------- unit files, devices
+
+
+def test_device_rules_become_device_allow_entries():
+    names = sd.read_proc_devices(_fake_proc())
+    assert sd.device_allow("c 1:3 rwm", names) == "/dev/char/1:3 rwm"
+    assert sd.device_allow("c 136:* rwm", names) == "char-pts rwm"
+    assert sd.device_allow("c 195:255 rw", names) == "/dev/char/195:255 rw"
+    with pytest.raises(HostError, match="major 240"):
+        sd.device_allow("c 240:* rwm", names)
+
+
+def _fake_proc(tmp: Path | None = None) -> Path:
+    import tempfile
+
+    d = Path(tmp or tempfile.mkdtemp(prefix="envctl-proc-"))
+    (d / "devices").write_text(PROC_DEVICES)
+    return d
+
+
+def test_unit_text_and_what_systemd_will_report():
+    settings = [("CPUQuota", "50%"), ("CPUQuotaPeriodSec", "100000us"), ("MemoryMax", "1024"),
+                ("AllowedCPUs", "1,2,3"), ("TasksMax", "infinity")]
+    allow = ["/dev/char/1:3 rwm", "char-pts rwm"]
+    text = sd.unit_text("envctl environment x", settings, allow)
+    assert "[Slice]\nCPUQuota=50%\nCPUQuotaPeriodSec=100000us\n" in text
+    assert text.endswith("DevicePolicy=closed\nDeviceAllow=/dev/char/1:3 rwm\n"
+                         "DeviceAllow=char-pts rwm\n")
+    assert sd.expected(settings, allow) == {
+        "CPUQuota": "500000", "CPUQuotaPeriodSec": "100000", "MemoryMax": "1024",
+        "AllowedCPUs": "1-3", "TasksMax": "infinity", "DevicePolicy": "closed",
+        "DeviceAllow": "/dev/char/1:3 rwm; char-pts rwm"}
+
+
+def test_char_links_point_at_the_nodes_in_dev():
+    s = sd.Systemd(CgroupLayout(), dev=Path("/dev"))
+    links = s.char_links(["c 1:3 rwm", "c 136:* rwm", "c 1:9 r"])
+    assert links == {"/dev/char/1:3": "../null", "/dev/char/1:9": "../urandom"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_missing_char_links_are_made(tmp_path):
+    dev = tmp_path / "dev"
+    (dev / "nvidia-caps").mkdir(parents=True)
+    os.mknod(dev / "nvidia0", 0o666 | 0o020000, os.makedev(195, 0))
+    os.mknod(dev / "nvidia-caps/nvidia-cap1", 0o666 | 0o020000, os.makedev(237, 1))
+    (dev / "char").mkdir()
+    (dev / "char/195:0").symlink_to("../gone")  # dangling: replaced
+    s = sd.Systemd(CgroupLayout(), dev=dev)
+    rules = ["c 195:0 rw", "c 237:1 rw", "c 195:7 rw"]
+    assert s.missing_char_links(rules) == [str(dev / "char/195:0"), str(dev / "char/237:1")]
+    s.ensure_char_links(rules)
+    assert os.readlink(dev / "char/195:0") == "../nvidia0"
+    assert os.readlink(dev / "char/237:1") == "../nvidia-caps/nvidia-cap1"
+    assert s.missing_char_links(rules) == []  # 195:7 has no node: nothing to link
+
+
+# ---------------------------------------------------------------- a fake systemctl
+
+
+def _span(us: int) -> str:
+    if us % 1_000_000 == 0:
+        return f"{us // 1_000_000}s"
+    return f"{us // 1000}ms" if us % 1000 == 0 else f"{us}us"
+
+
+class FakeSystemctl:
+    """systemctl over a unit directory: a unit's settings change at daemon-reload (its file)
+    or set-property --runtime (a drop-in), as systemd's do; `show` prints them its way."""
+
+    def __init__(self, unit_dir: Path, control_dir: Path):
+        self.unit_dir, self.control_dir = unit_dir, control_dir
+        self.loaded: dict[str, list[tuple[str, str]]] = {}
+        self.runtime: dict[str, list[tuple[str, str]]] = {}
+        self.active: set[str] = set()
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv: list[str]) -> subprocess.CompletedProcess:
+        args = [a for a in argv[1:] if a != "--"]
+        self.calls.append(args)
+        rc, out = getattr(self, "do_" + args[0].replace("-", "_"))(*args[1:]) or (0, "")
+        return subprocess.CompletedProcess(argv, rc, out, "" if rc == 0 else "Unit not loaded.")
+
+    def do_daemon_reload(self):
+        self.loaded = {}
+        for f in self.unit_dir.glob("*.slice"):
+            self.loaded[f.name] = [tuple(line.split("=", 1)) for line in
+                                   f.read_text().splitlines() if "=" in line
+                                   and not line.startswith("#")]
+
+    def do_start(self, unit):
+        if unit not in self.loaded:
+            return 5, ""
+        self.active.add(unit)
+
+    def do_stop(self, unit):
+        if unit not in self.loaded and unit not in self.active:
+            return 5, ""
+        self.active.discard(unit)
+
+    def do_set_property(self, runtime, unit, *assignments):
+        assert runtime == "--runtime"
+        d = self.control_dir / f"{unit}.d"
+        d.mkdir(parents=True, exist_ok=True)
+        for a in assignments:
+            key, value = a.split("=", 1)
+            self.runtime.setdefault(unit, []).append((key, value))
+            (d / f"50-{key}.conf").write_text(a + "\n")
+
+    def do_revert(self, unit):
+        shutil.rmtree(self.control_dir / f"{unit}.d", ignore_errors=True)
+        self.runtime.pop(unit, None)
+
+    def settings(self, unit) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for key, value in self.loaded.get(unit, []) + self.runtime.get(unit, []):
+            if key == "DeviceAllow":
+                out[key] = [] if not value else [value, *out.get(key, [])]
+            else:
+                out[key] = [value]
+        return out
+
+    def do_show(self, _p, keys, unit):
+        have = self.settings(unit)
+        lines = [f"LoadState={'loaded' if unit in self.loaded else 'not-found'}",
+                 f"ActiveState={'active' if unit in self.active else 'inactive'}",
+                 f"FragmentPath={self.unit_dir / unit if unit in self.loaded else ''}"]
+        for key in keys.split(","):
+            if key == "CPUQuotaPerSecUSec":
+                q = (have.get("CPUQuota") or [""])[0]
+                lines.append(f"{key}=" + (_span(int(float(q[:-1]) * 10000)) if q
+                                          else f"{key}=infinity"))
+            elif key == "CPUQuotaPeriodUSec":
+                p = (have.get("CPUQuotaPeriodSec") or [""])[0]
+                lines.append(f"{key}=" + (_span(int(p[:-2])) if p else "infinity"))
+            elif key not in ("LoadState", "ActiveState", "FragmentPath"):
+                lines += [f"{key}={v}" for v in have.get(key, [""])]
+        return 0, "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def host(tmp_path):
+    class FakeHost:
+        pass
+
+    unit_dir, control = tmp_path / "run/systemd/system", tmp_path / "run/systemd/system.control"
+    fake = FakeSystemctl(unit_dir, control)
+    h = FakeHost()
+    h.fake = fake
+    h.systemd = sd.Systemd(CgroupLayout(unified=str(tmp_path / "cg")), unit_dir=unit_dir,
+                           control_dir=control, runner=fake, proc=_fake_proc(tmp_path),
+                           dev=tmp_path / "dev")
+    (tmp_path / "dev").mkdir()
+    h.cgroups = Cgroups(CgroupLayout(unified=str(tmp_path / "cg")))
+    return h
+
+
+def _slice(**kw) -> SystemdSlice:
+    base = {"env": "cpu-compute", "version": 2,
+            "properties": (("CPUQuota", "50%"), ("CPUQuotaPeriodSec", "100000us"),
+                           ("MemoryMax", str(2**30)), ("TasksMax", "64")),
+            "devices": ("c 1:3 rwm", "c 136:* rwm")}
+    return SystemdSlice(**{**base, **kw})
+
+
+def test_apply_check_drift_and_remove(host):
+    res, parent = _slice(), SystemdParentSlice(2)
+    assert res.check(host).status is Status.ABSENT
+    assert parent.snapshot(host) == {"existed": False}
+    parent.apply(host, {})
+    res.apply(host, {})
+    path = host.systemd.unit_dir / "envctl-cpu_compute.slice"
+    assert "MemoryMax=1073741824" in path.read_text()
+    assert host.fake.active == {"envctl.slice", "envctl-cpu_compute.slice"}
+    assert res.check(host).ok and parent.check(host).ok
+    # Applying again changes nothing: no write, no reload.
+    calls = len(host.fake.calls)
+    res.apply(host, {})
+    assert [c[0] for c in host.fake.calls[calls:]] == ["start", "show"]
+
+    # An operator's set-property shadows the file: drift, named precisely, then repaired.
+    host.fake.do_set_property("--runtime", "envctl-cpu_compute.slice", "TasksMax=5")
+    check = res.check(host)
+    assert check.status is Status.DRIFTED
+    assert [(d.field, d.want, d.have) for d in check.diffs] == [("TasksMax", "64", "5")]
+    res.apply(host, {})
+    assert res.check(host).ok
+
+    # A changed spec rewrites the file and reloads.
+    new = _slice(properties=(("CPUQuota", "25%"), ("CPUQuotaPeriodSec", "100000us"),
+                             ("MemoryMax", str(2**30)), ("TasksMax", "64")))
+    assert [d.field for d in new.check(host).diffs] == ["unit file", "CPUQuota"]
+    new.apply(host, {})
+    assert new.check(host).ok and "daemon-reload" in [c[0] for c in host.fake.calls]
+
+    for _ in range(2):  # remove is repeatable
+        new.remove(host, {})
+        parent.remove(host, {})
+    assert not path.exists() and not list(host.systemd.control_dir.glob("*"))
+    assert host.fake.active == set() and host.fake.loaded == {}
+    assert new.check(host).status is Status.ABSENT
+
+
+def test_parent_slice_that_existed_is_kept(host):
+    host.fake.loaded["envctl.slice"] = []
+    host.fake.active.add("envctl.slice")
+    parent = SystemdParentSlice(2)
+    memo = parent.snapshot(host)
+    assert memo == {"existed": True}
+    parent.remove(host, memo)
+    assert "envctl.slice" in host.fake.active
+
+
+def test_a_failing_systemctl_is_a_host_error(host):
+    host.systemd.runner = lambda argv: subprocess.CompletedProcess(argv, 1, "", "Access denied")
+    with pytest.raises(HostError, match="load slice 'envctl-cpu_compute.slice': "
+                       "systemctl daemon-reload: Access denied"):
+        _slice().apply(host, {})
+
+
+def test_stats_read_the_slice_cgroup(tmp_path):
+    d = tmp_path / "envctl.slice/envctl-cpu_compute.slice"
+    d.mkdir(parents=True)
+    (d / "cpu.stat").write_text("usage_usec 10\nnr_periods 4\nnr_throttled 2\n"
+                                "throttled_usec 7\n")
+    (d / "memory.current").write_text("4096\n")
+    (d / "pids.current").write_text("3\n")
+    cg = Cgroups(CgroupLayout(unified=str(tmp_path), v2_controllers=frozenset({"cpu"})))
+    for driver in ("systemd", None):
+        st = cg.stats("cpu-compute", driver=driver)
+        assert (st.cpu_usage_us, st.nr_throttled, st.memory_current, st.pids_current) == \
+            (10, 2, 4096, 3)
+
+
+def test_status_reports_the_systemd_driver():
+    assert SystemdSlice.driver == "systemd" and Cgroup.driver == "cgroupfs"
+
+
+def test_run_and_attach_argv(host, tmp_path):
+    s = host.systemd
+    assert s.run_argv("cpu-compute", ["python3", "job.py"]) == [
+        "systemd-run", "--quiet", "--scope", "--collect", "--slice=envctl-cpu_compute.slice",
+        "--", "python3", "job.py"]
+    seen = []
+
+    def busctl(argv):
+        seen.append(argv)
+        (s.proc / "42").mkdir(exist_ok=True)
+        (s.proc / "42/cgroup").write_text(
+            "0::/envctl.slice/envctl-cpu_compute.slice/envctl-cpu_compute-42.scope\n")
+        return subprocess.CompletedProcess(argv, 0, 'o "/org/freedesktop/systemd1/job/7"', "")
+
+    s.runner = busctl
+    assert s.attach("cpu-compute", 42) == "envctl-cpu_compute-42.scope"
+    assert seen[0][:7] == ["busctl", "call", "org.freedesktop.systemd1",
+                           "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
+                           "StartTransientUnit", "ssa(sv)a(sa(sv))"]
+    assert seen[0][7:] == ["envctl-cpu_compute-42.scope", "fail", "3", "PIDs", "au", "1", "42",
+                           "Slice", "s", "envctl-cpu_compute.slice", "CollectMode", "s",
+                           "inactive-or-failed", "0"]
