@@ -15,7 +15,9 @@ from envctl.host.files import read_json, write_json
 from envctl.plan.builder import Plan, PlanError
 from envctl.plan.host import find_host_conflicts
 from envctl.plan.planner import plan_env
-from envctl.spec.loader import LoadedSpec, load_specs, spec_files
+from envctl.spec.conflicts import find_conflicts
+from envctl.spec.loader import LoadedSpec, load_each, spec_files
+from envctl.spec.models import EnvSpec
 
 SYSTEM_CONFIG_DIR = Path("/etc/envctl/environments")
 
@@ -56,11 +58,11 @@ class Workspace:
         for f in extra_files:
             if f.resolve() not in {x.resolve() for x in files}:
                 files.append(f)
+        specs, problems = load_each(files)
         if facts is None:
-            # A first, cheap read pass to learn which sysctls the specs ask about.
-            facts = _facts_for(files, host)
-        specs = load_specs(files, facts)
-        problems = find_host_conflicts(specs, facts)  # governors, module options
+            facts = _facts_for([ls.spec for ls in specs], host)
+        problems += find_conflicts(specs, facts)
+        problems += find_host_conflicts(specs, facts)  # governors, module options
         if problems:
             raise SpecError(problems)
         return cls(directory, specs, facts, host)
@@ -106,25 +108,13 @@ class Workspace:
         return Engine(self.host, **kwargs)
 
 
-def _facts_for(files: list[Path], host: Host) -> HostFacts:
-    import yaml
-
-    wanted: set[str] = set()
-    modules: set[str] = set()
-    governor = False
-    for f in files:
-        try:
-            data = yaml.safe_load(f.read_text())
-            wanted.update(((data or {}).get("host") or {}).get("sysctls") or {})
-            tuning = (data or {}).get("host") or {}
-            modules.update(m if isinstance(m, str) else m["name"]
-                           for m in tuning.get("modules") or [])
-            governor = governor or bool(tuning.get("governor"))
-        except (OSError, yaml.YAMLError, AttributeError, TypeError, KeyError):
-            continue  # the real load reports it with file and line
-    return gather(proc_root=host.proc, sys_root=host.sys, sysctls=frozenset(wanted),
-                  modules=frozenset(m for m in modules if isinstance(m, str)),
-                  kmod=host.kmod if modules else None, cpufreq=governor)
+def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
+    """Host facts, reading the optional ones (sysctls, modules, cpufreq) only as specs ask."""
+    sysctls = {name for s in specs for name in s.host.sysctls}
+    modules = {m.name for s in specs for m in s.host.modules}
+    return gather(proc_root=host.proc, sys_root=host.sys, sysctls=frozenset(sysctls),
+                  modules=frozenset(modules), kmod=host.kmod if modules else None,
+                  cpufreq=any(s.host.governor for s in specs))
 
 
 def up(ws: Workspace, plans: list[Plan], engine: Engine) -> list[Outcome]:

@@ -187,10 +187,8 @@ def spec_files(directory: str | os.PathLike[str]) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
 
 
-def load_specs(paths: list[Path], facts: HostFacts | None = None) -> list[LoadedSpec]:
-    """Validate several files together: every problem of every file, then every conflict."""
-    from envctl.spec.conflicts import find_conflicts
-
+def load_each(paths: list[Path]) -> tuple[list[LoadedSpec], list[Problem]]:
+    """Validate each file on its own: the specs that are valid, and every problem of the rest."""
     loaded: list[LoadedSpec] = []
     problems: list[Problem] = []
     for p in paths:
@@ -198,6 +196,14 @@ def load_specs(paths: list[Path], facts: HostFacts | None = None) -> list[Loaded
             loaded.append(load_spec(p))
         except SpecError as exc:
             problems.extend(exc.problems)
+    return loaded, problems
+
+
+def load_specs(paths: list[Path], facts: HostFacts | None = None) -> list[LoadedSpec]:
+    """Validate several files together: every problem of every file, then every conflict."""
+    from envctl.spec.conflicts import find_conflicts
+
+    loaded, problems = load_each(paths)
     problems.extend(find_conflicts(loaded, facts))
     if problems:
         raise SpecError(problems)
