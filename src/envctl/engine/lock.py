@@ -12,16 +12,10 @@ from pathlib import Path
 from envctl.errors import LockTimeout
 
 
-@contextmanager
-def global_lock(state_dir: Path, *, timeout: float = 120.0,
-                on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
-    """Hold `state_dir/lock` exclusively; the kernel drops it if we die, so no stale locks."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    path = state_dir / "lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        deadline = time.monotonic() + timeout
-        warned = False
+def _acquire(path: Path, deadline: float, on_wait: Callable[[str], None] | None) -> int:
+    warned = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -32,11 +26,57 @@ def global_lock(state_dir: Path, *, timeout: float = 120.0,
                     on_wait(f"waiting for another envctl (pid {holder}) to finish")
                     warned = True
                 if time.monotonic() >= deadline:
-                    raise LockTimeout(f"lock {path} is still held by pid {holder} after "
-                                      f"{timeout:g}s") from None
+                    os.close(fd)
+                    raise LockTimeout(f"lock {path} is still held by pid {holder}") from None
                 time.sleep(0.05)
+        # The holder before us may have removed the lock file while tidying an empty state
+        # directory: a lock on an unlinked file excludes nobody, so take the new one instead.
+        st = os.fstat(fd)
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and (current.st_dev, current.st_ino) == (st.st_dev, st.st_ino):
+            return fd
+        os.close(fd)
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def global_lock(state_dir: Path, *, timeout: float = 120.0,
+                on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold `state_dir/lock` exclusively; the kernel drops it if we die, so no stale locks.
+
+    When the body leaves no state behind (every environment is down), the state directory is
+    removed before the lock is released, so `down` leaves the host as it found it.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / "lock"
+    fd = _acquire(path, time.monotonic() + timeout, on_wait)
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
+        _tidy(state_dir, path)
     finally:
         os.close(fd)
+
+
+def _tidy(state_dir: Path, lock: Path) -> None:
+    """Remove the state directory if nothing but the lock and empty subdirectories remain."""
+    try:
+        entries = {p.name: p for p in state_dir.iterdir()}
+    except FileNotFoundError:
+        return
+    for name in ("journal", "envs"):
+        p = entries.get(name)
+        if p is not None and p.is_dir() and not any(p.iterdir()):
+            p.rmdir()
+            del entries[name]
+    if set(entries) != {"lock"}:
+        return
+    lock.unlink()
+    try:
+        state_dir.rmdir()
+    except OSError:
+        pass  # somebody else's file appeared meanwhile: leave the directory

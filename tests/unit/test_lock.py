@@ -1,0 +1,66 @@
+"""The global lock: exclusion, waiting, and tidying an empty state directory safely."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from envctl.engine.lock import global_lock
+from envctl.errors import LockTimeout
+
+
+def test_empty_state_dir_is_removed_on_release(tmp_path):
+    state = tmp_path / "state"
+    with global_lock(state):
+        (state / "journal").mkdir()
+    assert not state.exists()
+
+
+def test_state_with_content_is_kept(tmp_path):
+    state = tmp_path / "state"
+    with global_lock(state):
+        (state / "journal").mkdir()
+        (state / "journal" / "a.json").write_text("{}")
+    assert (state / "journal" / "a.json").exists() and (state / "lock").exists()
+
+
+def test_timeout_names_the_holder(tmp_path):
+    state = tmp_path / "state"
+    with global_lock(state):
+        (state / "keep").write_text("x")
+        waited = []
+        with pytest.raises(LockTimeout, match="held by pid"), global_lock(
+                state, timeout=0.2, on_wait=waited.append):
+            pass
+        assert waited and "waiting for another envctl" in waited[0]
+
+
+def test_a_waiter_does_not_keep_a_lock_on_a_removed_file(tmp_path):
+    """A holds the lock and tidies the directory away; B (waiting on the old file) must
+    take a fresh lock file, so that C starting afterwards is still excluded by B."""
+    state = tmp_path / "state"
+    events: list[str] = []
+    b_has_lock = threading.Event()
+    release_b = threading.Event()
+
+    def b() -> None:
+        with global_lock(state, timeout=5):
+            events.append("B in")
+            b_has_lock.set()
+            (state / "keep").write_text("x")  # so B's release does not tidy
+            release_b.wait(5)
+            events.append("B out")
+
+    with global_lock(state):
+        t = threading.Thread(target=b)
+        t.start()
+        time.sleep(0.2)  # B is now blocked on A's lock file
+    assert b_has_lock.wait(5)
+    with pytest.raises(LockTimeout), global_lock(state, timeout=0.3):
+        pass  # C: excluded, because B holds the lock file that now exists
+    release_b.set()
+    t.join(5)
+    assert events == ["B in", "B out"]
+
