@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
@@ -76,7 +77,5 @@ def _tidy(state_dir: Path, lock: Path) -> None:
     if set(entries) != {"lock"}:
         return
     lock.unlink()
-    try:
+    with contextlib.suppress(OSError):  # somebody else's file appeared meanwhile: keep it
         state_dir.rmdir()
-    except OSError:
-        pass  # somebody else's file appeared meanwhile: leave the directory
