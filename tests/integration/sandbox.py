@@ -146,6 +146,8 @@ class Sandbox:
             "env_dirs": sorted(os.listdir(self.state / "envs"))
             if (self.state / "envs").is_dir() else [],
             "run_dirs": sorted(os.listdir(self.run_dir)) if self.run_dir.is_dir() else [],
+            # `down` of the last environment removes the state directory itself.
+            "state_dir": sorted(os.listdir(self.state)) if self.state.is_dir() else [],
             "cgroups": self.cgroups(),
         }
         return {k: v for k, v in found.items() if v}

@@ -64,3 +64,10 @@ def test_a_waiter_does_not_keep_a_lock_on_a_removed_file(tmp_path):
     t.join(5)
     assert events == ["B in", "B out"]
 
+
+
+def test_empty_state_dir_is_removed_after_an_error_too(tmp_path):
+    state = tmp_path / "state"
+    with pytest.raises(RuntimeError), global_lock(state):
+        raise RuntimeError("step failed, everything rolled back")
+    assert not state.exists()

@@ -58,9 +58,11 @@ def global_lock(state_dir: Path, *, timeout: float = 120.0,
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
-        _tidy(state_dir, path)
     finally:
-        os.close(fd)
+        try:
+            _tidy(state_dir, path)  # also after a failed, fully rolled back `up`
+        finally:
+            os.close(fd)
 
 
 def _tidy(state_dir: Path, lock: Path) -> None:
