@@ -176,16 +176,21 @@ class Engine:
             applied.append((res.key, res))
         else:
             # Known from an earlier run: keep its memo (the host as it was before envctl).
+            # Only new parameters need to be on record before the host changes.
+            changed = entry.resource != res.to_dict()
             entry.resource = res.to_dict()
             entry.status = "applying"
-            journal.put(entry)
+            if changed:
+                journal.put(entry)
         maybe_fault("apply", res.key, index)
         if not check.ok:
             self.progress("apply", Step(OP_FOR_STATUS[check.status], res, check))
             res.apply(self.host, entry.memo)
         maybe_fault("after", res.key, index)
+        # Not written now: the next step's journal write or the run's final save records it.
+        # A crash before then leaves "applying", which `up` and `down` treat like "applied"
+        # (check, then converge or remove), so the write would buy nothing but time.
         entry.status = "applied"
-        journal.put(entry)
         op = OP_FOR_STATUS[check.status]
         return Step(op, res, check, "adopted" if check.ok else "")
 
