@@ -136,3 +136,16 @@ def test_status_marks_interrupted_steps(engine):
     rows = engine.status("env", PLAN)
     assert rows[0].note == "interrupted while applying" and rows[0].op == "+"
     assert [r.note for r in rows[1:]] == ["not applied", "not applied"]
+
+
+def test_a_bug_in_a_resource_still_rolls_back_and_keeps_its_traceback(engine, monkeypatch):
+    def broken(self, host, memo):
+        if self.name == "b":
+            raise TypeError("a bug")
+        fakes.WORLD[self.name] = self.value
+
+    monkeypatch.setattr(Thing, "apply", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        engine.up("env", PLAN)
+    assert fakes.WORLD == {}
+    assert not Journal.open(engine.host.state_dir, "env").exists()

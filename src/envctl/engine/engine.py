@@ -144,11 +144,13 @@ class Engine:
             try:
                 step = self._converge(env, index, res, journal, ledger, applied)
             except Exception as exc:
-                if not isinstance(exc, EnvctlError | OSError):
-                    raise
+                # Roll back on any error, a bug in a resource included; only the expected
+                # ones become a one-line StepFailed, the rest keep their traceback.
                 rolled, errors = self._rollback(env, applied, journal, ledger)
                 journal.save(durable=True)
                 ledger.save(durable=True)
+                if not isinstance(exc, EnvctlError | OSError):
+                    raise
                 raise StepFailed(res.describe(), exc, rolled_back=rolled,
                                  rollback_errors=errors) from exc
             outcome.steps.append(step)
