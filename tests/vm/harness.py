@@ -166,3 +166,115 @@ def run(script: str, *, timeout: float = 900, memory_mb: int = 1024, cpus: int =
         rc = int(rc_file.read_text().strip()) if rc_file.exists() else None
         log = log_file.read_text(errors="replace") if log_file.exists() else ""
         return Result(rc, log, console)
+
+
+# ---------------------------------------------------------------- systemd as PID 1
+
+# DESIGN.md's "systemd + cgroup v2" recipe: the host root (9p, read-only) is the lower layer
+# of an overlayfs with a tmpfs upper layer, so systemd can write /etc and /var; a second 9p
+# share (/out) holds the command and its results. /init switch_roots into systemd, which boots
+# envctl-vm.target (basic.target + dbus + the unit that runs the command) on cgroup v2.
+SYSTEMD_MODULES = (*MODULES, "overlay")
+SYSTEMD_INIT = """#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for try in 1 2 3 4 5; do
+  for m in {modules}; do insmod /lib/modules/$m.ko 2>/dev/null; done
+done
+mkdir -p /lower /upper /newroot
+mount -t 9p -o trans=virtio,version=9p2000.L,ro hostroot /lower || echo "envctl-vm: no 9p root"
+mount -t tmpfs -o mode=755 upper /upper
+mkdir -p /upper/data /upper/work
+mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/data,workdir=/upper/work /newroot
+mkdir -p /newroot/out
+mount -t 9p -o trans=virtio,version=9p2000.L out /newroot/out
+# Nothing of the host's own configuration: no fstab entries, no units it enables.
+: > /newroot/etc/fstab
+cp /newroot/out/envctl-vm.target /newroot/out/envctl-vm.service /newroot/etc/systemd/system/
+ln -sf envctl-vm.target /newroot/etc/systemd/system/default.target
+echo "envctl-vm: starting systemd"
+umount /proc /sys /dev 2>/dev/null
+exec switch_root /newroot /lib/systemd/systemd systemd.firstboot=off \
+  systemd.unit=envctl-vm.target
+"""
+SYSTEMD_TARGET = """[Unit]
+Description=envctl VM test
+Requires=basic.target
+Wants=envctl-vm.service dbus.service
+After=basic.target
+AllowIsolate=yes
+"""
+SYSTEMD_SERVICE = """[Unit]
+Description=envctl VM test command
+After=basic.target dbus.service
+[Service]
+Type=oneshot
+TimeoutStartSec=infinity
+ExecStart=/bin/sh -c '/bin/sh /out/run.sh > /out/log 2>&1; echo $? > /out/rc; sync; \
+systemctl poweroff -f'
+"""
+
+
+def systemd_initramfs() -> Path:
+    """The initramfs that boots systemd (cached like `initramfs()`)."""
+    _, modules = kernel()
+    init = SYSTEMD_INIT.format(modules=" ".join(SYSTEMD_MODULES))
+    target, stamp = CACHE / "initrd-systemd.gz", CACHE / "initrd-systemd.init"
+    if target.exists() and stamp.exists() and stamp.read_text() == init:
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for d in ("bin", "proc", "sys", "dev", "lib/modules"):
+            (root / d).mkdir(parents=True)
+        shutil.copy(_busybox(), root / "bin/busybox")
+        for m in SYSTEMD_MODULES:
+            found = [p for p in modules.rglob(f"{m}.ko") if p.is_file()]
+            if not found:
+                raise RuntimeError(f"module {m} (plain .ko) not in the kernel package")
+            shutil.copy(found[0], root / "lib/modules" / f"{m}.ko")
+        (root / "init").write_text(init)
+        (root / "init").chmod(0o755)
+        files = subprocess.run(["find", "."], cwd=root, check=True, capture_output=True).stdout
+        archive = subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=root, input=files,
+                                 check=True, capture_output=True).stdout
+        tmp_target = target.with_suffix(".tmp")
+        tmp_target.write_bytes(gzip.compress(archive, compresslevel=1))
+        tmp_target.replace(target)
+    stamp.write_text(init)
+    return target
+
+
+def run_systemd(script: str, *, timeout: float = 900, memory_mb: int = 2048,
+                cpus: int = 2) -> Result:
+    """Boot the VM with systemd as PID 1 on cgroup v2, run `script` (sh) as root from a
+    oneshot unit once basic.target is reached, power off."""
+    vmlinuz, _ = kernel()
+    initrd = systemd_initramfs()
+    with tempfile.TemporaryDirectory(prefix="envctl-vm-") as tmp:
+        out = Path(tmp)
+        out.chmod(0o777)
+        (out / "run.sh").write_text(script)
+        (out / "envctl-vm.target").write_text(SYSTEMD_TARGET)
+        (out / "envctl-vm.service").write_text(SYSTEMD_SERVICE)
+        cmdline = ("console=ttyS0 quiet panic=-1 systemd.firstboot=off systemd.show_status=0 "
+                   "systemd.unit=envctl-vm.target systemd.unified_cgroup_hierarchy=1")
+        argv = [QEMU, "-accel", "tcg", "-m", str(memory_mb), "-smp", str(cpus), "-nographic",
+                "-kernel", str(vmlinuz), "-initrd", str(initrd), "-append", cmdline,
+                "-no-reboot",
+                "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
+                "multidevs=remap",
+                "-virtfs", f"local,path={out},mount_tag=out,security_model=none"]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                  stdin=subprocess.DEVNULL)
+            console = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            console = (exc.stdout or b"").decode(errors="replace") if isinstance(
+                exc.stdout, bytes) else (exc.stdout or "")
+            console += "\nenvctl-vm: timed out"
+        rc_file, log_file = out / "rc", out / "log"
+        rc = int(rc_file.read_text().strip()) if rc_file.exists() else None
+        log = log_file.read_text(errors="replace") if log_file.exists() else ""
+        return Result(rc, log, console)

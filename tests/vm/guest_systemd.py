@@ -1,0 +1,178 @@
+"""Run INSIDE the systemd VM (tests/vm/test_vm_systemd.py boots it: systemd is PID 1, cgroup
+v2 with every controller): the systemd cgroup driver against a real systemd — the slice and
+its properties, limits in the slice's cgroup, device access before and after a daemon-reload,
+drift repair, attach/run, teardown with a live process, repeated down, no residue."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from envctl.host import systemd as sd
+from envctl.host.cgroups import read_cgroup_facts
+from tests.integration.sandbox import Sandbox
+
+pytestmark = pytest.mark.root
+ROOT = Path("/sys/fs/cgroup")
+UNITS = Path("/run/systemd/system")
+SPEC = """\
+name: {name}
+kind: cpu
+resources:
+  driver: systemd
+{resources}
+"""
+# A child that moves itself into the environment's slice (a transient scope, as the job system
+# will), then on each line of stdin tries to open some devices and prints what happened.
+PROBE = """\
+import errno, os, sys
+from envctl.host.systemd import Systemd
+print("scope", Systemd.from_env().attach(sys.argv[1], os.getpid()), flush=True)
+for line in sys.stdin:
+    if line.strip() == "burn":
+        import time
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            pass
+        print("burnt", flush=True)
+        continue
+    out = []
+    for path in ("/dev/null", "/dev/urandom", "/dev/kmsg"):
+        try:
+            os.close(os.open(path, os.O_RDONLY))
+            out.append("ok")
+        except OSError as exc:
+            out.append(errno.errorcode[exc.errno])
+    print(" ".join(out), flush=True)
+"""
+
+
+@pytest.fixture
+def sb(tmp_path):
+    facts = read_cgroup_facts()
+    if not facts.systemd or facts.version != 2:
+        pytest.skip("not a systemd host on cgroup v2")
+    box = Sandbox(tmp_path)
+    box.nft_tables = lambda: []  # the VM loads no nf_tables module
+    yield box
+    residue = {**box.residue(), **slice_residue(box)}
+    box.close()
+    assert residue == {}, "residue left behind"
+
+
+def names(sb) -> tuple[str, str, Path]:
+    parent = sd.parent_slice(sb.cgroup_parent)
+    unit = sd.env_slice("lim", sb.cgroup_parent)
+    return parent, unit, ROOT / parent / unit
+
+
+def slice_residue(sb) -> dict[str, list[str]]:
+    prefix = sd.parent_slice(sb.cgroup_parent).removesuffix(".slice")
+    units = subprocess.run(["systemctl", "list-units", "--all", "--plain", "--no-legend",
+                            f"{prefix}*"], capture_output=True, text=True).stdout.split("\n")
+    found = {"units": sorted(line.split()[0] for line in units if line.strip()),
+             "unit_files": sorted(p.name for p in UNITS.glob(f"{prefix}*")),
+             "slice_cgroups": sorted(str(p) for p in ROOT.glob(f"{prefix}*"))}
+    return {k: v for k, v in found.items() if v}
+
+
+def show(unit: str, *keys: str) -> dict[str, str]:
+    out = subprocess.run(["systemctl", "show", "-p", ",".join(keys), "--", unit],
+                         capture_output=True, text=True, check=True).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def up(sb, resources: str):
+    sb.write_spec("lim", SPEC.format(name="lim", resources=resources))
+    return sb.envctl("up", "lim", timeout=300)
+
+
+def test_slice_limits_devices_reload_drift_and_teardown(sb):
+    parent, unit, cg = names(sb)
+    res = up(sb, "  cpu: {quota: 50%, weight: 200}\n  memory: {max: 64M, high: 48M}\n"
+                 "  pids: {max: 32}")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+    # The slice exists, from envctl's runtime unit file, with the properties.
+    assert (UNITS / unit).is_file() and (UNITS / parent).is_file()
+    props = show(unit, "ActiveState", "FragmentPath", "CPUQuotaPerSecUSec", "MemoryMax",
+                 "MemoryHigh", "TasksMax", "DevicePolicy", "CPUWeight")
+    assert props == {"ActiveState": "active", "FragmentPath": str(UNITS / unit),
+                     "CPUQuotaPerSecUSec": "500ms", "MemoryMax": str(64 * 2**20),
+                     "MemoryHigh": str(48 * 2**20), "TasksMax": "32",
+                     "DevicePolicy": "closed", "CPUWeight": "200"}
+    # systemd wrote the limits into the slice's cgroup.
+    assert (cg / "cpu.max").read_text().split() == ["50000", "100000"]
+    assert (cg / "memory.max").read_text().strip() == str(64 * 2**20)
+    assert (cg / "pids.max").read_text().strip() == "32"
+    assert Path("/dev/char/1:3").resolve() == Path("/dev/null")
+
+    status = sb.envctl_json("status", "lim")[0]
+    assert {s["status"] for s in status["steps"]} == {"ok"}, status
+    assert status["cgroup"]["driver"] == "systemd"
+    assert "driver systemd" in sb.envctl("status", "lim", check=True).stdout
+
+    # A process moved into the slice: allowed devices open, others do not; the same after
+    # systemd re-applies every unit's cgroup settings on daemon-reload.
+    child = subprocess.Popen(["nsenter", "-t", str(sb.pid), "-n", "-m", "--", sys.executable,
+                              "-c", PROBE, "lim"], env=sb.env(), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        scope = child.stdout.readline().split()
+        assert scope[:1] == ["scope"], child.stderr.read()
+        # (nsenter execs the probe: same pid)
+        assert Path(f"/proc/{child.pid}/cgroup").read_text().strip() == \
+            f"0::/{parent}/{unit}/{scope[1]}"
+        for reload in (False, True):
+            if reload:
+                subprocess.run(["systemctl", "daemon-reload"], check=True)
+            child.stdin.write("probe\n")
+            child.stdin.flush()
+            assert child.stdout.readline().split() == ["ok", "ok", "EPERM"], reload
+        # The quota throttles it (cpu.stat of the slice, through envctl's stats).
+        child.stdin.write("burn\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "burnt"
+        stats = sb.envctl_json("status", "lim")[0]["cgroup"]["stats"]
+        assert stats["pids_current"] >= 1 and stats["nr_throttled"] >= 1, stats
+
+        # Drift: an operator's set-property is reported precisely and repaired by `up`.
+        subprocess.run(["systemctl", "set-property", "--runtime", unit, "TasksMax=5"],
+                       check=True)
+        status = sb.envctl_json("status", "lim")[0]
+        diffs = [d for s in status["steps"] for d in s["diffs"]]
+        assert diffs == [{"field": "TasksMax", "want": "32", "have": "5"}], status
+        assert sb.envctl("up", "lim", timeout=300).returncode == 0
+        assert (cg / "pids.max").read_text().strip() == "32"
+
+        # Down with the process alive: it is stopped, the slice and its unit file go.
+        t0 = time.monotonic()
+        sb.envctl("down", "lim", check=True, timeout=300)
+        assert child.wait(timeout=60) != 0
+        assert time.monotonic() - t0 < 120
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert not (UNITS / unit).exists() and not cg.exists()
+    # (systemd loads any slice name on demand; gone means inactive and unlisted)
+    assert show(unit, "ActiveState")["ActiveState"] == "inactive"
+    sb.envctl("down", "lim", check=True, timeout=300)  # repeatable
+
+
+def test_run_argv_puts_a_command_in_the_slice(sb):
+    parent, unit, cg = names(sb)
+    assert up(sb, "  memory: {max: 32M}").returncode == 0
+    s = sd.Systemd.from_env()
+    s.parent = sb.cgroup_parent
+    res = subprocess.run(s.run_argv("lim", ["cat", "/proc/self/cgroup"]), capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"0::/{parent}/{unit}/" in res.stdout, res.stdout
+    status = json.loads(sb.envctl("status", "lim", "--json", check=True).stdout)
+    assert status[0]["cgroup"]["driver"] == "systemd"
+    sb.envctl("down", "lim", check=True, timeout=300)
