@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import gzip
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
 
 CACHE = Path(os.environ.get("ENVCTL_VM_CACHE", "/var/cache/envctl-vm"))
 MODULES = ("virtio_ring", "virtio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev",
@@ -148,24 +152,8 @@ def run(script: str, *, timeout: float = 900, memory_mb: int = 1024, cpus: int =
         out = Path(tmp)
         out.chmod(0o777)
         (out / "run.sh").write_text(script)
-        argv = [QEMU, "-accel", "tcg", "-m", str(memory_mb), "-smp", str(cpus), "-nographic",
-                "-kernel", str(vmlinuz), "-initrd", str(initrd),
-                "-append", "console=ttyS0 quiet panic=-1", "-no-reboot",
-                "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
-                "multidevs=remap",
-                "-virtfs", f"local,path={out},mount_tag=out,security_model=none"]
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL)
-            console = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            console = (exc.stdout or b"").decode(errors="replace") if isinstance(
-                exc.stdout, bytes) else (exc.stdout or "")
-            console += "\nenvctl-vm: timed out"
-        rc_file, log_file = out / "rc", out / "log"
-        rc = int(rc_file.read_text().strip()) if rc_file.exists() else None
-        log = log_file.read_text(errors="replace") if log_file.exists() else ""
-        return Result(rc, log, console)
+        return _boot(vmlinuz, initrd, "console=ttyS0 quiet panic=-1", out,
+                     memory_mb=memory_mb, cpus=cpus, timeout=timeout)
 
 
 # ---------------------------------------------------------------- systemd as PID 1
@@ -260,21 +248,40 @@ def run_systemd(script: str, *, timeout: float = 900, memory_mb: int = 2048,
         (out / "envctl-vm.service").write_text(SYSTEMD_SERVICE)
         cmdline = ("console=ttyS0 quiet panic=-1 systemd.firstboot=off systemd.show_status=0 "
                    "systemd.unit=envctl-vm.target systemd.unified_cgroup_hierarchy=1")
-        argv = [QEMU, "-accel", "tcg", "-m", str(memory_mb), "-smp", str(cpus), "-nographic",
-                "-kernel", str(vmlinuz), "-initrd", str(initrd), "-append", cmdline,
-                "-no-reboot",
-                "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
-                "multidevs=remap",
-                "-virtfs", f"local,path={out},mount_tag=out,security_model=none"]
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL)
-            console = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            console = (exc.stdout or b"").decode(errors="replace") if isinstance(
-                exc.stdout, bytes) else (exc.stdout or "")
-            console += "\nenvctl-vm: timed out"
-        rc_file, log_file = out / "rc", out / "log"
-        rc = int(rc_file.read_text().strip()) if rc_file.exists() else None
-        log = log_file.read_text(errors="replace") if log_file.exists() else ""
-        return Result(rc, log, console)
+        return _boot(vmlinuz, initrd, cmdline, out, memory_mb=memory_mb, cpus=cpus,
+                     timeout=timeout)
+
+
+def _boot(vmlinuz: Path, initrd: Path, cmdline: str, out: Path, *, memory_mb: int, cpus: int,
+          timeout: float) -> Result:
+    """Boot qemu (TCG) with the host root read-only on 9p and `out` writable; collect results."""
+    argv = [QEMU, "-accel", "tcg", "-m", str(memory_mb), "-smp", str(cpus), "-nographic",
+            "-kernel", str(vmlinuz), "-initrd", str(initrd), "-append", cmdline, "-no-reboot",
+            "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
+            "multidevs=remap",
+            "-virtfs", f"local,path={out},mount_tag=out,security_model=none"]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+        console = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        console = (exc.stdout or b"").decode(errors="replace") if isinstance(
+            exc.stdout, bytes) else (exc.stdout or "")
+        console += "\nenvctl-vm: timed out"
+    rc_file, log_file = out / "rc", out / "log"
+    rc = int(rc_file.read_text().strip()) if rc_file.exists() else None
+    log = log_file.read_text(errors="replace") if log_file.exists() else ""
+    return Result(rc, log, console)
+
+
+def guest_pytest(test_file: str, *, timeout: int) -> str:
+    """The script that runs one guest test file with the host's Python inside the VM."""
+    return (f"cd {shlex.quote(str(REPO))} && PYTHONDONTWRITEBYTECODE=1 "
+            f"{shlex.quote(sys.executable)} -m pytest -p no:cacheprovider -o addopts= -rA "
+            f"-q --timeout {timeout} {shlex.quote(test_file)}\n")
+
+
+def assert_guest_passed(result: Result) -> None:
+    tail = f"--- guest log\n{result.log[-6000:]}\n--- console\n{result.console[-3000:]}"
+    assert result.rc == 0, tail
+    assert " passed" in result.log and "skipped" not in result.log, tail

@@ -4,16 +4,11 @@ dedicated CPUs, teardown with live processes, faults."""
 
 from __future__ import annotations
 
-import shlex
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.vm import harness
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +20,5 @@ def vm_ready():
 
 
 def test_cgroup_v2_in_a_real_v2_kernel(vm_ready):
-    script = (f"cd {shlex.quote(str(REPO))} && PYTHONDONTWRITEBYTECODE=1 "
-              f"{shlex.quote(sys.executable)} -m pytest -p no:cacheprovider -o addopts= -rA "
-              "-q --timeout 900 tests/vm/guest_cgroup_v2.py\n")
-    result = harness.run(script, timeout=1500)
-    tail = f"--- guest log\n{result.log[-6000:]}\n--- console\n{result.console[-3000:]}"
-    assert result.rc == 0, tail
-    assert " passed" in result.log and "skipped" not in result.log, tail
+    script = harness.guest_pytest("tests/vm/guest_cgroup_v2.py", timeout=900)
+    harness.assert_guest_passed(harness.run(script, timeout=1500))

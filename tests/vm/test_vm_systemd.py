@@ -3,16 +3,11 @@ runs the systemd cgroup driver's tests of tests/vm/guest_systemd.py inside it, i
 
 from __future__ import annotations
 
-import shlex
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.vm import harness
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1200)]
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +19,5 @@ def vm_ready():
 
 
 def test_systemd_driver_under_a_real_systemd(vm_ready):
-    script = (f"cd {shlex.quote(str(REPO))} && PYTHONDONTWRITEBYTECODE=1 "
-              f"{shlex.quote(sys.executable)} -m pytest -p no:cacheprovider -o addopts= -rA "
-              "-q --timeout 600 tests/vm/guest_systemd.py\n")
-    result = harness.run_systemd(script, timeout=900)
-    tail = f"--- guest log\n{result.log[-6000:]}\n--- console\n{result.console[-3000:]}"
-    assert result.rc == 0, tail
-    assert " passed" in result.log and "skipped" not in result.log, tail
+    script = harness.guest_pytest("tests/vm/guest_systemd.py", timeout=600)
+    harness.assert_guest_passed(harness.run_systemd(script, timeout=900))

@@ -58,14 +58,14 @@ def plan_cgroup(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         plan.error(("resources", "driver"), f"ENVCTL_CGROUP_DRIVER={driver!r} is not a cgroup "
                    "driver; use cgroupfs or systemd")
         return
+    if cg.version not in (1, 2):
+        plan.error(("resources",), f"this host has no usable cgroup hierarchy (layout: "
+                   f"{cg.layout}); mount cgroup2 on /sys/fs/cgroup or the v1 controllers")
+        return
     if driver == "systemd":
         from envctl.plan.cgroup_systemd import plan_systemd
 
         plan_systemd(spec, facts, plan)
-        return
-    if cg.version not in (1, 2):
-        plan.error(("resources",), f"this host has no usable cgroup hierarchy (layout: "
-                   f"{cg.layout}); mount cgroup2 on /sys/fs/cgroup or the v1 controllers")
         return
     settings = _settings(spec, facts, plan)
     if settings is None:

@@ -26,10 +26,6 @@ def plan_systemd(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         plan.error(("resources", "driver"), "the systemd cgroup driver needs systemd as PID 1, "
                    "and PID 1 here is not systemd; use driver: cgroupfs (or auto)")
         return
-    if cg.version not in (1, 2):
-        plan.error(("resources",), f"this host has no usable cgroup hierarchy (layout: "
-                   f"{cg.layout})")
-        return
     props = properties(spec, facts, plan)
     if props is None:
         return
