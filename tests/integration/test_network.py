@@ -116,6 +116,9 @@ def net(sandbox):
     in_ns(sb, "outside", "ip", "link", "set", "eth0", "up", check=True)
     in_ns(sb, "outside", "ip", "link", "set", "lo", "up", check=True)
     yield sb
+    # The veth first: deleting a namespace destroys its links asynchronously, so `t-out` could
+    # still be there for the residue check below.
+    sb.run("ip", "link", "del", "t-out", check=True)
     sb.run("ip", "netns", "del", "outside", check=True)
     assert sb.residue() == {}
     assert iptables_residue(sb) == []

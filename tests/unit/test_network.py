@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from envctl.host.facts import HostFacts
 from envctl.host.firewall import detect_backend, env_rules
+from envctl.host.netlink import parse_address, parse_default_gateway, parse_link
 from envctl.host.nft import (
+    Nftables,
     add_rule_command,
     delete_table_command,
     document,
@@ -119,6 +121,131 @@ def test_nft_accepts_the_generated_document():
     if "Operation not permitted" in res.stderr:
         pytest.skip("nft -c needs CAP_NET_ADMIN")
     assert res.returncode == 0, res.stderr
+
+
+# ---------------------------------------------------------------- rtnetlink parsing
+# Messages encoded by pyroute2 (an independent encoder) and read by envctl's own parser.
+
+
+def _encoded(msg_class, fields: dict, attrs: list) -> bytes:
+    msg = msg_class()
+    for k, v in fields.items():
+        msg[k] = v
+    msg["attrs"] = attrs
+    msg.encode()
+    return bytes(msg.data)[16:]  # the body, without the nlmsghdr
+
+
+def test_parse_link_of_an_isolated_veth_bridge_port():
+    from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
+
+    slave = {"attrs": [("IFLA_BRPORT_ISOLATED", 1)]}
+    body = _encoded(ifinfmsg, {"index": 7, "flags": 0x1043}, [
+        ("IFLA_IFNAME", "ve-cpu-co-f2f1e"), ("IFLA_MASTER", 3),
+        ("IFLA_LINKINFO", {"attrs": [("IFLA_INFO_KIND", "veth"),
+                                     ("IFLA_INFO_SLAVE_KIND", "bridge"),
+                                     ("IFLA_INFO_SLAVE_DATA", slave)]}),
+        ("IFLA_LINK_NETNSID", 2)])
+    link = parse_link(body)
+    assert (link.index, link.name, link.kind, link.up) == (7, "ve-cpu-co-f2f1e", "veth", True)
+    assert (link.master, link.isolated, link.peer_netnsid) == (3, True, 2)
+
+
+def test_parse_link_without_link_info_or_master():
+    from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
+
+    link = parse_link(_encoded(ifinfmsg, {"index": 1, "flags": 0}, [("IFLA_IFNAME", "lo")]))
+    assert (link.name, link.kind, link.up, link.master, link.isolated) == \
+        ("lo", "", False, None, None)
+
+
+def test_parse_address_and_default_gateway():
+    from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
+    from pyroute2.netlink.rtnl.rtmsg import rtmsg
+
+    body = _encoded(ifaddrmsg, {"family": 2, "prefixlen": 24, "index": 5},
+                    [("IFA_ADDRESS", "10.200.0.21"), ("IFA_LOCAL", "10.200.0.21")])
+    assert parse_address(body) == (5, "10.200.0.21/24")
+    default = _encoded(rtmsg, {"family": 2, "dst_len": 0, "table": 254},
+                       [("RTA_TABLE", 254), ("RTA_GATEWAY", "10.200.0.1")])
+    assert parse_default_gateway(default) == "10.200.0.1"
+    subnet = _encoded(rtmsg, {"family": 2, "dst_len": 24, "table": 254},
+                      [("RTA_TABLE", 254), ("RTA_DST", "10.200.0.0")])
+    assert parse_default_gateway(subnet) is None
+    other_table = _encoded(rtmsg, {"family": 2, "dst_len": 0, "table": 252},
+                           [("RTA_TABLE", 1000), ("RTA_GATEWAY", "10.9.9.9")])
+    assert parse_default_gateway(other_table) is None
+
+
+# ---------------------------------------------------------------- nft listing reuse
+
+
+class FakeNft:
+    """The table as nft would hold it, plus the kernel's ruleset generation."""
+
+    def __init__(self) -> None:
+        self.rules: list[dict] | None = None
+        self.gen = 1
+        self.handle = 100
+        self.lists = 0
+
+    def run(self, doc: str) -> tuple[bool, str, str]:
+        cmds = json.loads(doc)["nftables"]
+        if "list" in cmds[0]:
+            self.lists += 1
+            if "tables" in cmds[0]["list"]:
+                tables = [] if self.rules is None else [{"table": {"name": "envctl"}}]
+                return True, json.dumps({"nftables": tables}), ""
+            return True, json.dumps({"nftables": [{"rule": r} for r in self.rules]}), ""
+        for cmd in cmds:
+            (verb, obj), = cmd.items()
+            if verb == "add" and "table" in obj and self.rules is None:
+                self.rules = []
+            elif verb == "add" and "rule" in obj:
+                self.handle += 1
+                self.rules.append({"chain": obj["rule"]["chain"], "handle": self.handle,
+                                   "comment": obj["rule"]["comment"]})
+            elif verb == "delete" and "rule" in obj:
+                self.rules = [r for r in self.rules if r["handle"] != obj["rule"]["handle"]]
+            elif verb == "delete" and "table" in obj:
+                self.rules = None
+        self.gen += 1
+        return True, "", ""
+
+    def read(self) -> int:
+        return self.gen
+
+
+def fake_nftables(fake: FakeNft) -> Nftables:
+    nft = Nftables()
+    nft._nft, nft._gen = fake, fake
+    return nft
+
+
+def test_listing_is_reused_until_someone_else_commits():
+    fake = FakeNft()
+    nft = fake_nftables(fake)
+    a = env_rules("a", bridge="br", address="10.0.0.2", nat=True, isolate=True, ports=())
+    b = env_rules("b", bridge="br", address="10.0.0.3", nat=True, isolate=True, ports=())
+    assert nft.listing() is None
+    nft.replace("a", a, nft.listing())
+    nft.replace("b", b, nft.listing())
+    # Our own two transactions were applied to the kept copy: one read (tables) in all.
+    assert fake.lists == 1
+    assert sorted(nft.comments(nft.listing(), "a")) == sorted(r.comment for r in a)
+    assert fake.lists == 1
+    # Someone else deletes one of a's rules: the generation moves on, the listing is read again.
+    fake.rules.pop(0)
+    fake.gen += 1
+    assert len(nft.comments(nft.listing(), "a")) == len(a) - 1
+    assert fake.lists == 3
+    # Replacing a's rules needs their handles: the ones added here are read from the table.
+    nft.replace("a", a, nft.listing())
+    assert sorted(r["comment"] for r in fake.rules) == sorted(r.comment for r in a + b)
+    nft.remove("a")
+    nft.remove("b")
+    assert fake.rules is None
+    assert nft.listing() is None
 
 
 def test_detect_backend_honours_envctl_firewall():

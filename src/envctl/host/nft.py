@@ -5,6 +5,11 @@ default through libnftables (the library the `nft` command is a thin front end o
 ctypes, so a run of 32 environments does not pay 32 x 4 process starts), or through the `nft`
 command itself with `ENVCTL_NFT=cli` or when the library cannot be loaded. Only the table
 `inet envctl` is ever read or written; other tables are never listed, flushed or deleted.
+
+The table's listing is kept between calls and used again only while the kernel's ruleset
+generation (bumped by every committed nftables transaction in the namespace, whoever makes it)
+is the one it was read at, or the one right after this process's own transaction, whose effect
+is applied to the kept copy. Any other change anywhere in nftables means a fresh listing.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import ctypes
 import json
 import os
 import shutil
+import socket
+import struct
 import subprocess
 from typing import Any
 
@@ -30,6 +37,11 @@ BASE_CHAINS = {
     "forward": ("filter", "forward", 0),
 }
 NFT_CTX_OUTPUT_JSON = 1 << 4
+# NFT_MSG_GETGEN of the nftables netfilter subsystem; its answer carries NFTA_GEN_ID (be32).
+NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES, NFT_MSG_GETGEN, NFTA_GEN_ID = 12, 10, 16, 1
+GEN_MASK = 0xFFFFFFFF
+
+Listing = list[tuple[str, int | None, str]]  # (chain, handle, comment); handle None: not read
 
 
 # ---------------------------------------------------------------- JSON generation (pure)
@@ -174,6 +186,28 @@ def _transport() -> _Library | _Command:
 # ---------------------------------------------------------------- the adapter
 
 
+class _Generation:
+    """The nftables ruleset generation of this process's network namespace."""
+
+    def __init__(self) -> None:
+        from envctl.host.netlink import Requests
+
+        self._nl = Requests(socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM,
+                                          NETLINK_NETFILTER))
+
+    def read(self) -> int | None:
+        """The generation, or None when it cannot be read (then nothing kept is used)."""
+        from envctl.host.netlink import attrs
+
+        try:
+            bodies = self._nl.request((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN,
+                                      struct.pack("=BBH", 0, 0, 0))
+        except OSError:
+            return None
+        gen = attrs(bodies[0], 4).get(NFTA_GEN_ID) if bodies else None
+        return struct.unpack(">I", gen)[0] if gen is not None and len(gen) == 4 else None
+
+
 class Nftables:
     """Reads and changes only table `inet envctl`."""
 
@@ -181,6 +215,10 @@ class Nftables:
 
     def __init__(self) -> None:
         self._nft: _Library | _Command | None = None
+        self._gen: _Generation | None = None
+        # The table as last read or written by this process, and the generation it is valid at.
+        self._kept: Listing | None = None
+        self._kept_gen: int | None = None
 
     @property
     def transport(self) -> str:
@@ -190,6 +228,14 @@ class Nftables:
         if self._nft is None:
             self._nft = _transport()
         return self._nft
+
+    def _generation(self) -> int | None:
+        if self._gen is None:
+            try:
+                self._gen = _Generation()
+            except OSError:
+                return None
+        return self._gen.read()
 
     def _run(self, cmds: list[dict[str, Any]], action: str, op: str) -> str:
         ok, out, err = self._t().run(document(cmds))
@@ -203,47 +249,77 @@ class Nftables:
         return any(item.get("table", {}).get("name") == TABLE
                    for item in json.loads(out or '{"nftables": []}')["nftables"])
 
-    def listing(self) -> list[tuple[str, int, str]] | None:
-        """(chain, handle, comment) of every rule in the table; None when there is no table."""
+    def _read(self) -> Listing | None:
         if not self._table_exists():
             return None
         out = self._run([{"list": {"table": {"family": FAMILY, "name": TABLE}}}],
                         "read nftables table 'inet envctl'", "list table")
-        rules = []
+        rules: Listing = []
         for item in json.loads(out)["nftables"]:
             r = item.get("rule")
             if r:
                 rules.append((r["chain"], r["handle"], r.get("comment", "")))
         return rules
 
+    def listing(self, *, handles: bool = False) -> Listing | None:
+        """(chain, handle, comment) of every rule in the table; None when there is no table.
+
+        Rules this process added itself have handle None unless `handles` asks for a fresh
+        read (the kernel assigns them; only a delete needs them)."""
+        gen = self._generation()
+        if gen is not None and self._kept_gen == gen:
+            kept = self._kept
+            if not handles or all(h is not None for _, h, _ in kept or ()):
+                return None if kept is None else list(kept)
+        rules = self._read()
+        stable = gen is not None and self._generation() == gen  # nothing changed meanwhile
+        self._kept, self._kept_gen = (rules, gen) if stable else (None, None)
+        return None if rules is None else list(rules)
+
+    def _commit(self, cmds: list[dict[str, Any]], action: str, after: Listing | None) -> None:
+        """Run one transaction; keep `after` as the table when the generation shows that this
+        transaction, and nothing else, happened since the listing it was derived from."""
+        before = self._kept_gen
+        self._kept, self._kept_gen = None, None
+        self._run(cmds, action, "transaction")
+        if before is not None and self._generation() == (before + 1) & GEN_MASK:
+            self._kept, self._kept_gen = after, (before + 1) & GEN_MASK
+
     @staticmethod
-    def comments(listing: list[tuple[str, int, str]], env: str) -> list[str]:
+    def comments(listing: Listing, env: str) -> list[str]:
         """The comments of `env`'s rules in `listing`, in table order."""
         return [c for _, _, c in listing if env_of_comment(c) == env]
 
-    def replace(self, env: str, rules: list[Rule],
-                listing: list[tuple[str, int, str]] | None) -> None:
+    def replace(self, env: str, rules: list[Rule], listing: Listing | None) -> None:
         """In one transaction: ensure the table and chains, delete `env`'s rules (as found in
         `listing`, just read under the global lock), add `rules`."""
+        if any(h is None for _, h, c in listing or () if env_of_comment(c) == env):
+            listing = self.listing(handles=True)
+        if listing != self._kept:
+            self._kept, self._kept_gen = None, None  # not derived from the kept listing
         cmds = table_commands()
+        others: Listing = []
         for chain, handle, comment in listing or ():
             if env_of_comment(comment) == env:
                 cmds.append(delete_rule_command(chain, handle))
+            else:
+                others.append((chain, handle, comment))
         cmds += [add_rule_command(r) for r in rules]
-        self._run(cmds, f"apply nftables rules '{env}'", "transaction")
+        after = others + [(r.chain, None, r.comment) for r in rules]
+        self._commit(cmds, f"apply nftables rules '{env}'", after)
 
     def remove(self, env: str) -> None:
         """Delete `env`'s rules, and the table when no other environment has rules in it;
         success when they (or the table) are already gone."""
-        listing = self.listing()
+        listing = self.listing(handles=True)
         if listing is None:
             return
         mine = [(c, h) for c, h, comment in listing if env_of_comment(comment) == env]
-        others = len(listing) - len(mine)
-        if others == 0:
-            cmds = [delete_table_command()]
+        others = [r for r in listing if env_of_comment(r[2]) != env]
+        if not others:
+            cmds, after = [delete_table_command()], None
         elif mine:
-            cmds = [delete_rule_command(c, h) for c, h in mine]
+            cmds, after = [delete_rule_command(c, h) for c, h in mine], others
         else:
             return
-        self._run(cmds, f"remove nftables rules '{env}'", "transaction")
+        self._commit(cmds, f"remove nftables rules '{env}'", after)
