@@ -80,12 +80,13 @@ class Veth(Resource):
         bridge = nl.link(self.bridge)
         if bridge is None:
             raise HostError(f"attach veth '{self.name}': bridge '{self.bridge}' does not exist")
-        if link.master != bridge.index:
-            nl.set_link(self.name, master=bridge.index)
+        if link.master != bridge.index or not link.up:
+            # One request for both, as `ip link set NAME master BRIDGE up`.
+            nl.set_link(self.name, master=bridge.index if link.master != bridge.index else None,
+                        up=True if not link.up else None)
+        # Read again: the bridge-port flags exist only once the link is a port.
         if bool(nl.link(self.name).isolated) != self.isolated:
             nl.set_isolated(self.name, self.isolated)
-        if not link.up:
-            nl.set_link(self.name, up=True)
         if not peer.up:
             nl.set_link(self.interface, netns=self.netns, up=True)
 
