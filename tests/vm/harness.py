@@ -49,6 +49,11 @@ mount -t tmpfs shm /host/dev/shm
 mount -t cgroup2 cgroup2 /host/sys/fs/cgroup
 mkdir -p /host/tmp/out
 mount -t 9p -o trans=virtio,version=9p2000.L out /host/tmp/out
+# The checkout under test, at its own path: it may live under /tmp (a CI clone), which the
+# tmpfs above hides.
+repo=$(cat /host/tmp/out/repo_path)
+mkdir -p "/host$repo"
+mount -t 9p -o trans=virtio,version=9p2000.L,ro repo "/host$repo"
 echo "envctl-vm: running"
 # switch_root, not chroot: the host root must be the mount namespace's root, or nsenter -m
 # (the test sandboxes) would land back in this initramfs.
@@ -178,6 +183,11 @@ mkdir -p /upper/data /upper/work
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/data,workdir=/upper/work /newroot
 mkdir -p /newroot/out
 mount -t 9p -o trans=virtio,version=9p2000.L out /newroot/out
+# The checkout under test at its own path, read-only: a CI clone may live under /tmp, whose
+# contents systemd-tmpfiles empties at boot.
+repo=$(cat /newroot/out/repo_path)
+mkdir -p "/newroot$repo"
+mount -t 9p -o trans=virtio,version=9p2000.L,ro repo "/newroot$repo"
 # Nothing of the host's own configuration: no fstab entries, no units it enables.
 : > /newroot/etc/fstab
 cp /newroot/out/envctl-vm.target /newroot/out/envctl-vm.service /newroot/etc/systemd/system/
@@ -254,12 +264,16 @@ def run_systemd(script: str, *, timeout: float = 900, memory_mb: int = 2048,
 
 def _boot(vmlinuz: Path, initrd: Path, cmdline: str, out: Path, *, memory_mb: int, cpus: int,
           timeout: float) -> Result:
-    """Boot qemu (TCG) with the host root read-only on 9p and `out` writable; collect results."""
+    """Boot qemu (TCG) with the host root and the checkout read-only on 9p and `out` writable;
+    collect the results."""
+    (out / "repo_path").write_text(str(REPO))
     argv = [QEMU, "-accel", "tcg", "-m", str(memory_mb), "-smp", str(cpus), "-nographic",
             "-kernel", str(vmlinuz), "-initrd", str(initrd), "-append", cmdline, "-no-reboot",
             "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
             "multidevs=remap",
-            "-virtfs", f"local,path={out},mount_tag=out,security_model=none"]
+            "-virtfs", f"local,path={out},mount_tag=out,security_model=none",
+            "-virtfs", f"local,path={REPO},mount_tag=repo,security_model=none,readonly=on,"
+            "multidevs=remap"]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
