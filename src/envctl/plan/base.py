@@ -18,6 +18,23 @@ def plan_dirs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     plan.add(Directory("state", f"envs/{spec.name}", 0o755))
     plan.add(Directory("run", spec.name, 0o755))
     _resolve(spec, facts, plan)
+    _not_yet(spec, plan)
+
+
+def _not_yet(spec: EnvSpec, plan: Plan) -> None:
+    """Say which spec sections this version validates but does not yet make, never skip quietly."""
+    pending = []
+    if spec.rootfs != type(spec.rootfs)():
+        pending.append("rootfs")
+    if spec.gpus.wanted:
+        pending.append("gpus")
+    if spec.mounts:
+        pending.append("mounts")
+    if spec.service is not None:
+        pending.append("service")
+    if pending:
+        plan.warn(f"{', '.join(pending)}: validated, but this version of envctl does not set "
+                  "them up yet")
 
 
 def _resolve(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
