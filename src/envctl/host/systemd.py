@@ -339,9 +339,12 @@ class Systemd:
         for top in self._dirs(cgroup):
             if not top.is_dir():
                 continue
-            for d in [top, *(p for p in top.rglob("*") if p.is_dir())]:
+            # os.walk, not rglob: scopes vanish while we look (their last process exits and
+            # systemd removes them), and os.walk skips a directory that is gone.
+            for dirpath, _, _ in os.walk(top):
                 with contextlib.suppress(FileNotFoundError):
-                    pids.update(int(x) for x in (d / "cgroup.procs").read_text().split())
+                    text = (Path(dirpath) / "cgroup.procs").read_text()
+                    pids.update(int(x) for x in text.split())
         return pids
 
     def kill(self, unit: str, cgroup: str, *, grace: float | None = None) -> None:
