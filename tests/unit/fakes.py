@@ -55,3 +55,11 @@ class Thing(Resource):
 class SharedThing(Thing):
     kind = "fake-shared"
     shared = True
+
+
+@dataclass(frozen=True)
+class TupleThing(Thing):
+    """A resource with a tuple field, which the journal stores as a JSON list."""
+
+    kind = "fake-tuple"
+    parts: tuple[str, ...] = ("x", "y")

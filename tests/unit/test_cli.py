@@ -117,3 +117,9 @@ def test_status_of_nothing_is_ok(capsys):
 def test_names_and_all_together_is_a_usage_error(capsys):
     code, _, err = run(capsys, "plan", "cpu-compute", "--all")
     assert code == 2 and "not both" in err
+
+
+def test_a_name_that_is_not_an_environment_name_is_refused(capsys, monkeypatch):
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    code, _, err = run(capsys, "down", "Bad..name")
+    assert code == 2 and "'Bad..name' is not an environment name" in err

@@ -97,3 +97,11 @@ def test_derived_interface_names_that_collide_are_refused(tmp_path, monkeypatch)
     found = problems(tmp_path, {"a.yaml": spec("a", addr="10.50.0.2"),
                                 "b.yaml": spec("b", addr="10.50.0.3")})
     assert "host interface name ve-same-00000" in str(found[0])
+
+
+def test_implicit_ip_forward_of_nat_conflicts_with_an_explicit_zero(tmp_path):
+    found = problems(tmp_path, {
+        "a.yaml": spec("a", addr="10.50.0.2"),  # nat defaults to on: needs ip_forward=1
+        "b.yaml": spec("b", extra="host:\n  sysctls: {net.ipv4.ip_forward: 0}\n"),
+    })
+    assert "net.ipv4.ip_forward=0" in str(found[0]) and "a.yaml" in str(found[0])

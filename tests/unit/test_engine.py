@@ -149,3 +149,14 @@ def test_a_bug_in_a_resource_still_rolls_back_and_keeps_its_traceback(engine, mo
         engine.up("env", PLAN)
     assert fakes.WORLD == {}
     assert not Journal.open(engine.host.state_dir, "env").exists()
+
+
+def test_an_unchanged_resource_with_tuple_fields_is_kept_without_rewriting(engine, monkeypatch):
+    from tests.unit.fakes import TupleThing
+
+    engine.up("env", [TupleThing("t")])
+    writes = []
+    monkeypatch.setattr(Journal, "put", lambda self, e: writes.append(e))
+    out = engine.up("env", [TupleThing("t")])
+    assert [(s.op, s.note) for s in out.steps] == [("=", "")]
+    assert writes == []

@@ -184,3 +184,14 @@ def test_format_size():
     assert format_size(512) == "512"
     assert format_size(16 << 30) == "16G"
     assert format_size(3 << 29) == "1.5G"
+
+
+@pytest.mark.parametrize("modules", [
+    "[-nvidia]",
+    "[{name: nvidia, options: {'--config': /tmp/x}}]",
+    "[{name: nvidia, options: {a b: 1}}]",
+    "[{name: nvidia, options: {NVreg: \"1\\nx\"}}]",
+])
+def test_module_names_and_options_cannot_smuggle_modprobe_options(modules):
+    problems = errors(f"name: demo\nkind: gpu\nhost:\n  modules: {modules}\n")
+    assert problems and all(p.field.startswith("host.modules") for p in problems)

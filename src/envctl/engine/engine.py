@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -168,19 +169,20 @@ class Engine:
         maybe_fault("before", res.key, index)
         check = res.check(self.host)
         entry = journal.get(res.key)
-        if check.ok and entry is not None and entry.resource == res.to_dict() \
+        wanted = _journal_form(res)
+        if check.ok and entry is not None and entry.resource == wanted \
                 and entry.status == "applied":
             return Step(KEEP, res, check)
         if entry is None:
             memo = self._take_memo(env, res, ledger)
-            entry = Entry(res.key, res.to_dict(), memo, "applying", res.shared)
+            entry = Entry(res.key, wanted, memo, "applying", res.shared)
             journal.put(entry)
             applied.append((res.key, res))
         else:
             # Known from an earlier run: keep its memo (the host as it was before envctl).
             # Only new parameters need to be on record before the host changes.
-            changed = entry.resource != res.to_dict()
-            entry.resource = res.to_dict()
+            changed = entry.resource != wanted
+            entry.resource = wanted
             entry.status = "applying"
             if changed:
                 journal.put(entry)
@@ -265,6 +267,12 @@ class Engine:
         elif entry is not None:
             res.remove(self.host, entry.memo)
         journal.drop(key)
+
+
+def _journal_form(res: Resource) -> dict[str, Any]:
+    """The resource as the journal holds it after a JSON round trip (tuples become lists), so
+    an unchanged resource compares equal to its journal entry."""
+    return json.loads(json.dumps(res.to_dict()))
 
 
 def _safe_check(res: Resource, host: Host) -> Check:

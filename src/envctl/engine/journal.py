@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from envctl.errors import UsageError
 from envctl.host.files import read_json, sync_dir, write_json
 from envctl.resources.base import Resource
 
 VERSION = 1
+_ENV_NAME = re.compile(r"[a-z](?:[a-z0-9-]{0,30}[a-z0-9])?")  # as spec.models.EnvName
 
 
 @dataclass
@@ -37,6 +40,9 @@ class Journal:
 
     @classmethod
     def open(cls, state_dir: Path, env: str) -> Journal:
+        if not _ENV_NAME.fullmatch(env):
+            # Names reach here from the command line (down/status of a spec-less env).
+            raise UsageError(f"'{env}' is not an environment name")
         path = state_dir / "journal" / f"{env}.json"
         data = read_json(path)
         journal = cls(path, env)

@@ -367,8 +367,11 @@ class Cgroups:
         for d in self.dirs(env, controllers):
             try:
                 text = (d / "cgroup.procs").read_text()
-            except FileNotFoundError:
-                continue
+            except OSError as exc:
+                # ENOENT: not there; ENODEV: the cgroup was removed while we read it.
+                if exc.errno in (errno.ENOENT, errno.ENODEV):
+                    continue
+                raise
             pids.update(int(x) for x in text.split())
         return pids
 

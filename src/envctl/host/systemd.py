@@ -10,6 +10,7 @@ in as transient scopes, and teardown signals processes and asks systemd to stop 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shlex
@@ -342,9 +343,14 @@ class Systemd:
             # os.walk, not rglob: scopes vanish while we look (their last process exits and
             # systemd removes them), and os.walk skips a directory that is gone.
             for dirpath, _, _ in os.walk(top):
-                with contextlib.suppress(FileNotFoundError):
+                try:
                     text = (Path(dirpath) / "cgroup.procs").read_text()
-                    pids.update(int(x) for x in text.split())
+                except OSError as exc:
+                    # ENOENT / ENODEV: the scope went away while we read it.
+                    if exc.errno in (errno.ENOENT, errno.ENODEV):
+                        continue
+                    raise
+                pids.update(int(x) for x in text.split())
         return pids
 
     def kill(self, unit: str, cgroup: str, *, grace: float | None = None) -> None:

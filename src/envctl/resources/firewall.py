@@ -28,7 +28,9 @@ class FirewallRules(Resource):
     ports: tuple[str, ...] = ()
 
     def ident(self) -> str:
-        return self.env
+        # The backend is part of the identity: when it changes (nft installed later, or the
+        # spec switches), the old backend's rules are a stale step that `up` removes first.
+        return f"{self.backend}:{self.env}"
 
     def describe(self) -> str:
         what = [w for w, on in (("nat", self.nat), ("isolation", self.isolate)) if on]

@@ -90,7 +90,19 @@ class Veth(Resource):
         if not peer.up:
             nl.set_link(self.interface, netns=self.netns, up=True)
 
+    def snapshot(self, host: Host) -> dict[str, Any]:
+        link = host.netlink.link(self.name)
+        # Anything already there under this name is not envctl's to delete (apply refuses a
+        # non-veth; a veth already present was made by someone else or by a lost run).
+        return {"existed": link is not None, "kind": link.kind if link else None}
+
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        if memo.get("existed") and memo.get("kind") != "veth":
+            return  # somebody else's device that apply refused to touch
+        if memo.get("existed"):
+            link = host.netlink.link(self.name)
+            if link is not None and link.kind != "veth":
+                return
         host.netlink.delete_link(self.name)  # the peer goes with it; success when gone
 
 

@@ -75,14 +75,19 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
                 claim(ports, (pf.host, pf.protocol), ls, ("network", "ports", i),
                       f"host port {pf.host}/{pf.protocol}")
 
-        for name, item in s.host.sysctls.items():
+        wanted_sysctls = {name: item.value for name, item in s.host.sysctls.items()}
+        if net is not None and (net.nat or net.ports):
+            # The network plan needs forwarding on; another environment must not want it off.
+            wanted_sysctls.setdefault("net.ipv4.ip_forward", "1")
+        for name, value in wanted_sysctls.items():
             seen_sysctl = sysctls.get(name)
-            if seen_sysctl and seen_sysctl[1] != item.value:
+            if seen_sysctl and seen_sysctl[1] != value:
+                loc = ("host", "sysctls", name) if name in s.host.sysctls else ("network",)
                 problems.append(ls.problem(
-                    ("host", "sysctls", name),
-                    f"wants {name}={item.value} but environment '{seen_sysctl[0].spec.name}' "
+                    loc,
+                    f"wants {name}={value} but environment '{seen_sysctl[0].spec.name}' "
                     f"({seen_sysctl[0].path}) wants {seen_sysctl[1]}; one host value serves both"))
-            sysctls.setdefault(name, (ls, item.value))
+            sysctls.setdefault(name, (ls, value))
 
         mx = s.resources.memory.max
         if mx is not None and facts is not None:

@@ -39,7 +39,12 @@ IfName = Annotated[
 ]
 EnvVarName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 SysctlName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]+(?:\.[A-Za-z0-9_-]+)+$")]
-ModuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,55}$")]
+# A leading '-' would make modprobe read the name as an option.
+ModuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,54}$")]
+# Module parameters: modprobe parses `key=value` after the name as options too, so keys are
+# plain identifiers and values carry no whitespace control characters.
+ModuleOptionKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")]
+ModuleOptionValue = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f]*$")]
 Policy = Literal["required", "best-effort"]
 Port = Annotated[int, Field(ge=1, le=65535)]
 
@@ -378,7 +383,7 @@ def _sysctl_value(v: Any) -> Any:
 
 class Module(Strict):
     name: ModuleName
-    options: dict[str, str] = {}
+    options: dict[ModuleOptionKey, ModuleOptionValue] = {}
     policy: Policy = "required"
 
     @model_validator(mode="before")
