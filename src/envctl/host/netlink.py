@@ -444,11 +444,3 @@ class Netlink:
         self._do(f"set default route via {gateway}", "replace route", netns, "route", "replace",
                  dst="0.0.0.0/0", gateway=gateway)
 
-    def del_default_route(self, *, netns: str | None = None) -> None:
-        try:
-            self._key(netns)
-        except NamespaceGone:
-            return
-        self._do("remove default route", "del route", netns, "route", "del", dst="0.0.0.0/0",
-                 ok=GONE)
-

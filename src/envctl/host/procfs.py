@@ -20,9 +20,6 @@ class Sysctls:
     def path(self, name: str) -> Path:
         return sysctl_path(self.proc, name)
 
-    def exists(self, name: str) -> bool:
-        return self.path(name).exists()
-
     def read(self, name: str) -> str | None:
         """The current value, or None when this kernel has no such sysctl."""
         try:

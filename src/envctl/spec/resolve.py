@@ -47,7 +47,3 @@ def dedicated_cpus(spec: EnvSpec, facts: HostFacts) -> CpuPlacement:
         raise ValueError(msg + " (set small_host: share to share all CPUs instead)")
     return CpuPlacement((), note=msg + "; sharing all online CPUs instead (small_host: share)")
 
-
-def thread_count(spec: EnvSpec, facts: HostFacts) -> int:
-    """How many threads a compute library should start: the CPUs the environment runs on."""
-    return len(dedicated_cpus(spec, facts).effective(facts))
