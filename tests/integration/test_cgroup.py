@@ -183,13 +183,26 @@ def test_cgroup_removed_by_hand_counts_as_removed(clean):
     sb.envctl("down", "lim", check=True)
 
 
+def test_down_uses_the_parent_recorded_at_up(clean):
+    sb = clean
+    assert up(sb, "  pids: {max: 32}").returncode == 0
+    assert sb.cgroups() != []
+    # ENVCTL_CGROUP_PARENT (or its default) changed between up and down: the journal's wins.
+    other = f"{sb.cgroup_parent}-other"
+    sb.envctl("down", "lim", env={"ENVCTL_CGROUP_PARENT": other}, check=True)
+    assert sb.cgroups() == []
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/{other}"))
+
+
 @pytest.mark.parametrize("point", ["before", "apply", "after"])
 def test_fault_at_every_cgroup_step_leaves_no_residue(clean, point):
     sb = clean
     resources = "  cpu: {quota: 50%, dedicated: [0]}\n  memory: {max: 64M}\n  pids: {max: 64}"
     sb.write_spec("lim", SPEC.format(name="lim", resources=resources))
     keys = [s["key"] for s in sb.envctl_json("plan", "lim")[0]["steps"]]
-    assert {"cgroup-parent:parent", "cgroup:lim", "cgroup-devices:lim"} <= set(keys)
+    # A parent other than the default is its own shared holding, named after it.
+    assert {f"cgroup-parent:parent:{sb.cgroup_parent}", "cgroup:lim",
+            "cgroup-devices:lim"} <= set(keys)
     for i, key in enumerate(keys):
         res = sb.envctl("up", "lim", env={"ENVCTL_FAULT": f"fail@{point}:#{i}"})
         assert res.returncode == 1, res.stderr

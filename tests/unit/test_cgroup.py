@@ -163,3 +163,103 @@ def test_bpf_program_shape():
     assert len(bpf.program_name(DEFAULT_DEVICES)) <= 15
     with pytest.raises(ValueError):
         bpf.parse_rule("x 1:2 r")
+
+
+# ---------------------------------------------------------------- teardown restores the host
+
+
+def _fake_v2(tmp_path, monkeypatch, busy: frozenset[str] = frozenset()):
+    """A cgroup2 tree in tmp_path whose cgroup.subtree_control takes '+c'/'-c' as the kernel
+    does; disabling a controller of `busy` in the root fails with EBUSY (another user's child
+    cgroup delegates it further)."""
+    import errno
+    import os
+
+    import envctl.host.cgroups as hc
+
+    root = tmp_path / "cg"
+    root.mkdir()
+    (root / "cgroup.subtree_control").write_text("memory\n")  # enabled before envctl
+    real_mkdir = type(root).mkdir
+
+    def mkdir(self, *a, **kw):
+        real_mkdir(self, *a, **kw)
+        (self / "cgroup.subtree_control").touch()
+
+    def write(path, value):
+        if path.name != "cgroup.subtree_control":
+            return path.write_text(value)
+        have = path.read_text().split()
+        for tok in value.split():
+            if tok[0] == "-" and tok[1:] in busy and path.parent == root:
+                raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+            have = [c for c in have if c != tok[1:]] + ([tok[1:]] if tok[0] == "+" else [])
+        path.write_text(" ".join(have) + "\n")
+
+    def rmdir(path):
+        (path / "cgroup.subtree_control").unlink(missing_ok=True)
+        os.rmdir(path)
+
+    monkeypatch.setattr(type(root), "mkdir", mkdir)
+    monkeypatch.setattr(hc, "_write", write)
+    monkeypatch.setattr(hc, "_rmdir", rmdir)
+
+    class FakeHost:
+        cgroups = hc.Cgroups(CgroupLayout(unified=str(root),
+                                          v2_controllers=frozenset({"cpu", "memory", "pids"})))
+    return root, FakeHost()
+
+
+def test_v2_parent_removal_disables_only_the_controllers_envctl_enabled(tmp_path, monkeypatch):
+    root, host = _fake_v2(tmp_path, monkeypatch)
+    parent = CgroupParent(2, ("cpu", "memory", "pids"), "envctl")
+    memo = parent.snapshot(host)
+    assert memo == {"existed": False, "subtree_control": {"root": ["memory"], "parent": []}}
+    parent.apply(host, memo)
+    assert parent.check(host).ok
+    assert set((root / "cgroup.subtree_control").read_text().split()) == {"cpu", "memory",
+                                                                          "pids"}
+    for _ in range(2):  # repeatable
+        parent.remove(host, memo)
+    assert not (root / "envctl").exists()
+    assert (root / "cgroup.subtree_control").read_text().split() == ["memory"]
+
+
+def test_v2_parent_that_existed_gets_its_delegation_back(tmp_path, monkeypatch):
+    root, host = _fake_v2(tmp_path, monkeypatch, busy=frozenset({"pids"}))
+    (root / "envctl").mkdir()
+    (root / "envctl/cgroup.subtree_control").write_text("cpu\n")
+    parent = CgroupParent(2, ("cpu", "memory", "pids"), "envctl")
+    memo = parent.snapshot(host)
+    assert memo["existed"] and memo["subtree_control"] == {"root": ["memory"],
+                                                           "parent": ["cpu"]}
+    parent.apply(host, memo)
+    parent.remove(host, memo)
+    assert (root / "envctl").is_dir()  # not ours: kept
+    assert (root / "envctl/cgroup.subtree_control").read_text().split() == ["cpu"]
+    # pids is busy (another user's cgroup delegates it further): left enabled, not an error.
+    assert (root / "cgroup.subtree_control").read_text().split() == ["memory", "pids"]
+
+
+def test_cgroup_resources_use_the_parent_they_recorded(tmp_path, monkeypatch):
+    from envctl.host.cgroups import read_cgroup_facts
+
+    monkeypatch.setenv("ENVCTL_CGROUP_PARENT", "envctl-old")
+    assert read_cgroup_facts().parent == "envctl-old"
+    plan = plan_env(spec({}), facts(CgroupFacts(controllers=("cpu",), parent="envctl-old")))
+    assert {r.parent for r in plan.resources if r.kind.startswith("cgroup")} == {"envctl-old"}
+    parent = next(r for r in plan.resources if isinstance(r, CgroupParent))
+    assert parent.key == "cgroup-parent:parent:envctl-old"  # not the default parent's holding
+    assert CgroupParent(2, (), "envctl").key == CgroupParent(2, ()).key == "cgroup-parent:parent"
+
+    # `down` after ENVCTL_CGROUP_PARENT changed still removes the cgroups `up` made.
+    root, host = _fake_v2(tmp_path, monkeypatch)
+    host.cgroups = host.cgroups.for_parent("envctl-new")
+    cg = Cgroup("e1", 2, ("cpu",), (), "envctl-old")
+    memo = parent.snapshot(host)
+    parent.apply(host, memo)
+    cg.apply(host, {})
+    assert (root / "envctl-old/e1").is_dir() and cg.check(host).ok and parent.check(host).ok
+    cg.remove(host, {})
+    parent.remove(host, memo)
+    assert sorted(p.name for p in root.iterdir()) == ["cgroup.subtree_control"]

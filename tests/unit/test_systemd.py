@@ -373,8 +373,45 @@ def test_parent_slice_that_existed_is_kept(host):
     parent = SystemdParentSlice(2)
     memo = parent.snapshot(host)
     assert memo == {"existed": True}
-    parent.remove(host, memo)
+    parent.apply(host, memo)
+    path = host.systemd.unit_dir / "envctl.slice"
+    assert path.exists()
+    for _ in range(2):  # repeatable
+        parent.remove(host, memo)
     assert "envctl.slice" in host.fake.active
+    # The unit file envctl wrote goes (and systemd forgets it); the slice keeps running.
+    assert not path.exists() and "envctl.slice" not in host.fake.loaded
+    assert host.fake.calls[-1] == ["daemon-reload"]
+
+
+def test_a_unit_file_envctl_did_not_write_is_kept(host):
+    host.fake.active.add("envctl.slice")
+    path = host.systemd.unit_dir / "envctl.slice"
+    path.parent.mkdir(parents=True)
+    path.write_text("[Slice]\nCPUWeight=50\n")  # an operator's, written after the snapshot
+    SystemdParentSlice(2).remove(host, {"existed": True})
+    assert path.exists() and "envctl.slice" in host.fake.active
+
+
+def test_slices_use_the_parent_they_recorded(host, monkeypatch):
+    monkeypatch.setenv("ENVCTL_CGROUP_PARENT", "envctl-old")
+    from envctl.host.cgroups import read_cgroup_facts
+
+    cg = read_cgroup_facts()
+    plan = plan_env(spec({"cpu": {"quota": "50%"}}),
+                    facts(CgroupFacts(systemd=True, parent=cg.parent)))
+    parent, res = plan.resources[-2:]
+    assert (parent.parent, res.parent) == ("envctl-old", "envctl-old")
+    assert parent.key == "cgroup-parent-slice:parent:envctl-old"
+    parent.apply(host, parent.snapshot(host))
+    res.apply(host, {})
+    assert host.fake.active == {"envctl_old.slice", "envctl_old-cpu_compute.slice"}
+    # ENVCTL_CGROUP_PARENT changed before `down`: the recorded parent is what goes.
+    host.systemd = host.systemd.for_parent("envctl-new")
+    assert res.check(host).ok and parent.check(host).ok
+    res.remove(host, {})
+    parent.remove(host, {"existed": False})
+    assert host.fake.active == set() and not list(host.systemd.unit_dir.glob("*"))
 
 
 def test_a_failing_systemctl_is_a_host_error(host):

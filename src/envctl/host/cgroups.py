@@ -116,6 +116,9 @@ class CgroupFacts:
     default_driver: str = ""
     cpus: str = ""  # the root cpuset (v1 parents are initialised to it)
     mems: str = ""
+    # The parent cgroup / slice name (ENVCTL_CGROUP_PARENT); recorded in every cgroup resource
+    # so that `down` removes what `up` made even when the variable has changed since.
+    parent: str = DEFAULT_PARENT
 
 
 def read_cgroup_facts(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
@@ -149,7 +152,8 @@ def read_cgroup_facts(*, proc_root: Path = Path("/proc"), sys_root: Path = Path(
     return CgroupFacts(layout=lay.layout, version=lay.version, controllers=lay.controllers(),
                        swap=swap, io_weight=io_weight, bfq_devices=bfq,
                        systemd=_read_text(proc_root / "1/comm") == "systemd", cpus=cpus,
-                       mems=mems, default_driver=_default_driver())
+                       mems=mems, default_driver=_default_driver(),
+                       parent=os.environ.get("ENVCTL_CGROUP_PARENT", DEFAULT_PARENT))
 
 
 def _default_driver() -> str:
@@ -246,6 +250,12 @@ class Cgroups:
         return cls(detect_layout(proc_root=proc_root, root=root),
                    os.environ.get("ENVCTL_CGROUP_PARENT", DEFAULT_PARENT))
 
+    def for_parent(self, parent: str) -> Cgroups:
+        """This adapter with another parent: the one a resource recorded ("" = this one)."""
+        if not parent or parent == self.parent:
+            return self
+        return Cgroups(self.lay, parent, kill_grace=self.kill_grace)
+
     @property
     def version(self) -> int:
         return self.lay.version
@@ -310,14 +320,69 @@ class Cgroups:
                 if not (mnt / self.parent / f).read_text().strip():
                     self._parent_write(mnt / self.parent / f, (mnt / f).read_text().strip())
         if self.version == 2:
-            want = [c for c in V2_CONTROLLERS if c in self.lay.v2_controllers]
-            root = Path(self.lay.unified or "")
-            for d in (root, root / self.parent):
+            want = self._v2_wanted()
+            for _, d in self._delegating():
                 have = set((d / "cgroup.subtree_control").read_text().split())
                 missing = [c for c in want if c not in have]
                 if missing:
                     self._parent_write(d / "cgroup.subtree_control",
                                        " ".join(f"+{c}" for c in missing))
+
+    def _v2_wanted(self) -> list[str]:
+        return [c for c in V2_CONTROLLERS if c in self.lay.v2_controllers]
+
+    def _delegating(self) -> list[tuple[str, Path]]:
+        """v2: the cgroups whose subtree_control ensure_parent writes, root first."""
+        root = Path(self.lay.unified or "")
+        return [("root", root), ("parent", root / self.parent)]
+
+    def delegation(self) -> dict[str, list[str]]:
+        """v2: the controllers already enabled in the root's and the parent's
+        cgroup.subtree_control (none for a parent not there yet), as `ensure_parent` finds
+        them, for `restore_delegation`; v1: {}."""
+        if self.version != 2:
+            return {}
+        out: dict[str, list[str]] = {}
+        for name, d in self._delegating():
+            try:
+                out[name] = sorted((d / "cgroup.subtree_control").read_text().split())
+            except FileNotFoundError:
+                out[name] = []
+            except OSError as exc:
+                raise HostError(f"check cgroup '{self.parent}': read {d}/cgroup.subtree_control"
+                                f": {exc.strerror}") from exc
+        return out
+
+    def restore_delegation(self, before: dict[str, list[str]]) -> None:
+        """Disable, in each subtree_control `before` names, the controllers ensure_parent
+        enables that were not enabled before (never one somebody else had enabled); the
+        parent first, then the root; a cgroup that is gone is skipped."""
+        if self.version != 2:
+            return
+        for name, d in reversed(self._delegating()):
+            if name not in before:
+                continue
+            f = d / "cgroup.subtree_control"
+            try:
+                have = set(f.read_text().split())
+            except FileNotFoundError:
+                continue  # the parent went with rmdir, and its subtree_control with it
+            except OSError as exc:
+                raise HostError(f"remove cgroup '{self.parent}': read {f}: "
+                                f"{exc.strerror}") from exc
+            # One controller per write: the kernel refuses a whole write when any of it is busy.
+            for c in reversed([c for c in self._v2_wanted() if c in have
+                               and c not in before[name]]):
+                try:
+                    _write(f, f"-{c}")
+                except OSError as exc:
+                    if exc.errno == errno.EBUSY:
+                        # Another user's cgroup below this one enabled the controller in its
+                        # own subtree_control since: it relies on it, so it stays enabled.
+                        # (Leaf cgroups do not show up this way: they lose the controller.)
+                        continue
+                    raise HostError(f"remove cgroup '{self.parent}': write '-{c}' to {f}: "
+                                    f"{exc.strerror}") from exc
 
     def parent_ready(self) -> bool:
         """v1: the parent's cpuset has CPUs and nodes; v2: it delegates the controllers."""

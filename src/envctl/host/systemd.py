@@ -10,6 +10,7 @@ in as transient scopes, and teardown signals processes and asks systemd to stop 
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import os
 import re
@@ -119,10 +120,13 @@ def have_value(setting: str, value: str) -> str:
     return " ".join(value.split())
 
 
+HEADER = "# Made by envctl; `envctl down` removes it. Do not edit: `envctl up` rewrites it."
+
+
 def unit_text(description: str, settings: Sequence[tuple[str, str]],
               device_allow: Sequence[str] = (), *, policy: bool = True) -> str:
     """The unit file of a slice: [Unit] Description, then every setting in order."""
-    lines = ["# Made by envctl; `envctl down` removes it. Do not edit: `envctl up` rewrites it.",
+    lines = [HEADER,
              "[Unit]", f"Description={description}", "", "[Slice]"]
     lines += [f"{k}={v}" for k, v in settings]
     if policy:
@@ -213,6 +217,14 @@ class Systemd:
                    unit_dir=Path(env.get("ENVCTL_SYSTEMD_UNIT_DIR", UNIT_DIR)),
                    systemctl=shlex.split(env.get("ENVCTL_SYSTEMCTL", "systemctl")),
                    proc=proc_root)
+
+    def for_parent(self, parent: str) -> Systemd:
+        """This adapter with another parent: the one a resource recorded ("" = this one)."""
+        if not parent or parent == self.parent:
+            return self
+        other = copy.copy(self)
+        other.parent = parent
+        return other
 
     # -- names
     @property
@@ -327,6 +339,22 @@ class Systemd:
             changed = True
         if changed:
             self.daemon_reload(unit)
+
+    def remove_unit_file(self, unit: str) -> None:
+        """Delete the unit file envctl wrote for a slice it does not own (one that was active
+        before), leaving the slice running; reload so that systemd forgets the file. A file
+        envctl did not write (no header) is left alone; already gone is success."""
+        text = self.read_unit(unit)
+        if text is None or not text.startswith(HEADER):
+            return
+        path = self.unit_path(unit)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return  # ENOENT: gone meanwhile
+        except OSError as exc:
+            raise HostError(f"remove slice '{unit}': unlink {path}: {exc.strerror}") from exc
+        self.daemon_reload(unit)
 
     # -- processes
     def _dirs(self, cgroup: str) -> list[Path]:

@@ -70,10 +70,12 @@ def plan_cgroup(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     settings = _settings(spec, facts, plan)
     if settings is None:
         return
-    plan.add(CgroupParent(cg.version, cg.controllers), ("resources",))
-    plan.add(Cgroup(spec.name, cg.version, cg.controllers, tuple(settings)), ("resources",))
+    # The parent is recorded in each resource: `down` uses it, not ENVCTL_CGROUP_PARENT then.
+    plan.add(CgroupParent(cg.version, cg.controllers, cg.parent), ("resources",))
+    plan.add(Cgroup(spec.name, cg.version, cg.controllers, tuple(settings), cg.parent),
+             ("resources",))
     rules = DEFAULT_DEVICES + tuple(plan.resolved.get(GPU_DEVICES_KEY, ()))
-    plan.add(CgroupDevices(spec.name, cg.version, rules), ("resources",))
+    plan.add(CgroupDevices(spec.name, cg.version, rules, cg.parent), ("resources",))
 
 
 def _need(cg: CgroupFacts, controller: str, loc: tuple, why: str, plan: Plan) -> bool:

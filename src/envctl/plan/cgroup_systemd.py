@@ -30,8 +30,10 @@ def plan_systemd(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     if props is None:
         return
     rules = DEFAULT_DEVICES + tuple(plan.resolved.get(GPU_DEVICES_KEY, ()))
-    plan.add(SystemdParentSlice(cg.version), ("resources",))
-    plan.add(SystemdSlice(spec.name, cg.version, tuple(props), rules), ("resources",))
+    # The parent is recorded in each resource: `down` uses it, not ENVCTL_CGROUP_PARENT then.
+    plan.add(SystemdParentSlice(cg.version, cg.parent), ("resources",))
+    plan.add(SystemdSlice(spec.name, cg.version, tuple(props), rules, cg.parent),
+             ("resources",))
 
 
 def properties(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, str]] | None:

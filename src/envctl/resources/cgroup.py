@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from envctl.errors import HostError
-from envctl.host.cgroups import normalize
+from envctl.host.cgroups import DEFAULT_PARENT, normalize
 from envctl.resources.base import Check, Diff, Resource, Status
 
 if TYPE_CHECKING:
+    from envctl.host.cgroups import Cgroups
     from envctl.host.context import Host
 
 Setting = tuple[str, str, str]  # (controller, file, value), written in this order
@@ -21,6 +22,18 @@ def _version_mismatch(host: Host, version: int) -> Check | None:
     if have != version:
         return Check.wrong_kind(f"planned for cgroup v{version}, the host now drives v{have}")
     return None
+
+
+def _cgroups(host: Host, parent: str) -> Cgroups:
+    # The parent recorded in the resource (so in the journal), not ENVCTL_CGROUP_PARENT now:
+    # `down` removes what `up` made. "" (journals from before it was recorded): the current.
+    return host.cgroups.for_parent(parent)
+
+
+def parent_ident(parent: str) -> str:
+    """`parent` for the default parent (the key journals have always had), `parent:NAME` for
+    another: parents of different names are different shared resources in the ledger."""
+    return "parent" if parent in ("", DEFAULT_PARENT) else f"parent:{parent}"
 
 
 @dataclass(frozen=True)
@@ -34,37 +47,49 @@ class CgroupParent(Resource):
     shared = True
     version: int
     controllers: tuple[str, ...]
+    parent: str = ""  # the parent's name (ENVCTL_CGROUP_PARENT at plan time)
 
     def ident(self) -> str:
-        return "parent"
+        return parent_ident(self.parent)
 
     def describe(self) -> str:
-        return f"cgroup parent (cgroupfs, v{self.version}: {', '.join(self.controllers)})"
+        name = f" {self.parent}" if self.parent else ""
+        return f"cgroup parent{name} (cgroupfs, v{self.version}: {', '.join(self.controllers)})"
 
     def check(self, host: Host) -> Check:
         if (bad := _version_mismatch(host, self.version)) is not None:
             return bad
-        present = host.cgroups.present(None)
+        cg = _cgroups(host, self.parent)
+        present = cg.present(None)
         if not any(present):
             return Check.absent()
         if not all(present):
             return Check(Status.DRIFTED, detail="missing in some hierarchies")
-        if not host.cgroups.parent_ready():
+        if not cg.parent_ready():
             return Check(Status.DRIFTED, detail="cpuset or controller delegation not set up")
         return Check.present()
 
     def snapshot(self, host: Host) -> dict[str, Any]:
-        # A parent that existed before envctl (made by hand) is used, never removed.
-        present = host.cgroups.present(None)
-        return {"existed": bool(present) and all(present)}
+        # A parent that existed before envctl (made by hand) is used, never removed. v2: the
+        # controllers the root's and the parent's subtree_control already had, so that
+        # `remove` disables only those envctl enabled.
+        cg = _cgroups(host, self.parent)
+        present = cg.present(None)
+        memo: dict[str, Any] = {"existed": bool(present) and all(present)}
+        if self.version == 2:
+            memo["subtree_control"] = cg.delegation()
+        return memo
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
-        host.cgroups.ensure_parent()
+        _cgroups(host, self.parent).ensure_parent()
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
-        if memo.get("existed"):
-            return
-        host.cgroups.remove_parent()
+        cg = _cgroups(host, self.parent)
+        if not memo.get("existed"):
+            cg.remove_parent()
+        # A memo without it (journalled before envctl recorded it): leave delegation as is.
+        if isinstance(memo.get("subtree_control"), dict):
+            cg.restore_delegation(memo["subtree_control"])
 
 
 @dataclass(frozen=True)
@@ -80,6 +105,7 @@ class Cgroup(Resource):
     version: int
     controllers: tuple[str, ...]
     settings: tuple[Setting, ...] = ()
+    parent: str = ""  # the parent's name (ENVCTL_CGROUP_PARENT at plan time)
 
     def ident(self) -> str:
         return self.env
@@ -90,7 +116,7 @@ class Cgroup(Resource):
     def check(self, host: Host) -> Check:
         if (bad := _version_mismatch(host, self.version)) is not None:
             return bad
-        cg = host.cgroups
+        cg = _cgroups(host, self.parent)
         present = cg.present(self.env, self.controllers)
         if not any(present):
             return Check.absent()
@@ -107,10 +133,11 @@ class Cgroup(Resource):
         return Check.present()
 
     def _read(self, host: Host) -> list[str | None]:
-        return [host.cgroups.read(self.env, ctrl, file) for ctrl, file, _ in self.settings]
+        cg = _cgroups(host, self.parent)
+        return [cg.read(self.env, ctrl, file) for ctrl, file, _ in self.settings]
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
-        cg = host.cgroups
+        cg = _cgroups(host, self.parent)
         cg.create(self.env, self.controllers)
         todo = [(s, have) for s, have in zip(self.settings, self._read(host), strict=True)
                 if have is None or normalize(s[1], have) != normalize(s[1], s[2])]
@@ -120,7 +147,7 @@ class Cgroup(Resource):
             cg.write(self.env, ctrl, file, value)
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
-        host.cgroups.remove(self.env, self.controllers)
+        _cgroups(host, self.parent).remove(self.env, self.controllers)
 
 
 def _order(todo: list[tuple[Setting, str | None]]) -> list[Setting]:
@@ -148,6 +175,7 @@ class CgroupDevices(Resource):
     env: str
     version: int
     rules: tuple[str, ...]
+    parent: str = ""  # the parent's name (ENVCTL_CGROUP_PARENT at plan time)
 
     def ident(self) -> str:
         return self.env
@@ -159,14 +187,15 @@ class CgroupDevices(Resource):
     def check(self, host: Host) -> Check:
         if (bad := _version_mismatch(host, self.version)) is not None:
             return bad
+        cg = _cgroups(host, self.parent)
         if self.version == 1:
-            have = host.cgroups.devices_v1(self.env)
+            have = cg.devices_v1(self.env)
             if have is None:
                 return Check.absent()
             return Check.compare({"rules": sorted(self.rules)}, {"rules": sorted(have)})
         from envctl.host import bpf
 
-        path = host.cgroups.path(self.env, "")
+        path = cg.path(self.env, "")
         if not path.is_dir():
             return Check.absent()
         names = bpf.attached_device_programs(path)
@@ -176,24 +205,26 @@ class CgroupDevices(Resource):
         return Check.compare({"program": want}, {"program": ",".join(names)})
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        cg = _cgroups(host, self.parent)
         if self.version == 1:
-            host.cgroups.set_devices_v1(self.env, self.rules)
+            cg.set_devices_v1(self.env, self.rules)
             return
         from envctl.host import bpf
 
-        bpf.attach_device_program(host.cgroups.path(self.env, ""), self.rules, name=self.env)
+        bpf.attach_device_program(cg.path(self.env, ""), self.rules, name=self.env)
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
         # The rules go with the cgroup; taking them off a cgroup that outlives us (a rollback
         # that keeps it) restores the default, allow-all.
+        cg = _cgroups(host, self.parent)
         if self.version == 1:
-            if host.cgroups.devices_v1(self.env) is not None:
+            if cg.devices_v1(self.env) is not None:
                 try:
-                    host.cgroups.write(self.env, "devices", "devices.allow", "a")
+                    cg.write(self.env, "devices", "devices.allow", "a")
                 except HostError:
-                    if host.cgroups.devices_v1(self.env) is not None:
+                    if cg.devices_v1(self.env) is not None:
                         raise
             return
         from envctl.host import bpf
 
-        bpf.detach_device_programs(host.cgroups.path(self.env, ""), name=self.env)
+        bpf.detach_device_programs(cg.path(self.env, ""), name=self.env)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from envctl.errors import HostError
 from envctl.host import systemd as sd
 from envctl.resources.base import Check, Diff, Resource, Status
+from envctl.resources.cgroup import parent_ident
 
 if TYPE_CHECKING:
     from envctl.host.context import Host
@@ -23,10 +24,15 @@ def _version_mismatch(host: Host, version: int) -> Check | None:
     return None
 
 
-def _slice_check(host: Host, unit: str, text: str, want: dict[str, str]) -> Check:
+def _systemd(host: Host, parent: str) -> sd.Systemd:
+    # The parent recorded in the resource (so in the journal), not ENVCTL_CGROUP_PARENT now:
+    # `down` removes what `up` made. "" (journals from before it was recorded): the current.
+    return host.systemd.for_parent(parent)
+
+
+def _slice_check(s: sd.Systemd, unit: str, text: str, want: dict[str, str]) -> Check:
     """Absent, or present with one Diff per property systemd reports differently, the unit
     file's content and whether the slice is active."""
-    s = host.systemd
     have_text = s.read_unit(unit)
     state = s.state(unit, want)
     if have_text is None and state["ActiveState"] in ("inactive", ""):
@@ -46,17 +52,19 @@ def _slice_check(host: Host, unit: str, text: str, want: dict[str, str]) -> Chec
 @dataclass(frozen=True)
 class SystemdParentSlice(Resource):
     """`envctl.slice`, which every environment's slice sits in; shared by all environments.
-    A parent slice that was active before envctl wrote its unit file is never stopped."""
+    A parent slice that was active before envctl wrote its unit file is never stopped; the
+    unit file envctl wrote for it is deleted at removal all the same."""
 
     kind = "cgroup-parent-slice"
     shared = True
     version: int
+    parent: str = ""  # the parent's name (ENVCTL_CGROUP_PARENT at plan time)
 
     def ident(self) -> str:
-        return "parent"
+        return parent_ident(self.parent)
 
     def _unit(self, host: Host) -> str:
-        return host.systemd.parent_unit
+        return _systemd(host, self.parent).parent_unit
 
     def _text(self, host: Host) -> str:
         return sd.unit_text("envctl environments", (), policy=False)
@@ -67,20 +75,27 @@ class SystemdParentSlice(Resource):
     def check(self, host: Host) -> Check:
         if (bad := _version_mismatch(host, self.version)) is not None:
             return bad
-        return _slice_check(host, self._unit(host), self._text(host), {})
+        return _slice_check(_systemd(host, self.parent), self._unit(host), self._text(host),
+                            {})
 
     def snapshot(self, host: Host) -> dict[str, Any]:
-        unit = self._unit(host)
-        active = host.systemd.state(unit)["ActiveState"] == "active"
-        return {"existed": active and host.systemd.read_unit(unit) is None}
+        # "existed": active with no unit file of envctl's, so any unit file of envctl's found
+        # at removal was written by envctl (apply) after this.
+        s, unit = _systemd(host, self.parent), self._unit(host)
+        active = s.state(unit)["ActiveState"] == "active"
+        return {"existed": active and s.read_unit(unit) is None}
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
-        host.systemd.ensure_slice(self._unit(host), self._text(host))
+        _systemd(host, self.parent).ensure_slice(self._unit(host), self._text(host))
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        s = _systemd(host, self.parent)
         if memo.get("existed"):
-            return  # somebody else's slice: used, never stopped
-        host.systemd.remove_slice(self._unit(host))
+            # Somebody else's slice: used, never stopped; only the unit file envctl wrote goes
+            # (whatever defined the slice before, /etc or nothing, is in force again).
+            s.remove_unit_file(self._unit(host))
+            return
+        s.remove_slice(self._unit(host))
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,7 @@ class SystemdSlice(Resource):
     version: int
     properties: tuple[Property, ...] = ()
     devices: tuple[str, ...] = ()
+    parent: str = ""  # the parent's name (ENVCTL_CGROUP_PARENT at plan time)
 
     def ident(self) -> str:
         return self.env
@@ -109,7 +125,7 @@ class SystemdSlice(Resource):
                f"{len(self.devices)} device rules)"
 
     def _want(self, host: Host) -> tuple[str, str, dict[str, str]]:
-        s = host.systemd
+        s = _systemd(host, self.parent)
         names = sd.read_proc_devices(s.proc)
         allow = [sd.device_allow(r, names) for r in self.devices]
         text = sd.unit_text(f"envctl environment {self.env}", self.properties, allow)
@@ -118,9 +134,10 @@ class SystemdSlice(Resource):
     def check(self, host: Host) -> Check:
         if (bad := _version_mismatch(host, self.version)) is not None:
             return bad
+        s = _systemd(host, self.parent)
         unit, text, want = self._want(host)
-        found = _slice_check(host, unit, text, want)
-        missing = host.systemd.missing_char_links(self.devices)
+        found = _slice_check(s, unit, text, want)
+        missing = s.missing_char_links(self.devices)
         if found.status is Status.ABSENT or not missing:
             return found
         diffs = (*found.diffs, Diff("/dev/char links", "present", "missing: " +
@@ -128,7 +145,7 @@ class SystemdSlice(Resource):
         return Check(Status.DRIFTED, diffs, found.detail)
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
-        s = host.systemd
+        s = _systemd(host, self.parent)
         unit, text, want = self._want(host)
         # Links first: systemd resolves DeviceAllow= paths when it applies the unit.
         s.ensure_char_links(self.devices)
@@ -155,7 +172,7 @@ class SystemdSlice(Resource):
             raise HostError(f"set slice '{unit}': systemd reports {'; '.join(still)}")
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
-        s = host.systemd
+        s = _systemd(host, self.parent)
         s.remove_slice(s.unit(self.env), s.cgroup(self.env))
 
 
