@@ -314,3 +314,127 @@ def test_a_bridge_that_existed_is_kept_and_only_our_address_removed(net):
     assert "t-br0" in net.links()
     assert "10.231.0.1" not in net.run("ip", "addr", "show", "t-br0", check=True).stdout
     net.run("ip", "link", "del", "t-br0", check=True)
+
+
+def _break_hook(sb, backend):
+    """Take away what hooks envctl's forward chain into the kernel's: the jump from FORWARD
+    (iptables), or the base chain itself, flushed and deleted (nftables)."""
+    if backend == "nftables":
+        sb.run("nft", "flush", "chain", "inet", "envctl", "forward", check=True)
+        sb.run("nft", "delete", "chain", "inet", "envctl", "forward", check=True)
+    else:
+        sb.run("iptables-legacy", "-F", "FORWARD", check=True)
+
+
+def _counted_drops(sb):
+    """Packets counted by the legacy isolation rules so far."""
+    out = sb.run("iptables-legacy-save", "-c", "-t", "filter", check=True).stdout
+    return sum(int(line[1:].split(":")[0]) for line in out.splitlines()
+               if line.startswith("[") and "isolate" in line)
+
+
+def _legacy_rules(sb, table):
+    out = sb.run("iptables-legacy-save", "-t", table, check=True).stdout
+    return [line for line in out.splitlines() if line.startswith("-A")]
+
+
+def _isolated(sb):
+    """Whether the detour between alpha and beta through the host's routing is dropped
+    (both ways routed via the gateway: a direct reply would be stopped by port isolation)."""
+    for ns, other in (("alpha", "10.231.0.3"), ("beta", "10.231.0.2")):
+        in_ns(sb, ns, "ip", "route", "replace", f"{other}/32", "via", "10.231.0.1",
+              check=True)
+    return not ping(sb, "alpha", "10.231.0.3")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_missing_hook_is_reported_and_repaired(net, backend):
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend=backend))
+    net.write_spec("beta", spec("beta", "10.231.0.3", backend=backend, ports="[9091]"))
+    net.envctl("up", "alpha", "beta", check=True)
+    assert _isolated(net)
+    dropped, nat_rules = _counted_drops(net), _legacy_rules(net, "nat")
+    _break_hook(net, backend)
+    assert not _isolated(net)  # the hole the check must see
+
+    fw = status(net, "alpha")["firewall"]
+    assert fw["status"] == "drifted"
+    field = "chain forward" if backend == "nftables" else "jump FORWARD -> ENVCTL-FORWARD"
+    assert fw["diffs"][0] == {"field": field, "have": "missing", "want": fw["diffs"][0]["want"]}
+    if backend == "iptables":
+        # Exactly the jump: the chain and its rules are still there.
+        assert fw["diffs"] == [{"field": field, "have": "missing", "want": "present"}]
+    else:
+        assert fw["diffs"][0]["want"] == "type filter hook forward priority 0 policy accept"
+        assert {(d["have"], d["want"].split()[1]) for d in fw["diffs"][1:]} == {
+            ("missing", "isolate")}
+    assert status(net, "beta")["firewall"]["status"] == "drifted"  # shared by both
+
+    net.envctl("up", "alpha", "beta", check=True)
+    assert {s["status"] for e in ("alpha", "beta") for s in status(net, e).values()} == {"ok"}
+    if backend == "iptables":
+        # Only the missing jump was added: the rules kept their counters (they were not made
+        # again), and nat is as it was.
+        assert dropped > 0 and _counted_drops(net) == dropped
+        assert _legacy_rules(net, "nat") == nat_rules
+    assert _isolated(net)
+    if backend == "iptables":
+        # One jump deleted: reported alone, repaired alone.
+        net.run("iptables-legacy", "-t", "nat", "-D", "POSTROUTING", "-m", "comment",
+                "--comment", "envctl: jump", "-j", "ENVCTL-POSTROUTING", check=True)
+        fw = status(net, "alpha")["firewall"]
+        assert fw["diffs"] == [{"field": "jump POSTROUTING -> ENVCTL-POSTROUTING",
+                                "have": "missing", "want": "present"}]
+        net.envctl("up", "alpha", check=True)
+        assert status(net, "alpha")["firewall"]["status"] == "ok"
+
+    # Gone by hand before `down`: the hook (and, for iptables, a whole chain). Still succeeds.
+    _break_hook(net, backend)
+    if backend == "iptables":
+        net.run("iptables-legacy", "-F", "ENVCTL-FORWARD", check=True)
+        net.run("iptables-legacy", "-X", "ENVCTL-FORWARD", check=True)
+    net.envctl("down", "alpha", "beta", check=True)
+
+
+def _edit_dnat(sb, backend, to):
+    """Point alpha's prerouting DNAT at `to` by hand, keeping the rule's comment."""
+    comment = "envctl:alpha dnat tcp/9090 -> 10.231.0.2:9090"
+    if backend == "nftables":
+        out = json.loads(sb.run("nft", "-j", "list", "chain", "inet", "envctl", "prerouting",
+                                check=True).stdout)
+        handle = next(i["rule"]["handle"] for i in out["nftables"]
+                      if i.get("rule", {}).get("comment") == comment)
+        sb.run("nft", "replace", "rule", "inet", "envctl", "prerouting", "handle", str(handle),
+               "fib", "daddr", "type", "local", "tcp", "dport", "9090", "dnat", "ip", "to",
+               to, "comment", f'"{comment}"', check=True)
+    else:
+        sb.run("iptables-legacy", "-t", "nat", "-R", "ENVCTL-PREROUTING", "1", "-p", "tcp",
+               "-m", "addrtype", "--dst-type", "LOCAL", "-m", "tcp", "--dport", "9090",
+               "-m", "comment", "--comment", comment, "-j", "DNAT", "--to-destination", to,
+               check=True)
+    assert comment in comments(sb, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rule_edited_under_its_comment_is_reported_and_repaired(net, backend):
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend=backend))
+    net.envctl("up", "alpha", check=True)
+    assert status(net, "alpha")["firewall"]["status"] == "ok"
+    _edit_dnat(net, backend, "10.231.0.9:9090")
+    assert connect(net, "outside", HOST_OUT, 9090).startswith("failed")
+
+    fw = status(net, "alpha")["firewall"]
+    assert fw["status"] == "drifted" and len(fw["diffs"]) == 1
+    (diff,) = fw["diffs"]
+    assert diff["field"] == "rule envctl:alpha dnat tcp/9090 -> 10.231.0.2:9090"
+    assert "10.231.0.9" in diff["have"] and "10.231.0.2" in diff["want"]
+    assert "10.231.0.9" not in diff["want"] and "dport" not in diff["have"]  # just the change
+    assert net.envctl("status", "alpha", "--check").returncode == 1
+
+    net.envctl("up", "alpha", check=True)
+    assert status(net, "alpha")["firewall"]["status"] == "ok"
+    assert len(comments(net, backend)) == 5
+    server = serve(net, "alpha", 9090)
+    assert connect(net, "outside", HOST_OUT, 9090) == PEER
+    server.wait(5)
+    net.envctl("down", "alpha", check=True)

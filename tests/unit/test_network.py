@@ -12,11 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from envctl.host.facts import HostFacts
-from envctl.host.firewall import detect_backend, env_rules
+from envctl.host.firewall import Row, detect_backend, env_rules, rule_drift
 from envctl.host.netlink import parse_address, parse_default_gateway, parse_link
 from envctl.host.nft import (
     Nftables,
     add_rule_command,
+    canonical,
+    content,
     delete_table_command,
     document,
     rule_exprs,
@@ -188,6 +190,7 @@ class FakeNft:
         self.gen = 1
         self.handle = 100
         self.lists = 0
+        self.added = self.deleted = 0
 
     def run(self, doc: str) -> tuple[bool, str, str]:
         cmds = json.loads(doc)["nftables"]
@@ -204,8 +207,11 @@ class FakeNft:
             elif verb == "add" and "rule" in obj:
                 self.handle += 1
                 self.rules.append({"chain": obj["rule"]["chain"], "handle": self.handle,
-                                   "comment": obj["rule"]["comment"]})
+                                   "comment": obj["rule"]["comment"],
+                                   "expr": obj["rule"]["expr"]})
+                self.added += 1
             elif verb == "delete" and "rule" in obj:
+                self.deleted += 1
                 self.rules = [r for r in self.rules if r["handle"] != obj["rule"]["handle"]]
             elif verb == "delete" and "table" in obj:
                 self.rules = None
@@ -301,3 +307,60 @@ def test_gateway_and_interface_from_the_spec():
                           "  gateway: 10.9.0.254\n  interface: net0\n"), FACTS)
     (ipc,) = [r for r in plan.resources if r.kind == "ipconfig"]
     assert (ipc.interface, ipc.address, ipc.gateway) == ("net0", "10.9.0.5/16", "10.9.0.254")
+
+
+def test_edited_rule_is_replaced_alone():
+    fake = FakeNft()
+    nft = fake_nftables(fake)
+    a = env_rules("a", bridge="br", address="10.0.0.2", nat=True, isolate=True,
+                  ports=(("tcp", 80, 8080),))
+    nft.replace("a", a, nft.listing())
+    assert fake.added == len(a)
+    # Someone edits the DNAT target of one rule, keeping its comment.
+    edited = next(r for r in fake.rules if r["comment"] == a[1].comment)
+    edited["expr"][-1] = {"dnat": {"family": "ip", "addr": "10.0.0.9", "port": 8080}}
+    fake.gen += 1
+    nft.replace("a", a, nft.listing())
+    assert (fake.added, fake.deleted) == (len(a) + 1, 1)
+    assert [r["expr"] for r in fake.rules if r["comment"] == a[1].comment] == [
+        rule_exprs(a[1])]
+
+
+# What libnftables (nft 1.0.6) lists back for envctl's DNAT rule: `meta l4proto tcp` + `th
+# dport` folded into `tcp dport`.
+LISTED_DNAT = [
+    {"match": {"op": "==", "left": {"fib": {"result": "type", "flags": ["daddr"]}},
+               "right": "local"}},
+    {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "dport"}},
+               "right": 9090}},
+    {"dnat": {"family": "ip", "addr": "10.0.0.2", "port": 9091}},
+]
+
+
+def test_canonical_form_matches_what_nft_lists_back():
+    rules = env_rules("a", bridge="br", address="10.0.0.2", nat=True, isolate=True,
+                      ports=(("tcp", 9090, 9091),))
+    dnat = next(r for r in rules if r.chain == "prerouting")
+    assert content(dnat) == canonical(LISTED_DNAT)
+    moved = json.loads(json.dumps(LISTED_DNAT))
+    moved[-1]["dnat"]["addr"] = "10.0.0.9"
+    assert content(dnat) != canonical(moved)
+    prefix = {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
+                        "right": {"prefix": {"addr": "10.0.0.2", "len": 32}}}}
+    assert canonical([prefix]) == canonical([{"match": {**prefix["match"],
+                                                         "right": "10.0.0.2"}}])
+
+
+def test_rule_drift_names_missing_extra_and_edited_rules():
+    rules = env_rules("a", bridge="br", address="10.0.0.2", nat=True, isolate=False,
+                      ports=(("tcp", 9090, 9091),))
+    want = [(r, ("m1", f"s-{r.name}")) for r in rules]
+    rows = [Row(r.chain, 1, r.comment, c) for r, c in want]
+    assert rule_drift(rows, "a", want) == []
+    assert rule_drift(rows[1:], "a", want) == [("rule", rules[0].comment, "missing")]
+    stray = Row("forward", 9, "envctl:a old rule", ("x",))
+    other = Row("forward", 9, "envctl:b its rule", ("x",))
+    assert rule_drift([*rows, stray, other], "a", want) == [("rule", "absent", stray.comment)]
+    edited = Row(rows[0].chain, 1, rows[0].comment, ("m1", "s-changed"))
+    assert rule_drift([edited, *rows[1:]], "a", want) == [
+        (f"rule {rules[0].comment}", f"s-{rules[0].name}", "s-changed")]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from envctl.spec.naming import rule_tag
+from envctl.spec.naming import env_of_comment, rule_tag
 
 BACKENDS = ("nftables", "iptables")
 # The chains envctl hooks, one per netfilter hook it needs (nat prerouting/output/postrouting,
@@ -71,6 +71,74 @@ def env_rules(env: str, *, bridge: str, address: str, nat: bool, isolate: bool,
         rules.append(Rule(env, f"isolate to {address} on {bridge}", "forward", "drop",
                           iif=bridge, oif=bridge, daddr=address, not_dnat=True))
     return rules
+
+
+@dataclass(frozen=True)
+class Row:
+    """One rule found in envctl's chains: where, its comment, and its content as the backend
+    reads it back, normalised (a tuple of parts, each one match or the statement), so that
+    it equals the content of the `Rule` it was made from while nobody edited it."""
+
+    chain: str
+    handle: int | None  # nft: the rule's handle (None: added here, not read back); iptables: None
+    comment: str
+    content: tuple[str, ...]
+
+
+@dataclass
+class Listing:
+    """What a backend found of envctl's table/chains. `base` describes each hook point envctl
+    needs (an nft base chain, an iptables chain or the jump to it) as found; `missing` when
+    it is not there. The adapter's `base()` says what each should be."""
+
+    base: dict[str, str] = field(default_factory=dict)
+    rows: list[Row] = field(default_factory=list)
+
+    def comments(self, env: str) -> list[str]:
+        return [r.comment for r in self.rows if env_of_comment(r.comment) == env]
+
+
+def compare_rules(rows: list[Row], env: str, want: list[tuple[Rule, tuple[str, ...]]]
+                  ) -> tuple[list[Row], list[Rule]]:
+    """`env`'s rows to delete and the rules to add so that `env` has exactly `want` (each
+    rule with its expected content): a row is kept only when chain, comment and content
+    all match a wanted rule (each row matches at most one)."""
+    pending = [r for r in rows if env_of_comment(r.comment) == env]
+    add = []
+    for rule, content in want:
+        found = next((r for r in pending if (r.chain, r.comment, r.content)
+                      == (rule.chain, rule.comment, content)), None)
+        if found is None:
+            add.append(rule)
+        else:
+            pending.remove(found)
+    return pending, add
+
+
+def rule_drift(rows: list[Row], env: str, want: list[tuple[Rule, tuple[str, ...]]]
+               ) -> list[tuple[str, str, str]]:
+    """(field, want, have) for each of `env`'s rules that is missing, extra, or there under
+    its comment with other content (a rule edited by hand): then only the differing parts."""
+    extra, add = compare_rules(rows, env, want)
+    contents = dict(want)
+    out = []
+    for rule in add:
+        edited = next((r for r in extra if r.comment == rule.comment), None)
+        if edited is None:
+            out.append(("rule", rule.comment, "missing"))
+            continue
+        extra.remove(edited)
+        content = contents[rule]
+        gone = [p for p in content if p not in edited.content]
+        new = [p for p in edited.content if p not in content]
+        if rule.chain != edited.chain:
+            gone, new = [f"in {rule.chain}", *gone], [f"in {edited.chain}", *new]
+        if not gone and not new:  # the same parts in another order, or duplicated
+            gone, new = list(content), list(edited.content)
+        out.append((f"rule {rule.comment}", " ".join(gone) or "(nothing)",
+                    " ".join(new) or "(nothing)"))
+    out += [("rule", "absent", r.comment) for r in extra]
+    return out
 
 
 def detect_backend(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:

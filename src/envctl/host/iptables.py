@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from envctl.errors import HostError
-from envctl.host.firewall import Rule
+from envctl.host.firewall import Listing, Row, Rule, compare_rules
 from envctl.spec.naming import env_of_comment
 
 # envctl chain -> (table, built-in chain that jumps to it)
@@ -61,42 +61,77 @@ class Iptables:
             out[name] = t
         return out
 
-    def listing(self) -> list[tuple[str, int, str]] | None:
-        """(chain, position, comment) of every rule in envctl's chains; None without chains."""
+    @staticmethod
+    def base() -> dict[str, str]:
+        """Each chain envctl needs and the jump to it, as `Listing.base` describes them."""
+        out = {}
+        for chain, (_, builtin) in CHAINS.items():
+            out[f"chain {chain_name(chain)}"] = "present"
+            out[f"jump {builtin} -> {chain_name(chain)}"] = "present"
+        return out
+
+    def listing(self) -> Listing | None:
+        """envctl's chains, the jumps to them, and every rule in them (chain, comment,
+        content); None when none of the chains exists."""
+        iptc = _iptc()
         try:
             tables = self._tables()
-            rules = []
-            found = False
-            for chain, (tname, _) in CHAINS.items():
-                table = tables[tname]
-                if not table.is_chain(chain_name(chain)):
+            found = Listing(base=dict.fromkeys(self.base(), "missing"))
+            any_chain = False
+            for chain, (tname, builtin) in CHAINS.items():
+                table, name = tables[tname], chain_name(chain)
+                jump = _jump_state(iptc.Chain(table, builtin), name)
+                found.base[f"jump {builtin} -> {name}"] = jump
+                if not table.is_chain(name):
                     continue
-                found = True
-                for pos, rule in enumerate(_iptc().Chain(table, chain_name(chain)).rules):
-                    rules.append((chain, pos, _comment(rule)))
-            return rules if found else None
+                any_chain = True
+                found.base[f"chain {name}"] = "present"
+                for rule in iptc.Chain(table, name).rules:
+                    found.rows.append(Row(chain, None, _comment(rule), _content(rule)))
+            return found if any_chain else None
         except _errors() as exc:
             raise HostError(f"read iptables chains 'ENVCTL-*': list: {exc}") from exc
 
     @staticmethod
-    def comments(listing: list[tuple[str, int, str]], env: str) -> list[str]:
-        return [c for _, _, c in listing if env_of_comment(c) == env]
+    def comments(listing: Listing, env: str) -> list[str]:
+        return listing.comments(env)
 
-    def replace(self, env: str, rules: list[Rule],
-                listing: list[tuple[str, int, str]] | None) -> None:
-        """Ensure the chains and jumps, delete `env`'s rules, append `rules`; each table is
-        committed once (libiptc replaces a whole table per commit)."""
+    @staticmethod
+    def content(rule: Rule) -> tuple[str, ...]:
+        """What `rule` lists back as, in `_content` form."""
+        try:
+            return _content(_rule(rule))
+        except _errors() as exc:
+            raise HostError(f"iptables rule '{rule.comment}': {exc}") from exc
+
+    def replace(self, env: str, rules: list[Rule], listing: Listing | None) -> None:
+        """Ensure the chains and unconditional jumps, delete those of `env`'s rules that
+        differ from `rules`, append the ones of `rules` not there. Only a table that changed
+        is committed, each once (libiptc replaces a whole table per commit)."""
         iptc = _iptc()
         try:
             tables = self._tables()
+            changed: set[str] = set()
             for chain, (tname, builtin) in CHAINS.items():
-                self._ensure_chain(tables[tname], chain, builtin)
-            self._delete_env_rules(tables, env)
-            for rule in rules:
+                if self._ensure_chain(tables[tname], chain, builtin):
+                    changed.add(tname)
+            rows = []
+            for chain, (tname, _) in CHAINS.items():
+                for r in iptc.Chain(tables[tname], chain_name(chain)).rules:
+                    rows.append(Row(chain, None, _comment(r), _content(r)))
+            drop, add = compare_rules(rows, env, [(r, _content(_rule(r))) for r in rules])
+            for row in drop:
+                tname = CHAINS[row.chain][0]
+                ch = iptc.Chain(tables[tname], chain_name(row.chain))
+                ch.delete_rule(next(r for r in ch.rules if (_comment(r), _content(r))
+                                    == (row.comment, row.content)))
+                changed.add(tname)
+            for rule in add:
                 tname = CHAINS[rule.chain][0]
                 iptc.Chain(tables[tname], chain_name(rule.chain)).append_rule(_rule(rule))
-            for t in tables.values():
-                t.commit()
+                changed.add(tname)
+            for tname in sorted(changed):
+                tables[tname].commit()
         except (*_errors(), ValueError) as exc:
             raise HostError(f"apply iptables rules '{env}': {exc}") from exc
 
@@ -121,17 +156,22 @@ class Iptables:
 
     # ------------------------------------------------------------------ helpers
 
-    def _ensure_chain(self, table: Any, chain: str, builtin: str) -> None:
+    def _ensure_chain(self, table: Any, chain: str, builtin: str) -> bool:
+        """Make the chain and the unconditional jump to it where missing; True if it did."""
         iptc = _iptc()
         name = chain_name(chain)
+        changed = False
         if not table.is_chain(name):
             table.create_chain(name)
+            changed = True
         parent = iptc.Chain(table, builtin)
-        if not any(r.target.name == name for r in parent.rules):
+        if _jump_state(parent, name) != "present":
             jump = iptc.Rule()
             jump.target = iptc.Target(jump, name)
             _add_comment(jump, JUMP_COMMENT)
             parent.insert_rule(jump)
+            changed = True
+        return changed
 
     def _drop_chain(self, table: Any, chain: str, builtin: str) -> None:
         iptc = _iptc()
@@ -160,6 +200,41 @@ def _comment(rule: Any) -> str:
         if m.name == "comment":
             return m.comment or ""
     return ""
+
+
+ANY = "0.0.0.0/0.0.0.0"
+
+
+def _content(rule: Any) -> tuple[str, ...]:
+    """A rule's matches and target, one part each, roughly as iptables-save writes them (the
+    comment left out: it is compared on its own). python-iptables reads both a rule built
+    here and one read back from the kernel through the same xtables save functions, so the
+    two are equal until someone edits the rule."""
+    parts = []
+    for flag, value in (("-s", rule.src), ("-d", rule.dst), ("-i", rule.in_interface),
+                        ("-o", rule.out_interface), ("-p", rule.protocol)):
+        if value and value not in (ANY, "!" + ANY) and not (flag == "-p" and value in (
+                "ip", "all", "0")):
+            parts.append(f"{flag} {value}")
+    for m in rule.matches:
+        if m.name != "comment":
+            parts.append(f"-m {m.name}" + _params(m.get_all_parameters()))
+    target = rule.target.name if rule.target else ""
+    parts.append(f"-j {target}" + (_params(rule.target.get_all_parameters()) if target else ""))
+    return tuple(parts)
+
+
+def _params(params: dict[str, list[str]]) -> str:
+    return "".join(f" --{k} {' '.join(v)}".rstrip() for k, v in sorted(params.items()))
+
+
+def _jump_state(parent: Any, name: str) -> str:
+    """`present` when built-in chain `parent` jumps to `name` unconditionally; `conditional`
+    when every jump to it has a match; `missing` when none does."""
+    jumps = [r for r in parent.rules if r.target and r.target.name == name]
+    if any(_content(r) == (f"-j {name}",) for r in jumps):
+        return "present"
+    return "conditional" if jumps else "missing"
 
 
 def _add_comment(rule: Any, text: str) -> None:

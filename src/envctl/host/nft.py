@@ -24,7 +24,7 @@ import subprocess
 from typing import Any
 
 from envctl.errors import HostError
-from envctl.host.firewall import Rule
+from envctl.host.firewall import Listing, Row, Rule, compare_rules
 from envctl.spec.naming import env_of_comment
 
 FAMILY, TABLE = "inet", "envctl"
@@ -41,7 +41,6 @@ NFT_CTX_OUTPUT_JSON = 1 << 4
 NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES, NFT_MSG_GETGEN, NFTA_GEN_ID = 12, 10, 16, 1
 GEN_MASK = 0xFFFFFFFF
 
-Listing = list[tuple[str, int | None, str]]  # (chain, handle, comment); handle None: not read
 
 
 # ---------------------------------------------------------------- JSON generation (pure)
@@ -96,6 +95,45 @@ def rule_exprs(rule: Rule) -> list[dict[str, Any]]:
     else:
         raise ValueError(f"unknown firewall action {rule.action!r}")
     return e
+
+
+def canonical(exprs: list[dict[str, Any]]) -> tuple[str, ...]:
+    """A rule's expressions in one form for both what envctl generates and what libnftables
+    lists back, one compact JSON string per expression. nft 1.0.6 lists `meta l4proto P`
+    followed by `th dport N` as the single `P dport N` (it folds the protocol dependency),
+    and an address prefix of /32 as the bare address; both sides are brought to that form.
+    Everything else is compared as it is, so a hand edit of any match or statement shows."""
+    out: list[dict[str, Any]] = []
+    for e in exprs:
+        m = e.get("match") if isinstance(e, dict) else None
+        if m and out and m.get("op") == "==" and m.get("left") == {
+                "payload": {"protocol": "th", "field": "dport"}}:
+            prev = out[-1].get("match")
+            if (prev and prev.get("op") == "==" and prev.get("left") == _meta("l4proto")
+                    and prev.get("right") in ("tcp", "udp")):
+                out[-1] = _match({"payload": {"protocol": prev["right"], "field": "dport"}},
+                                 m["right"])
+                continue
+        if m and isinstance(m.get("right"), dict) and m["right"].get("prefix", {}).get(
+                "len") == 32:
+            e = _match(m["left"], m["right"]["prefix"]["addr"], m.get("op", "=="))
+        out.append(e)
+    return tuple(json.dumps(e, sort_keys=True, separators=(",", ":")) for e in out)
+
+
+def content(rule: Rule) -> tuple[str, ...]:
+    """What `rule` lists back as, in `canonical` form."""
+    return canonical(rule_exprs(rule))
+
+
+def base() -> dict[str, str]:
+    """Each base chain envctl needs, as `Listing.base` describes a found one."""
+    return {f"chain {name}": _describe_chain(ctype, hook, prio, "accept")
+            for name, (ctype, hook, prio) in BASE_CHAINS.items()}
+
+
+def _describe_chain(ctype: object, hook: object, prio: object, policy: object) -> str:
+    return f"type {ctype} hook {hook} priority {prio} policy {policy}"
 
 
 def table_commands() -> list[dict[str, Any]]:
@@ -254,27 +292,33 @@ class Nftables:
             return None
         out = self._run([{"list": {"table": {"family": FAMILY, "name": TABLE}}}],
                         "read nftables table 'inet envctl'", "list table")
-        rules: Listing = []
+        found = Listing(base={k: "missing" for k in base()})
         for item in json.loads(out)["nftables"]:
-            r = item.get("rule")
+            c, r = item.get("chain"), item.get("rule")
+            if c and f"chain {c['name']}" in found.base:
+                found.base[f"chain {c['name']}"] = (
+                    _describe_chain(c.get("type"), c.get("hook"), c.get("prio"),
+                                    c.get("policy")) if "hook" in c else "not a base chain")
             if r:
-                rules.append((r["chain"], r["handle"], r.get("comment", "")))
-        return rules
+                found.rows.append(Row(r["chain"], r["handle"], r.get("comment", ""),
+                                      canonical(r.get("expr", []))))
+        return found
 
     def listing(self, *, handles: bool = False) -> Listing | None:
-        """(chain, handle, comment) of every rule in the table; None when there is no table.
+        """The table's base chains and rules (chain, handle, comment, content); None when
+        there is no table.
 
         Rules this process added itself have handle None unless `handles` asks for a fresh
         read (the kernel assigns them; only a delete needs them)."""
         gen = self._generation()
         if gen is not None and self._kept_gen == gen:
             kept = self._kept
-            if not handles or all(h is not None for _, h, _ in kept or ()):
-                return None if kept is None else list(kept)
-        rules = self._read()
+            if not handles or all(r.handle is not None for r in (kept.rows if kept else ())):
+                return _copy(kept)
+        found = self._read()
         stable = gen is not None and self._generation() == gen  # nothing changed meanwhile
-        self._kept, self._kept_gen = (rules, gen) if stable else (None, None)
-        return None if rules is None else list(rules)
+        self._kept, self._kept_gen = (found, gen) if stable else (None, None)
+        return _copy(found)
 
     def _commit(self, cmds: list[dict[str, Any]], action: str, after: Listing | None) -> None:
         """Run one transaction; keep `after` as the table when the generation shows that this
@@ -285,27 +329,31 @@ class Nftables:
         if before is not None and self._generation() == (before + 1) & GEN_MASK:
             self._kept, self._kept_gen = after, (before + 1) & GEN_MASK
 
+    content = staticmethod(content)
+    base = staticmethod(base)
+
     @staticmethod
     def comments(listing: Listing, env: str) -> list[str]:
         """The comments of `env`'s rules in `listing`, in table order."""
-        return [c for _, _, c in listing if env_of_comment(c) == env]
+        return listing.comments(env)
 
     def replace(self, env: str, rules: list[Rule], listing: Listing | None) -> None:
-        """In one transaction: ensure the table and chains, delete `env`'s rules (as found in
-        `listing`, just read under the global lock), add `rules`."""
-        if any(h is None for _, h, c in listing or () if env_of_comment(c) == env):
+        """In one transaction: ensure the table and base chains (`add` is a no-op for those
+        that exist), delete those of `env`'s rules (as found in `listing`, just read under
+        the global lock) that differ from `rules`, add the ones of `rules` not there."""
+        want = [(r, content(r)) for r in rules]
+        drop, add = compare_rules(listing.rows if listing else [], env, want)
+        if any(r.handle is None for r in drop):
             listing = self.listing(handles=True)
+            drop, add = compare_rules(listing.rows if listing else [], env, want)
         if listing != self._kept:
             self._kept, self._kept_gen = None, None  # not derived from the kept listing
         cmds = table_commands()
-        others: Listing = []
-        for chain, handle, comment in listing or ():
-            if env_of_comment(comment) == env:
-                cmds.append(delete_rule_command(chain, handle))
-            else:
-                others.append((chain, handle, comment))
-        cmds += [add_rule_command(r) for r in rules]
-        after = others + [(r.chain, None, r.comment) for r in rules]
+        cmds += [delete_rule_command(r.chain, r.handle) for r in drop if r.handle is not None]
+        cmds += [add_rule_command(r) for r in add]
+        kept = [r for r in (listing.rows if listing else []) if r not in drop]
+        after = Listing(base=base(), rows=kept + [Row(r.chain, None, r.comment, content(r))
+                                                   for r in add])
         self._commit(cmds, f"apply nftables rules '{env}'", after)
 
     def remove(self, env: str) -> None:
@@ -314,12 +362,17 @@ class Nftables:
         listing = self.listing(handles=True)
         if listing is None:
             return
-        mine = [(c, h) for c, h, comment in listing if env_of_comment(comment) == env]
-        others = [r for r in listing if env_of_comment(r[2]) != env]
+        mine = [r for r in listing.rows if env_of_comment(r.comment) == env]
+        others = [r for r in listing.rows if env_of_comment(r.comment) != env]
         if not others:
             cmds, after = [delete_table_command()], None
         elif mine:
-            cmds, after = [delete_rule_command(c, h) for c, h in mine], others
+            cmds = [delete_rule_command(r.chain, r.handle) for r in mine]
+            after = Listing(base=dict(listing.base), rows=others)
         else:
             return
         self._commit(cmds, f"remove nftables rules '{env}'", after)
+
+
+def _copy(listing: Listing | None) -> Listing | None:
+    return None if listing is None else Listing(base=dict(listing.base), rows=list(listing.rows))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from envctl.host.firewall import Rule, env_rules
+from envctl.host.firewall import Rule, env_rules, rule_drift
 from envctl.resources.base import Check, Diff, Resource, Status
 
 if TYPE_CHECKING:
@@ -45,23 +45,30 @@ class FirewallRules(Resource):
     def check(self, host: Host) -> Check:
         fw = host.firewall(self.backend)
         listing = fw.listing()
-        want = [r.comment for r in self.rules()]
         if listing is None:
             return Check.absent(f"{self.backend}: envctl's table/chains are missing")
-        have = fw.comments(listing, self.env)
-        if not have and want:
+        want = self.rules()
+        if want and not fw.comments(listing, self.env):
             return Check.absent()
-        diffs = [Diff("rule", r, "missing") for r in want if r not in have]
-        diffs += [Diff("rule", "absent", r) for r in have if r not in want]
-        return Check(Status.DRIFTED if diffs else Status.PRESENT, tuple(diffs))
+        diffs = self._diffs(fw, listing, want)
+        return Check(Status.DRIFTED if diffs else Status.PRESENT, diffs)
+
+    def _diffs(self, fw: Any, listing: Any, want: list[Rule]) -> tuple[Diff, ...]:
+        """What differs: each base chain or jump (shared by every environment, and needed
+        by them all), then each of this environment's rules, compared by content too."""
+        diffs = [Diff(k, v, listing.base.get(k, "missing")) for k, v in fw.base().items()
+                 if listing.base.get(k, "missing") != v]
+        drift = rule_drift(listing.rows, self.env, [(r, fw.content(r)) for r in want])
+        return tuple(diffs + [Diff(f, w, h) for f, w, h in drift])
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         fw = host.firewall(self.backend)
         want = self.rules()
         listing = fw.listing()
-        if listing is not None and sorted(fw.comments(listing, self.env)) == sorted(
-                r.comment for r in want):
+        if listing is not None and not self._diffs(fw, listing, want):
             return  # already so
+        # Only what differs changes: a missing chain or jump is added, a missing or edited
+        # rule replaced; the rest is left as it is.
         fw.replace(self.env, want, listing)
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
