@@ -8,7 +8,7 @@ from pathlib import Path
 
 from envctl.engine.engine import Engine, Outcome, Step
 from envctl.engine.journal import Journal, Ledger
-from envctl.errors import NeedsRootError, Problem, SpecError, UsageError
+from envctl.errors import NeedsRootError, SpecError, UsageError
 from envctl.host.context import Host
 from envctl.host.facts import HostFacts, gather
 from envctl.host.files import read_json, write_json
@@ -202,10 +202,6 @@ def annotate_restores(host: Host, env: str, steps: list[Step]) -> None:
         if others:
             text += f" (held with {', '.join(others)}: when the last of them goes)"
         step.note = "; ".join(x for x in (step.note, text) if x)
-
-
-def problems_json(problems: list[Problem]) -> list[dict]:
-    return [vars(p) for p in problems]
 
 
 def cgroup_usage(host: Host, rows: dict[str, list[Step]]) -> dict[str, dict]:

@@ -296,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
         exc.show()
         rc = 2
     except SpecError as exc:
+        if "--json" in (argv if argv is not None else sys.argv):
+            _emit_json({"ok": False, "problems": [vars(p) for p in exc.problems]})
         for p in exc.problems:
             _stderr(f"error: {p}")
         _stderr(f"{len(exc.problems)} problem(s); nothing was changed")

@@ -123,3 +123,13 @@ def test_a_name_that_is_not_an_environment_name_is_refused(capsys, monkeypatch):
     monkeypatch.setattr("os.geteuid", lambda: 0)
     code, _, err = run(capsys, "down", "Bad..name")
     assert code == 2 and "'Bad..name' is not an environment name" in err
+
+
+def test_validate_json_lists_problems_on_stdout(capsys, tmp_path):
+    d = tmp_path / "specs"
+    d.mkdir()
+    (d / "a.yaml").write_text("name: a\nkind: cpu\nbogus: 1\n")
+    code, out, _ = run(capsys, "validate", str(d), "--json")
+    data = json.loads(out)
+    assert code == 2 and data["ok"] is False
+    assert data["problems"][0]["line"] == 3 and data["problems"][0]["field"] == "bogus"
