@@ -430,14 +430,7 @@ class Cgroups:
         """Every process in the environment's cgroup, in any of its hierarchies."""
         pids: set[int] = set()
         for d in self.dirs(env, controllers):
-            try:
-                text = (d / "cgroup.procs").read_text()
-            except OSError as exc:
-                # ENOENT: not there; ENODEV: the cgroup was removed while we read it.
-                if exc.errno in (errno.ENOENT, errno.ENODEV):
-                    continue
-                raise
-            pids.update(int(x) for x in text.split())
+            pids |= read_procs(d)
         return pids
 
     def attach(self, env: str, pid: int, controllers: tuple[str, ...] | None = None) -> None:
@@ -554,6 +547,19 @@ def _int(text: str | None) -> int | None:
         return int(text.split()[0])
     except (ValueError, IndexError):
         return None
+
+
+
+def read_procs(cgroup_dir: Path) -> set[int]:
+    """The pids in one cgroup directory; empty when it is not there (ENOENT) or was removed
+    while we read it (ENODEV)."""
+    try:
+        text = (cgroup_dir / "cgroup.procs").read_text()
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENODEV):
+            return set()
+        raise
+    return {int(x) for x in text.split()}
 
 
 def _write(path: Path, value: str) -> None:

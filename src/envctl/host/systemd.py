@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import os
 import re
 import shlex
@@ -23,7 +22,13 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from envctl.errors import HostError
-from envctl.host.cgroups import DEFAULT_PARENT, DEFAULT_ROOT, CgroupLayout, detect_layout
+from envctl.host.cgroups import (
+    DEFAULT_PARENT,
+    DEFAULT_ROOT,
+    CgroupLayout,
+    detect_layout,
+    read_procs,
+)
 from envctl.spec.units import format_cpu_list, parse_cpu_list
 
 UNIT_DIR = Path("/run/systemd/system")
@@ -371,14 +376,7 @@ class Systemd:
             # os.walk, not rglob: scopes vanish while we look (their last process exits and
             # systemd removes them), and os.walk skips a directory that is gone.
             for dirpath, _, _ in os.walk(top):
-                try:
-                    text = (Path(dirpath) / "cgroup.procs").read_text()
-                except OSError as exc:
-                    # ENOENT / ENODEV: the scope went away while we read it.
-                    if exc.errno in (errno.ENOENT, errno.ENODEV):
-                        continue
-                    raise
-                pids.update(int(x) for x in text.split())
+                pids |= read_procs(Path(dirpath))
         return pids
 
     def kill(self, unit: str, cgroup: str, *, grace: float | None = None) -> None:

@@ -13,7 +13,7 @@ from envctl.spec.units import format_cpu_list, format_size
 if TYPE_CHECKING:
     from envctl.host.cgroups import CgroupFacts
     from envctl.host.facts import HostFacts
-    from envctl.spec.models import EnvSpec
+    from envctl.spec.models import Cpu, EnvSpec
 
 PAGE = 4096
 # What every environment may open (as runc's default): null, zero, full, random, urandom,
@@ -78,6 +78,21 @@ def plan_cgroup(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     plan.add(CgroupDevices(spec.name, cg.version, rules, cg.parent), ("resources",))
 
 
+
+def quota_micros(cpu: Cpu, plan: Plan) -> int | None:
+    """The quota in µs per period; None (with a plan error) below the kernel's 1000 µs minimum,
+    or when there is no quota."""
+    if cpu.quota is None:
+        return None
+    quota_us = round(cpu.quota / 100 * cpu.period_us)
+    if quota_us < 1000:
+        plan.error(("resources", "cpu", "quota"), f"{cpu.quota:g}% of a {cpu.period_us} µs "
+                   f"period is {quota_us} µs, below the kernel's 1000 µs minimum; raise the "
+                   "quota or the period")
+        return None
+    return quota_us
+
+
 def _need(cg: CgroupFacts, controller: str, loc: tuple, why: str, plan: Plan) -> bool:
     if controller in cg.controllers:
         return True
@@ -96,14 +111,9 @@ def _settings(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, st
 
     # -- cpu: quota and period, weight
     cpu = res.cpu
-    quota_us = None
-    if cpu.quota is not None:
-        quota_us = round(cpu.quota / 100 * cpu.period_us)
-        if quota_us < 1000:
-            plan.error(loc_cpu + ("quota",), f"{cpu.quota:g}% of a {cpu.period_us} µs period is "
-                       f"{quota_us} µs, below the kernel's 1000 µs minimum; raise the quota or "
-                       "the period")
-            ok = False
+    quota_us = quota_micros(cpu, plan)
+    if cpu.quota is not None and quota_us is None:
+        ok = False
     wants_cpu = cpu.quota is not None or cpu.weight is not None
     if wants_cpu and not _need(cg, "cpu", loc_cpu, "a CPU quota or weight", plan):
         ok = False

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from envctl.plan.builder import Plan
-from envctl.plan.cgroup import DEFAULT_DEVICES, GPU_DEVICES_KEY, _need, _page
+from envctl.plan.cgroup import DEFAULT_DEVICES, GPU_DEVICES_KEY, _need, _page, quota_micros
 from envctl.resources.cgroup_systemd import SystemdParentSlice, SystemdSlice
 from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.units import format_cpu_list, format_size
@@ -47,13 +47,8 @@ def properties(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, s
 
     # -- cpu: quota (percent of one CPU, as systemd's CPUQuota) and period, weight
     cpu = res.cpu
-    if cpu.quota is not None:
-        quota_us = round(cpu.quota / 100 * cpu.period_us)
-        if quota_us < 1000:
-            plan.error(loc_cpu + ("quota",), f"{cpu.quota:g}% of a {cpu.period_us} µs period is "
-                       f"{quota_us} µs, below the kernel's 1000 µs minimum; raise the quota or "
-                       "the period")
-            ok = False
+    if cpu.quota is not None and quota_micros(cpu, plan) is None:
+        ok = False
     if (cpu.quota is not None or cpu.weight is not None) and not _need(
             cg, "cpu", loc_cpu, "a CPU quota or weight", plan):
         ok = False
