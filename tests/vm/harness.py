@@ -137,14 +137,7 @@ def initramfs() -> Path:
             if found[0].name.endswith(".xz") or found[0].name.endswith(".zst"):
                 raise RuntimeError(f"{found[0]} is compressed; busybox insmod needs plain .ko")
             (root / "lib/modules" / f"{m}.ko").write_bytes(data)
-        (root / "init").write_text(init)
-        (root / "init").chmod(0o755)
-        files = subprocess.run(["find", "."], cwd=root, check=True, capture_output=True).stdout
-        archive = subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=root, input=files,
-                                 check=True, capture_output=True).stdout
-        tmp_target = target.with_suffix(".tmp")
-        tmp_target.write_bytes(gzip.compress(archive, compresslevel=1))
-        tmp_target.replace(target)
+        _pack(root, init, target)
     stamp.write_text(init)
     return target
 
@@ -232,14 +225,7 @@ def systemd_initramfs() -> Path:
             if not found:
                 raise RuntimeError(f"module {m} (plain .ko) not in the kernel package")
             shutil.copy(found[0], root / "lib/modules" / f"{m}.ko")
-        (root / "init").write_text(init)
-        (root / "init").chmod(0o755)
-        files = subprocess.run(["find", "."], cwd=root, check=True, capture_output=True).stdout
-        archive = subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=root, input=files,
-                                 check=True, capture_output=True).stdout
-        tmp_target = target.with_suffix(".tmp")
-        tmp_target.write_bytes(gzip.compress(archive, compresslevel=1))
-        tmp_target.replace(target)
+        _pack(root, init, target)
     stamp.write_text(init)
     return target
 
@@ -299,3 +285,15 @@ def assert_guest_passed(result: Result) -> None:
     tail = f"--- guest log\n{result.log[-6000:]}\n--- console\n{result.console[-3000:]}"
     assert result.rc == 0, tail
     assert " passed" in result.log and "skipped" not in result.log, tail
+
+
+def _pack(root: Path, init: str, target: Path) -> None:
+    """Write `init` into `root` and pack the tree as a gzipped newc initramfs at `target`."""
+    (root / "init").write_text(init)
+    (root / "init").chmod(0o755)
+    files = subprocess.run(["find", "."], cwd=root, check=True, capture_output=True).stdout
+    archive = subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=root, input=files,
+                             check=True, capture_output=True).stdout
+    tmp_target = target.with_suffix(".tmp")
+    tmp_target.write_bytes(gzip.compress(archive, compresslevel=1))
+    tmp_target.replace(target)
