@@ -4,7 +4,6 @@ eBPF instructions, loaded with bpf(2) through ctypes and attached to a cgroup (n
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import hashlib
 import os
@@ -13,6 +12,7 @@ import struct
 from pathlib import Path
 
 from envctl.errors import HostError
+from envctl.host.libc import libc as _libc
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351}.get(platform.machine(),
                                                                          321)
@@ -26,8 +26,6 @@ DEV_BLOCK, DEV_CHAR = 1, 2
 ACC_MKNOD, ACC_READ, ACC_WRITE = 1, 2, 4
 ATTR_SIZE = 128  # zero-filled union bpf_attr; the kernel accepts trailing zeros
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 
 
 # ---------------------------------------------------------------- assembling the program

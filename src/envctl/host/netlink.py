@@ -13,7 +13,6 @@ with setns(2) for the socket() call and coming straight back, in this thread (py
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import socket
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from envctl.errors import HostError
+from envctl.host.libc import libc as _libc
 
 IFF_UP = 0x1
 AF_INET = 2
@@ -51,7 +51,6 @@ NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
 _RECV = 65536
 _DUMP_TRIES = 5
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 class NamespaceGone(HostError):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import os
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 from envctl.errors import HostError
+from envctl.host.libc import libc as _libc
 
 CLONE_NEWNET = 0x40000000
 MS_BIND = 4096
@@ -20,7 +20,6 @@ MS_SHARED = 1 << 20
 MNT_DETACH = 2
 NS_GET_NSTYPE = 0xB703
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def _check(ret: int, what: str) -> None:
