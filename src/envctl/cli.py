@@ -77,11 +77,10 @@ def _split(names: list[str] | None) -> tuple[list[str], list[Path]]:
 
 
 def _workspace(names: list[str] | None):
-    from envctl import app as ops
+    from envctl.workspace import Workspace, config_dir
 
     env_names, files = _split(names)
-    directory = ops.config_dir(CTX.config_dir)
-    ws = ops.Workspace.open(directory, extra_files=files)
+    ws = Workspace.open(config_dir(CTX.config_dir), extra_files=files)
     for f in files:
         env_names.append(next(ls.spec.name for ls in ws.specs
                               if Path(ls.path).resolve() == f.resolve()))
@@ -118,11 +117,11 @@ def validate(
 
     Example: envctl validate configs/
     """
-    from envctl import app as ops
+    from envctl.workspace import Workspace, config_dir
 
-    target = Path(path) if path else ops.config_dir(CTX.config_dir)
+    target = Path(path) if path else config_dir(CTX.config_dir)
     if target.is_dir():
-        ws = ops.Workspace.open(target)
+        ws = Workspace.open(target)
         selected = ws.specs
     else:
         ws, names = _workspace([str(target)])

@@ -160,3 +160,47 @@ def test_an_unchanged_resource_with_tuple_fields_is_kept_without_rewriting(engin
     out = engine.up("env", [TupleThing("t")])
     assert [(s.op, s.note) for s in out.steps] == [("=", "")]
     assert writes == []
+
+
+def test_every_resource_kind_is_found_through_the_module_table():
+    """A journal loads only the modules of the kinds it names: the table must know them all."""
+    import importlib
+    import pkgutil
+
+    import envctl.resources as pkg
+    from envctl.resources import MODULES
+    from envctl.resources.base import REGISTRY, Resource
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"envctl.resources.{mod.name}")
+    ours = {kind: cls.__module__.rsplit(".", 1)[1] for kind, cls in REGISTRY.items()
+            if cls.__module__.startswith("envctl.resources.")}
+    assert ours == MODULES
+    with pytest.raises(ValueError, match="unknown resource kind 'nope'"):
+        Resource.from_dict({"kind": "nope"})
+
+
+def test_down_imports_neither_specs_nor_unused_resource_kinds(tmp_path):
+    """`down` starts from the journal: no pydantic, YAML or planner, and only the kinds named."""
+    import subprocess
+    import sys
+
+    code = ("import sys, json\n"
+            "from pathlib import Path\n"
+            "from envctl.engine.journal import Journal\n"
+            "import envctl.app, envctl.cli\n"
+            f"j = Journal.open(Path({str(tmp_path)!r}), 'web')\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('pydantic', 'yaml', 'pyroute2') or m.startswith(('envctl.spec', 'envctl.plan', "
+            "'envctl.resources.', 'envctl.workspace')))))\n")
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    (journal / "web.json").write_text(
+        '{"version": 1, "env": "web", "entries": [{"key": "netns:web", "resource": '
+        '{"kind": "netns", "name": "web"}, "memo": {}, "status": "applied"}]}')
+    code += ("j.entries[0].load()\n"
+             "print(sorted(m for m in sys.modules if m.startswith('envctl.resources.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[0] == '["envctl.resources.base"]'
+    assert out[1] == "['envctl.resources.base', 'envctl.resources.netns']"

@@ -1,7 +1,24 @@
-"""Resource kinds, one module per kernel object; importing the package registers them all."""
+"""Resource kinds, one module per kernel object.
 
-import envctl.resources.bridge  # noqa: F401
-import envctl.resources.cgroup_systemd  # noqa: F401
-import envctl.resources.firewall  # noqa: F401
-import envctl.resources.veth  # noqa: F401
-from envctl.resources import cgroup, dirs, governor, kmod, netns, sysctl  # noqa: F401
+`MODULES` names the module of every kind a journal may hold, so that loading a journal imports
+only the kinds it names (and their host adapters): `down` of a network-only environment never
+loads the cgroup, systemd or module code. tests/unit/test_engine.py checks the table against
+the classes each module defines.
+"""
+
+MODULES = {
+    "bridge": "bridge",
+    "cgroup-parent": "cgroup",
+    "cgroup": "cgroup",
+    "cgroup-devices": "cgroup",
+    "cgroup-parent-slice": "cgroup_systemd",
+    "cgroup-slice": "cgroup_systemd",
+    "dir": "dirs",
+    "firewall": "firewall",
+    "governor": "governor",
+    "kmod": "kmod",
+    "netns": "netns",
+    "sysctl": "sysctl",
+    "veth": "veth",
+    "ipconfig": "veth",
+}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -123,11 +124,8 @@ class Resource:
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Resource:
-        load_all()
         data = dict(data)
-        cls = REGISTRY.get(data.pop("kind"))
-        if cls is None:
-            raise ValueError("unknown resource kind in journal")
+        cls = resource_class(data.pop("kind", None))
         fields = {f.name: f for f in dataclasses.fields(cls)}
         args = {k: _tuplify(v) for k, v in data.items() if k in fields}
         return cls(**args)
@@ -141,6 +139,22 @@ def _tuplify(v: Any) -> Any:
     return v
 
 
+def resource_class(kind: Any) -> type[Resource]:
+    """The class of `kind`, importing its module on first use."""
+    cls = REGISTRY.get(kind)
+    if cls is None:
+        from envctl.resources import MODULES
+
+        if kind not in MODULES:
+            raise ValueError(f"unknown resource kind {kind!r} in journal")
+        importlib.import_module(f"envctl.resources.{MODULES[kind]}")
+        cls = REGISTRY[kind]
+    return cls
+
+
 def load_all() -> None:
-    """Import every resource module so the registry knows every kind a journal may name."""
-    import envctl.resources  # noqa: F401  (the package imports its modules)
+    """Import every resource module, so REGISTRY knows every kind."""
+    from envctl.resources import MODULES
+
+    for module in set(MODULES.values()):
+        importlib.import_module(f"envctl.resources.{module}")
