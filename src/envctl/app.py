@@ -49,7 +49,7 @@ def _record_warnings(host: Host, plan: Plan) -> None:
 
 def down(engine: Engine, names: list[str]) -> list[Outcome]:
     with engine.locked():
-        return [engine.down(n, locked=True) for n in names]
+        return engine.down_many(names, locked=True)
 
 
 def known_environments(ws: Workspace | None, host: Host) -> list[str]:

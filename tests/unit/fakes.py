@@ -63,3 +63,23 @@ class TupleThing(Thing):
 
     kind = "fake-tuple"
     parts: tuple[str, ...] = ("x", "y")
+
+
+@dataclass(frozen=True)
+class BatchThing(Thing):
+    """Removed together with the others of its kind that several `down`s reach at once."""
+
+    kind = "fake-batch"
+    batch_remove = True
+
+    @classmethod
+    def remove_many(cls, host: Host, items: list[tuple[Resource, dict[str, Any]]]) -> list:
+        LOG.append("remove together " + " ".join(res.name for res, _ in items))
+        out: list[Exception | None] = []
+        for res, _ in items:
+            if res.name in FAIL_ON:
+                out.append(HostError(f"remove thing '{res.name}': refused"))
+            else:
+                WORLD.pop(res.name, None)
+                out.append(None)
+        return out

@@ -204,3 +204,67 @@ def test_down_imports_neither_specs_nor_unused_resource_kinds(tmp_path):
                          check=True).stdout.splitlines()
     assert out[0] == '["envctl.resources.base"]'
     assert out[1] == "['envctl.resources.base', 'envctl.resources.netns']"
+
+
+# ---------------------------------------------------------------- several environments at once
+
+
+def _two_up(engine):
+    from tests.unit.fakes import BatchThing
+
+    engine.up("one", [Thing("a1"), BatchThing("v1"), Thing("c1")])
+    engine.up("two", [Thing("a2"), BatchThing("v2"), Thing("c2"), Thing("d2")])
+    fakes.LOG.clear()
+
+
+def test_down_many_keeps_each_order_and_removes_batched_kinds_together(engine):
+    _two_up(engine)
+    outs = engine.down_many(["one", "two"])
+    assert fakes.LOG == ["remove c1", "remove d2", "remove c2", "remove together v1 v2",
+                         "remove a1", "remove a2"]
+    assert [[s.resource.ident() for s in o.steps] for o in outs] == [
+        ["c1", "v1", "a1"], ["d2", "c2", "v2", "a2"]]
+    assert fakes.WORLD == {} and not any(o.errors for o in outs)
+    assert Journal.environments(engine.host.state_dir) == []
+
+
+def test_down_many_keeps_a_batched_step_that_failed_and_goes_on(engine):
+    _two_up(engine)
+    fakes.FAIL_ON.add("v2")
+    one, two = engine.down_many(["one", "two"])
+    assert not one.errors and two.errors == ["remove fake-batch v2: remove thing 'v2': refused"]
+    assert fakes.WORLD == {"v2": "on"}
+    assert [e.key for e in Journal.open(engine.host.state_dir, "two").entries] == [
+        "fake-batch:v2"]
+    fakes.FAIL_ON.clear()
+    assert not engine.down("two").errors and fakes.WORLD == {}
+
+
+def test_down_many_injected_fault_in_a_batch_spares_the_others(engine, monkeypatch):
+    _two_up(engine)
+    monkeypatch.setenv("ENVCTL_FAULT", "fail@remove:fake-batch:v1")
+    one, two = engine.down_many(["one", "two"])
+    assert one.errors == ["remove fake-batch v1: injected fault fail@remove at 'fake-batch:v1'"]
+    assert not two.errors and fakes.WORLD == {"v1": "on"}
+    assert "remove together v2" in fakes.LOG
+
+
+def test_down_writes_journals_once_and_still_saves_when_a_bug_stops_it(engine, monkeypatch):
+    _two_up(engine)
+    writes = []
+    real_save = Journal.save
+    monkeypatch.setattr(Journal, "save", lambda self, **kw: (writes.append(self.env),
+                                                              real_save(self, **kw)))
+
+    def bug(self, host, memo):
+        raise RuntimeError("a bug in remove")
+
+    monkeypatch.setattr(Thing, "remove", lambda self, h, m: bug(self, h, m)
+                        if self.name == "a1" else fakes.WORLD.pop(self.name, None))
+    with pytest.raises(RuntimeError):
+        engine.down_many(["one", "two"])
+    assert writes == ["one", "two"]  # once each, at the end, despite the bug
+    assert [e.key for e in Journal.open(engine.host.state_dir, "one").entries] == [
+        "fake-thing:a1"]
+    assert [e.key for e in Journal.open(engine.host.state_dir, "two").entries] == [
+        "fake-thing:a2"]

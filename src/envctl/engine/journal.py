@@ -65,9 +65,10 @@ class Journal:
             self.entries.append(entry)
         self.save()
 
-    def drop(self, key: str) -> None:
+    def drop(self, key: str, *, save: bool = True) -> None:
         self.entries = [e for e in self.entries if e.key != key]
-        self.save()
+        if save:
+            self.save()
 
     def save(self, *, durable: bool = False) -> None:
         """Write atomically; `durable` (once per run, see host.files) also fsyncs."""
@@ -117,7 +118,7 @@ class Ledger:
     def holders(self, key: str) -> list[str]:
         return list(self.items.get(key, {}).get("holders", []))
 
-    def forget(self, key: str, env: str) -> None:
+    def forget(self, key: str, env: str, *, save: bool = True) -> None:
         item = self.items.get(key)
         if item is None:
             return
@@ -125,7 +126,8 @@ class Ledger:
             item["holders"].remove(env)
         if not item["holders"]:
             del self.items[key]
-        self.save()
+        if save:
+            self.save()
 
     def save(self, *, durable: bool = False) -> None:
         if not self.items:

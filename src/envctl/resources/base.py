@@ -8,6 +8,8 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from envctl.errors import EnvctlError
+
 if TYPE_CHECKING:
     from envctl.host.context import Host
 
@@ -86,6 +88,9 @@ class Resource:
     # Several environments may hold a shared resource (a bridge, a sysctl); the engine removes
     # it when the last holder lets go, with the memo taken by the first.
     shared: ClassVar[bool] = False
+    # `down` of several environments gathers the steps of a kind that sets this and removes
+    # them together through `remove_many` (see Engine.down_many).
+    batch_remove: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -117,6 +122,20 @@ class Resource:
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    @classmethod
+    def remove_many(cls, host: Host,
+                    items: list[tuple[Resource, dict[str, Any]]]) -> list[Exception | None]:
+        """Remove several of this kind; one result per item, None when it went. A kind whose
+        kernel objects are cheaper to delete together overrides this; here, one by one."""
+        out: list[Exception | None] = []
+        for res, memo in items:
+            try:
+                res.remove(host, memo)
+                out.append(None)
+            except (EnvctlError, OSError) as exc:
+                out.append(exc)
+        return out
 
     # -- serialisation for the journal
     def to_dict(self) -> dict[str, Any]:
