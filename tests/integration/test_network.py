@@ -438,3 +438,119 @@ def test_a_rule_edited_under_its_comment_is_reported_and_repaired(net, backend):
     assert connect(net, "outside", HOST_OUT, 9090) == PEER
     server.wait(5)
     net.envctl("down", "alpha", check=True)
+
+
+# ---------------------------------------------------------------- envctl's rtnetlink requests
+
+NETLINK = """\
+import json, sys
+from pathlib import Path
+from envctl.errors import HostError
+from envctl.host.netlink import NamespaceGone, Netlink
+
+nl = Netlink(Path("/run/netns"))
+out = {}
+
+def attempt(fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except HostError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+def link(name, netns=None):
+    l = nl.link(name, netns=netns)
+    return None if l is None else [l.kind, l.up, l.master, l.isolated]
+"""
+
+
+def run_netlink(sb, code: str):
+    res = sb.run(sys.executable, "-c", NETLINK + code
+                 + "\nout['pyroute2'] = any(m.startswith('pyroute2') for m in sys.modules)"
+                 + "\nnl.close()\nprint(json.dumps(out))")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_netlink_changes_read_back_from_the_kernel(clean):
+    sb = clean
+    sb.run("ip", "netns", "add", "n1", check=True)
+    out = run_netlink(sb, """
+nl.add_bridge("t-br1")
+out["bridge"] = link("t-br1")
+out["bridge again"] = attempt(nl.add_bridge, "t-br1")
+out["veth, no netns"] = attempt(nl.add_veth, "t-v1", peer="eth0", peer_netns="nope")
+nl.add_veth("t-v1", peer="eth0", peer_netns="n1")
+out["veth"] = link("t-v1")
+out["peer"] = link("eth0", "n1")
+out["peer netnsid"] = nl.link("t-v1").peer_netnsid
+bridge = nl.link("t-br1").index
+nl.set_link("t-v1", master=bridge, up=True)
+out["port"] = link("t-v1") + [bridge]
+nl.set_isolated("t-v1", True)
+out["isolated"] = link("t-v1")
+nl.set_isolated("t-v1", False)
+out["not isolated"] = link("t-v1")
+nl.set_link("t-v1", up=False)
+out["down"] = link("t-v1")
+nl.set_link("eth0", netns="n1", up=True)
+nl.add_address("eth0", "10.232.0.2/24", netns="n1")
+out["address again"] = attempt(nl.add_address, "eth0", "10.232.0.2/24", netns="n1")
+out["addresses"] = nl.ipv4_addresses("eth0", netns="n1")
+out["no link"] = attempt(nl.add_address, "t-none", "10.232.0.3/24", netns="n1")
+out["unreachable"] = attempt(nl.set_default_route, "192.0.2.1", netns="n1")
+nl.set_default_route("10.232.0.1", netns="n1")
+out["gateway"] = nl.default_gateway(netns="n1")
+nl.set_default_route("10.232.0.9", netns="n1")
+out["replaced"] = nl.default_gateway(netns="n1")
+nl.del_address("eth0", "10.232.0.2/24", netns="n1")
+out["address gone"] = attempt(nl.del_address, "eth0", "10.232.0.2/24", netns="n1")
+out["left"] = nl.ipv4_addresses("eth0", netns="n1")
+out["gone netns"] = attempt(nl.del_address, "eth0", "10.232.0.2/24", netns="nope")
+""")
+    assert out.pop("pyroute2") is False
+    assert out["bridge"] == ["bridge", False, None, None]
+    assert out["bridge again"] == "HostError: create bridge 't-br1': add link: File exists"
+    assert out["veth, no netns"].startswith("NamespaceGone: open netns 'nope': ")
+    assert out["veth"] == ["veth", False, None, None]
+    assert out["peer"] == ["veth", False, None, None]
+    assert out["peer netnsid"] is not None  # the peer was born in n1, not moved there
+    assert out["port"] == ["veth", True, out["port"][-1], False, out["port"][-1]]
+    assert out["isolated"][3] is True and out["not isolated"][3] is False
+    assert out["down"][1] is False and out["down"][2] == out["port"][-1]
+    assert out["address again"] is None  # EEXIST: already there
+    assert out["addresses"] == ["10.232.0.2/24"]
+    assert out["no link"] == ("HostError: configure link 't-none' in netns 'n1': get link: "
+                              "no such device")
+    assert out["unreachable"] == ("HostError: set default route via 192.0.2.1 in netns 'n1': "
+                                  "replace route: Network is unreachable")
+    assert (out["gateway"], out["replaced"]) == ("10.232.0.1", "10.232.0.9")
+    assert out["address gone"] is None and out["left"] == []
+    assert out["gone netns"] is None
+
+    # What iproute2 sees: no broadcast address, the route as pyroute2 made it (deleting the
+    # address above took the route through it along).
+    run_netlink(sb, 'nl.add_address("eth0", "10.232.0.2/24", netns="n1")\n'
+                    'nl.set_default_route("10.232.0.9", netns="n1")')
+    addrs = json.loads(in_ns(sb, "n1", "ip", "-j", "addr", "show", "eth0", check=True).stdout)
+    (info,) = [a for a in addrs[0]["addr_info"] if a["family"] == "inet"]
+    assert (info["local"], info["prefixlen"], info.get("broadcast")) == ("10.232.0.2", 24, None)
+    routes = json.loads(in_ns(sb, "n1", "ip", "-j", "route", "show", "default",
+                              check=True).stdout)
+    assert [(r["gateway"], r["protocol"]) for r in routes] == [("10.232.0.9", "static")]
+
+    sb.run("ip", "link", "del", "t-v1", check=True)
+    sb.run("ip", "link", "del", "t-br1", check=True)
+    sb.run("ip", "netns", "del", "n1", check=True)
+
+
+def test_up_and_down_never_import_pyroute2(net):
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend="nftables"))
+    env = {"PYTHONPROFILEIMPORTTIME": "1"}
+    res = net.envctl("up", "alpha", check=True, env=env)
+    assert "import time:" in res.stderr and "pyroute2" not in res.stderr
+    veth = next(name for name in net.links() if name.startswith("ve-alpha"))
+    assert "isolated on" in net.run("ip", "-d", "link", "show", veth, check=True).stdout
+    assert {s["status"] for s in status(net, "alpha").values()} == {"ok"}
+    assert ping(net, "alpha", "10.231.0.1")
+    res = net.envctl("down", "alpha", check=True, env=env)
+    assert "pyroute2" not in res.stderr

@@ -1,13 +1,14 @@
 """Links, addresses and routes through rtnetlink, in the host's or a named netns.
 
-Reads (one link, a namespace's IPv4 addresses and main-table routes) are plain rtnetlink
-requests on a socket of envctl's own, parsed for the few attributes a check needs: a `check`
-runs several of them per resource, and through pyroute2 each cost ~1.4 ms of request machinery
-against ~10 us for the kernel round trip and the parse. Deleting a link (all `down` does to
-links) is one such plain request too. Other changes go through pyroute2, imported only when one
-is to be made. Sockets inside a named namespace are made by entering it
-with setns(2) for the socket() call and coming straight back, in this thread (pyroute2's own
-`netns=` forks a helper per namespace).
+Every request, read or change, is a plain rtnetlink message on a socket of envctl's own, and a
+read is parsed for the few attributes a check needs. pyroute2 did this before: its import cost
+~125 ms of process start, and each request through it ~0.8 ms (a read ~1.4 ms) of request
+machinery against ~10 us for the kernel round trip and the parse. The changes envctl makes are
+few and fixed (a bridge, a veth pair with its peer born in a namespace, master/up, the
+bridge-port isolation flag, an IPv4 address, the default route, deleting links), so their
+messages are built here by the pure functions below (unit-tested by decoding them with pyroute2).
+Sockets inside a named namespace are made by entering it with setns(2) for the socket() call and
+coming straight back, in this thread.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from envctl.errors import HostError
 from envctl.host.libc import libc as _libc
@@ -39,18 +40,23 @@ _IFADDR = struct.Struct("=BBBBI")  # ifaddrmsg: family, prefixlen, flags, scope,
 _RTMSG = struct.Struct("=BBBBBBBBI")  # rtmsg: family, dst_len, src_len, tos, table, ...
 _ATTR = struct.Struct("=HH")  # rtattr: len, type
 NLMSG_ERROR, NLMSG_DONE = 2, 3
-NLM_F_REQUEST, NLM_F_MULTI, NLM_F_DUMP_INTR, NLM_F_DUMP = 0x1, 0x2, 0x10, 0x300
-RTM_DELLINK, RTM_GETLINK, RTM_GETADDR, RTM_GETROUTE = 17, 18, 22, 26
-NLM_F_ACK = 0x4
-IFLA_IFNAME, IFLA_MASTER, IFLA_LINKINFO, IFLA_LINK_NETNSID = 3, 10, 18, 37
-IFLA_INFO_KIND, IFLA_INFO_SLAVE_KIND, IFLA_INFO_SLAVE_DATA = 1, 4, 5
+NLM_F_REQUEST, NLM_F_MULTI, NLM_F_ACK, NLM_F_DUMP_INTR, NLM_F_DUMP = 0x1, 0x2, 0x4, 0x10, 0x300
+NLM_F_REPLACE, NLM_F_EXCL, NLM_F_CREATE = 0x100, 0x200, 0x400
+RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
+RTM_NEWADDR, RTM_DELADDR, RTM_GETADDR = 20, 21, 22
+RTM_NEWROUTE, RTM_GETROUTE = 24, 26
+IFLA_IFNAME, IFLA_MASTER, IFLA_LINKINFO, IFLA_GROUP, IFLA_NET_NS_FD = 3, 10, 18, 27, 28
+IFLA_LINK_NETNSID = 37
+IFLA_INFO_KIND, IFLA_INFO_DATA, IFLA_INFO_SLAVE_KIND, IFLA_INFO_SLAVE_DATA = 1, 2, 4, 5
+VETH_INFO_PEER = 1
 IFLA_BRPORT_ISOLATED = 33
-IFA_ADDRESS = 1
+IFA_ADDRESS, IFA_LOCAL = 1, 2
 RTA_GATEWAY, RTA_TABLE = 5, 15
+RTPROT_STATIC, RT_SCOPE_UNIVERSE, RTN_UNICAST = 4, 0, 1
+NLA_F_NESTED = 0x8000
 NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
 _RECV = 65536
 _DUMP_TRIES = 5
-
 
 
 class NamespaceGone(HostError):
@@ -75,13 +81,6 @@ def _cause(exc: BaseException) -> str:
     if isinstance(code, int) and code > 0:
         return os.strerror(code)
     return str(exc) or type(exc).__name__
-
-
-def _errno(exc: BaseException) -> int | None:
-    code = getattr(exc, "code", None)
-    if isinstance(code, int):
-        return code
-    return getattr(exc, "errno", None)
 
 
 # ---------------------------------------------------------------- sockets in a namespace
@@ -132,22 +131,22 @@ class Requests:
         self.sock.close()
 
     def request(self, mtype: int, payload: bytes, *, dump: bool = False,
-                ack: bool = False) -> list[bytes]:
+                ack: bool = False, flags: int = 0) -> list[bytes]:
         """The bodies of the kernel's replies; OSError(errno) when it answers with an error.
-        `ack` asks for the kernel's answer to a change (an empty list when it succeeded)."""
+        `ack` asks for the kernel's answer to a change (an empty list when it succeeded);
+        `flags` are further nlmsg flags (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE)."""
+        flags |= NLM_F_REQUEST | (NLM_F_DUMP if dump else 0) | (NLM_F_ACK if ack else 0)
         for _ in range(_DUMP_TRIES):
-            bodies, interrupted = self._once(mtype, payload, dump, ack)
+            bodies, interrupted = self._once(mtype, payload, flags)
             if not interrupted:
                 return bodies
         # The table kept changing under every dump: say so rather than return a torn one.
         raise OSError(errno.EAGAIN, "netlink dump interrupted")
 
-    def _once(self, mtype: int, payload: bytes, dump: bool,
-              ack: bool) -> tuple[list[bytes], bool]:
+    def _once(self, mtype: int, payload: bytes, flags: int) -> tuple[list[bytes], bool]:
         self.seq += 1
         seq = self.seq
-        flags = NLM_F_REQUEST | (NLM_F_DUMP if dump else 0) | (NLM_F_ACK if ack else 0)
-        self.sock.send(_HDR.pack(_HDR.size + len(payload), mtype, flags, seq, 0) + payload)
+        self.sock.send(message(mtype, flags, payload, seq))
         bodies: list[bytes] = []
         interrupted = False
         while True:
@@ -174,6 +173,11 @@ class Requests:
                     return bodies, interrupted
 
 
+def message(mtype: int, flags: int, payload: bytes, seq: int = 0) -> bytes:
+    """A whole netlink message: the nlmsghdr (port id 0: the kernel's) and `payload`."""
+    return _HDR.pack(_HDR.size + len(payload), mtype, flags, seq, 0) + payload
+
+
 def attrs(buf: bytes, off: int = 0) -> dict[int, bytes]:
     """The attributes from `off` on, by type (nested ones stay raw bytes)."""
     out = {}
@@ -189,6 +193,20 @@ def attrs(buf: bytes, off: int = 0) -> dict[int, bytes]:
 def _attr(typ: int, value: bytes) -> bytes:
     raw = _ATTR.pack(_ATTR.size + len(value), typ) + value
     return raw + b"\0" * (-len(raw) % 4)
+
+
+def _nest(typ: int, *inner: bytes) -> bytes:
+    """A nested attribute holding the encoded attributes `inner`, flagged NLA_F_NESTED as
+    iproute2 does (the kernel accepts it with or without)."""
+    return _attr(typ | NLA_F_NESTED, b"".join(inner))
+
+
+def _cstr(text: str) -> bytes:
+    return text.encode() + b"\0"
+
+
+def _u32_attr(typ: int, value: int) -> bytes:
+    return _attr(typ, struct.pack("=I", value))
 
 
 def _str(raw: bytes | None) -> str | None:
@@ -239,19 +257,113 @@ def parse_default_gateway(body: bytes) -> str | None:
     return socket.inet_ntoa(gw)
 
 
+def parse_group(body: bytes) -> int | None:
+    """The link group (IFLA_GROUP) from the body of an RTM_NEWLINK message."""
+    return _u32(attrs(body, _IFINFO.size).get(IFLA_GROUP))
+
+
+# ---------------------------------------------------------------- the changes, as messages
+# Each returns the message type, the nlmsg flags it needs beyond REQUEST and ACK, and the body.
+# The bodies match what pyroute2 sent for the same calls (captured with strace) but for
+# NLA_F_NESTED on nested attributes (as iproute2 sends them), RTA_TABLE in the route (the
+# table is in rtmsg too) and the bridge-port flag: see `setlink_isolated`.
+
+
+class Change(NamedTuple):
+    mtype: int
+    flags: int
+    body: bytes
+
+
+def _ifinfo(index: int = 0, flags: int = 0, change: int = 0) -> bytes:
+    return _IFINFO.pack(0, 0, index, flags, change)  # AF_UNSPEC, type 0
+
+
+def newlink_bridge(name: str) -> Change:
+    """`ip link add NAME type bridge`."""
+    return Change(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, _ifinfo() + _attr(
+        IFLA_IFNAME, _cstr(name)) + _nest(IFLA_LINKINFO, _attr(IFLA_INFO_KIND, _cstr("bridge"))))
+
+
+def newlink_veth(name: str, peer: str, netns_fd: int) -> Change:
+    """`ip link add NAME type veth peer name PEER netns NS`: the peer is born in the namespace
+    open as `netns_fd`. VETH_INFO_PEER holds an ifinfomsg of its own, then the peer's attrs."""
+    peer_msg = _ifinfo() + _attr(IFLA_IFNAME, _cstr(peer)) + _u32_attr(IFLA_NET_NS_FD, netns_fd)
+    return Change(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, _ifinfo() + _attr(
+        IFLA_IFNAME, _cstr(name)) + _nest(
+            IFLA_LINKINFO, _attr(IFLA_INFO_KIND, _cstr("veth")),
+            _nest(IFLA_INFO_DATA, _nest(VETH_INFO_PEER, peer_msg))))
+
+
+def setlink(index: int, *, up: bool | None = None, master: int | None = None) -> Change:
+    """`ip link set DEV [master M] [up|down]` in one request: only what is given changes."""
+    flags = IFF_UP if up else 0
+    change = IFF_UP if up is not None else 0
+    extra = b"" if master is None else _u32_attr(IFLA_MASTER, master)
+    return Change(RTM_NEWLINK, 0, _ifinfo(index, flags, change) + extra)
+
+
+def setlink_isolated(index: int, isolated: bool) -> Change:
+    """`ip link set DEV type bridge_slave isolated on|off`: the port's flag through its
+    master's slave data. iproute2 names the slave kind in IFLA_INFO_SLAVE_KIND; pyroute2 sent
+    IFLA_INFO_KIND "bridge_slave" (which made the kernel ask modprobe for rtnl-link-bridge_slave
+    on every call). The kernel takes the slave ops from the device's master either way."""
+    return Change(RTM_NEWLINK, 0, _ifinfo(index) + _nest(
+        IFLA_LINKINFO, _attr(IFLA_INFO_SLAVE_KIND, _cstr("bridge")),
+        _nest(IFLA_INFO_SLAVE_DATA, _attr(IFLA_BRPORT_ISOLATED, bytes([int(isolated)])))))
+
+
+def setlink_group(index: int, group: int) -> Change:
+    """`ip link set DEV group G`."""
+    return Change(RTM_NEWLINK, 0, _ifinfo(index) + _u32_attr(IFLA_GROUP, group))
+
+
+def dellink(index: int = 0, *, group: int | None = None) -> Change:
+    """`ip link del DEV` by index, or with `group`, `ip link del group G`: every device of the
+    group in the socket's namespace, in one unregister batch."""
+    extra = b"" if group is None else _u32_attr(IFLA_GROUP, group)
+    return Change(RTM_DELLINK, 0, _ifinfo(0 if group is not None else index) + extra)
+
+
+def _ifaddr(index: int, cidr: str) -> bytes:
+    ip, _, plen = cidr.partition("/")
+    raw = socket.inet_aton(ip)
+    # Local and peer address both, no broadcast: what pyroute2's `addr add` sent (and `ip addr
+    # add ADDR/PLEN` without `brd`).
+    return (_IFADDR.pack(AF_INET, int(plen), 0, RT_SCOPE_UNIVERSE, index)
+            + _attr(IFA_ADDRESS, raw) + _attr(IFA_LOCAL, raw))
+
+
+def newaddr(index: int, cidr: str) -> Change:
+    """`ip addr add ADDR/PLEN dev DEV` (EEXIST when it is there)."""
+    return Change(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, _ifaddr(index, cidr))
+
+
+def deladdr(index: int, cidr: str) -> Change:
+    """`ip addr del ADDR/PLEN dev DEV`."""
+    return Change(RTM_DELADDR, 0, _ifaddr(index, cidr))
+
+
+def replace_default_route(gateway: str) -> Change:
+    """`ip route replace default via GW proto static` in the main table. Protocol static is
+    what pyroute2 sent (iproute2 would say boot); it only labels the route."""
+    return Change(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_REPLACE, _RTMSG.pack(
+        AF_INET, 0, 0, 0, MAIN_TABLE, RTPROT_STATIC, RT_SCOPE_UNIVERSE, RTN_UNICAST, 0)
+        + _u32_attr(RTA_TABLE, MAIN_TABLE) + _attr(RTA_GATEWAY, socket.inet_aton(gateway)))
+
+
 class Netlink:
     """rtnetlink in the host namespace (`netns=None`) or in a named one under `netns_dir`.
 
-    Sockets (one for reads, one pyroute2 handle for changes, made on first need) are kept for
-    the life of the process, keyed by the namespace's inode, so a namespace deleted and made
-    again under the same name gets fresh ones. Nothing read is cached: every read asks the
-    kernel, so a check always sees what is there now.
+    One socket per namespace, for reads and changes alike, made on first need and kept for the
+    life of the process, keyed by the namespace's inode, so a namespace deleted and made again
+    under the same name gets a fresh one. Nothing read is cached: every read asks the kernel,
+    so a check always sees what is there now.
     """
 
     def __init__(self, netns_dir: Path):
         self.netns_dir = netns_dir
         self._readers: dict[Any, Requests] = {}
-        self._sockets: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ sockets
 
@@ -284,56 +396,31 @@ class Netlink:
             rt = self._readers[key] = Requests(self._socket(netns))
         return rt
 
-    def _ipr(self, netns: str | None):  # noqa: ANN202 - pyroute2 is imported lazily
-        from pyroute2 import IPRoute
-
-        key = self._key(netns)
-        ipr = self._sockets.get(key)
-        if ipr is None:
-            sock = self._socket(netns)
-            try:
-                ipr = IPRoute(fileno=sock.detach())
-            except OSError as exc:
-                where = f"netns '{netns}'" if netns else "host netns"
-                raise HostError(f"open {where}: netlink socket: {_cause(exc)}") from exc
-            self._sockets[key] = ipr
-        return ipr
-
     def close(self) -> None:
         for rt in self._readers.values():
             rt.close()
         self._readers.clear()
-        for ipr in self._sockets.values():
-            ipr.close()
-        self._sockets.clear()
 
     def _request(self, what: str, op: str, netns: str | None, mtype: int, payload: bytes, *,
-              dump: bool = False, ack: bool = False,
-              ok: tuple[int, ...] = ()) -> list[bytes] | None:
+                 dump: bool = False, ack: bool = False, flags: int = 0,
+                 ok: tuple[int, ...] = ()) -> list[bytes] | None:
         """One request on envctl's own socket; errnos in `ok` return None, others become
         HostError."""
         rt = self._reader(netns)
         try:
-            return rt.request(mtype, payload, dump=dump, ack=ack)
+            return rt.request(mtype, payload, dump=dump, ack=ack, flags=flags)
         except OSError as exc:
             if exc.errno in ok:
                 return None
             where = f" in netns '{netns}'" if netns else ""
             raise HostError(f"{what}{where}: {op}: {_cause(exc)}") from exc
 
-    def _do(self, what: str, op: str, netns: str | None, fn: str, *args: Any,
-            ok: tuple[int, ...] = (), **kwargs: Any) -> Any:
-        """Call `IPRoute.fn` (a change); errnos in `ok` return None, others become HostError."""
-        from pyroute2.netlink.exceptions import NetlinkError
-
-        ipr = self._ipr(netns)
-        try:
-            return getattr(ipr, fn)(*args, **kwargs)
-        except (NetlinkError, OSError) as exc:
-            if _errno(exc) in ok:
-                return None
-            where = f" in netns '{netns}'" if netns else ""
-            raise HostError(f"{what}{where}: {op}: {_cause(exc)}") from exc
+    def _change(self, what: str, op: str, netns: str | None, change: Change, *,
+                ok: tuple[int, ...] = ()) -> bool:
+        """Make `change` and wait for the kernel's answer: True when made, False when the
+        kernel answered with an errno in `ok`."""
+        return self._request(what, op, netns, change.mtype, change.body, ack=True,
+                             flags=change.flags, ok=ok) is not None
 
     # ------------------------------------------------------------------ links
 
@@ -341,41 +428,46 @@ class Netlink:
         """The interface called `name`, or None."""
         req = _IFINFO.pack(0, 0, 0, 0, 0) + _attr(IFLA_IFNAME, name.encode() + b"\0")
         bodies = self._request(f"read link '{name}'", "get link", netns, RTM_GETLINK, req,
-                            ok=(errno.ENODEV,))
+                               ok=(errno.ENODEV,))
         return parse_link(bodies[0]) if bodies else None
 
     def link_by_index(self, index: int, *, netns: str | None = None) -> Link | None:
         bodies = self._request(f"read link #{index}", "get link", netns, RTM_GETLINK,
-                            _IFINFO.pack(0, 0, index, 0, 0), ok=(errno.ENODEV,))
+                               _IFINFO.pack(0, 0, index, 0, 0), ok=(errno.ENODEV,))
         return parse_link(bodies[0]) if bodies else None
 
     def add_bridge(self, name: str) -> None:
-        self._do(f"create bridge '{name}'", "add link", None, "link", "add", ifname=name,
-                 kind="bridge")
+        self._change(f"create bridge '{name}'", "add link", None, newlink_bridge(name))
 
     def add_veth(self, name: str, *, peer: str, peer_netns: str) -> None:
         """A veth pair whose peer is born inside `peer_netns` already named `peer` (so it never
         clashes with a host interface of the same name, e.g. eth0)."""
         self._key(peer_netns)  # NamespaceGone before anything is made
-        self._do(f"create veth '{name}'", "add link", None, "link", "add", ifname=name,
-                 kind="veth", peer={"ifname": peer, "net_ns_fd": str(self.netns_dir / peer_netns)})
+        path = self.netns_dir / peer_netns
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NamespaceGone(f"open netns '{peer_netns}': {path}: no such namespace") from None
+        except OSError as exc:
+            raise HostError(f"create veth '{name}': open netns '{peer_netns}': "
+                            f"{_cause(exc)}") from exc
+        try:
+            self._change(f"create veth '{name}'", "add link", None,
+                         newlink_veth(name, peer, fd))
+        finally:
+            os.close(fd)
 
     def set_link(self, name: str, *, netns: str | None = None, up: bool | None = None,
                  master: int | None = None) -> None:
         link = self._require(name, netns)
-        kwargs: dict[str, Any] = {}
-        if master is not None:
-            kwargs["master"] = master
-        if up is not None:
-            kwargs["state"] = "up" if up else "down"
-        if kwargs:
-            self._do(f"configure link '{name}'", "set link", netns, "link", "set",
-                     index=link.index, **kwargs)
+        if up is not None or master is not None:
+            self._change(f"configure link '{name}'", "set link", netns,
+                         setlink(link.index, up=up, master=master))
 
     def set_isolated(self, name: str, isolated: bool) -> None:
         link = self._require(name, None)
-        self._do(f"configure bridge port '{name}'", "set isolated", None, "brport", "set",
-                 index=link.index, isolated=int(isolated))
+        self._change(f"configure bridge port '{name}'", "set isolated", None,
+                     setlink_isolated(link.index, isolated))
 
     def delete_link(self, name: str, *, netns: str | None = None) -> None:
         """Delete; success when it is already gone (ENODEV) or its namespace is gone."""
@@ -385,10 +477,7 @@ class Netlink:
             return
         if link is None:
             return
-        # A plain RTM_DELLINK by index on the reading socket: `down` then never needs pyroute2
-        # (~150 ms of import) for the one change it makes to links.
-        self._request(f"remove link '{name}'", "del link", netns, RTM_DELLINK,
-                   _IFINFO.pack(0, 0, link.index, 0, 0), ack=True, ok=GONE)
+        self._change(f"remove link '{name}'", "del link", netns, dellink(link.index), ok=GONE)
 
     def _require(self, name: str, netns: str | None) -> Link:
         link = self.link(name, netns=netns)
@@ -405,15 +494,14 @@ class Netlink:
         if link is None:
             return []
         bodies = self._request(f"read addresses of '{name}'", "get addr", netns, RTM_GETADDR,
-                            _IFADDR.pack(AF_INET, 0, 0, 0, 0), dump=True) or []
+                               _IFADDR.pack(AF_INET, 0, 0, 0, 0), dump=True) or []
         return [cidr for index, cidr in map(parse_address, bodies)
                 if index == link.index and cidr]
 
     def add_address(self, name: str, cidr: str, *, netns: str | None = None) -> None:
         link = self._require(name, netns)
-        ip, _, plen = cidr.partition("/")
-        self._do(f"configure link '{name}'", f"add address {cidr}", netns, "addr", "add",
-                 index=link.index, address=ip, prefixlen=int(plen), ok=(errno.EEXIST,))
+        self._change(f"configure link '{name}'", f"add address {cidr}", netns,
+                     newaddr(link.index, cidr), ok=(errno.EEXIST,))
 
     def del_address(self, name: str, cidr: str, *, netns: str | None = None) -> None:
         """Success when the address, the link or the namespace is already gone."""
@@ -423,16 +511,15 @@ class Netlink:
             return
         if link is None:
             return
-        ip, _, plen = cidr.partition("/")
-        self._do(f"configure link '{name}'", f"del address {cidr}", netns, "addr", "del",
-                 index=link.index, address=ip, prefixlen=int(plen), ok=GONE)
+        self._change(f"configure link '{name}'", f"del address {cidr}", netns,
+                     deladdr(link.index, cidr), ok=GONE)
 
     # ------------------------------------------------------------------ routes
 
     def default_gateway(self, *, netns: str | None = None) -> str | None:
         """The gateway of the IPv4 default route in the main table, or None."""
         bodies = self._request("read routes", "get route", netns, RTM_GETROUTE,
-                            _RTMSG.pack(AF_INET, 0, 0, 0, 0, 0, 0, 0, 0), dump=True) or []
+                               _RTMSG.pack(AF_INET, 0, 0, 0, 0, 0, 0, 0, 0), dump=True) or []
         for body in bodies:
             gw = parse_default_gateway(body)
             if gw:
@@ -440,6 +527,6 @@ class Netlink:
         return None
 
     def set_default_route(self, gateway: str, *, netns: str | None = None) -> None:
-        self._do(f"set default route via {gateway}", "replace route", netns, "route", "replace",
-                 dst="0.0.0.0/0", gateway=gateway)
+        self._change(f"set default route via {gateway}", "replace route", netns,
+                     replace_default_route(gateway))
 
