@@ -543,6 +543,54 @@ out["gone netns"] = attempt(nl.del_address, "eth0", "10.232.0.2/24", netns="nope
     sb.run("ip", "netns", "del", "n1", check=True)
 
 
+def _groups(sb, netns=None):
+    argv = ("ip", "-j", "-d", "link", "show") if netns is None else \
+        ("ip", "-n", netns, "-j", "-d", "link", "show")
+    return {link["ifname"]: link.get("group") for link in
+            json.loads(sb.run(*argv, check=True).stdout)}
+
+
+def test_delete_links_in_one_batch(clean):
+    sb = clean
+    sb.run("ip", "netns", "add", "n1", check=True)
+    for i in range(6):
+        sb.run("ip", "link", "add", f"t-v{i}", "type", "veth", "peer", "name", f"p{i}",
+               "netns", "n1", check=True)
+    sb.run("ip", "link", "add", "t-br1", "type", "bridge", check=True)
+    sb.run("ip", "link", "set", "t-v0", "master", "t-br1", check=True)
+    # Somebody else's links: one in a group of its own, one in the default group.
+    sb.run("ip", "link", "add", "t-keep", "group", "7", "type", "veth", "peer", "name",
+           "t-keep2", check=True)
+    out = run_netlink(sb, """
+names = [f"t-v{i}" for i in range(6)] + ["t-br1", "t-absent"]
+out["host"] = {k: v and str(v) for k, v in nl.delete_links(names).items()}
+# The peers went with their veths: already gone is success.
+out["peers"] = {k: v and str(v) for k, v in nl.delete_links(["p0", "p1"], netns="n1").items()}
+out["no netns"] = nl.delete_links(["a", "b"], netns="nope")
+out["one"] = {k: v and str(v) for k, v in nl.delete_links(["t-absent"]).items()}
+""")
+    assert out.pop("pyroute2") is False
+    assert out["host"] == dict.fromkeys([f"t-v{i}" for i in range(6)] + ["t-br1", "t-absent"])
+    assert out["peers"] == {"p0": None, "p1": None}
+    assert out["no netns"] == {"a": None, "b": None} and out["one"] == {"t-absent": None}
+    assert _groups(sb) == {"lo": "default", "t-keep": "7", "t-keep2": "default"}
+    assert _groups(sb, "n1") == {"lo": "default"}
+
+    # A device without rtnl dellink (lo) fails the group delete: one by one then, and lo, which
+    # cannot go, gets its group back.
+    sb.run("ip", "link", "add", "t-w1", "type", "veth", "peer", "name", "t-w2", check=True)
+    sb.run("ip", "link", "add", "t-br2", "type", "bridge", check=True)
+    out = run_netlink(sb, """
+out["fallback"] = {k: v and str(v) for k, v in nl.delete_links(["t-w1", "lo", "t-br2"]).items()}
+""")
+    assert out["fallback"] == {"t-w1": None, "t-br2": None,
+                               "lo": "remove link 'lo': del link: Operation not supported"}
+    assert _groups(sb) == {"lo": "default", "t-keep": "7", "t-keep2": "default"}
+
+    sb.run("ip", "link", "del", "t-keep", check=True)
+    sb.run("ip", "netns", "del", "n1", check=True)
+
+
 def test_up_and_down_never_import_pyroute2(net):
     net.write_spec("alpha", spec("alpha", "10.231.0.2", backend="nftables"))
     env = {"PYTHONPROFILEIMPORTTIME": "1"}

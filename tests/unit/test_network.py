@@ -320,6 +320,15 @@ def test_default_route_replace():
     assert parse_default_gateway(change.body) == "10.231.0.1"
 
 
+def test_free_group_avoids_used_ones(monkeypatch):
+    draws = iter([b"\0\0\0\0", b"\0\0\0\0", b"\x05\0\0\0"])
+    monkeypatch.setattr(netlink.os, "urandom", lambda n: next(draws))
+    assert netlink._free_group({netlink.GROUP_MIN}) == netlink.GROUP_MIN + 5
+    monkeypatch.undo()
+    for _ in range(200):
+        assert netlink.GROUP_MIN <= netlink._free_group({0, 5}) < netlink.GROUP_MAX
+
+
 def test_netlink_does_not_import_pyroute2():
     code = ("import sys, envctl.host.netlink\n"
             "print(any(m.startswith('pyroute2') for m in sys.modules))")

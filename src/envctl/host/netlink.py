@@ -13,6 +13,7 @@ coming straight back, in this thread.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -57,6 +58,9 @@ NLA_F_NESTED = 0x8000
 NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
 _RECV = 65536
 _DUMP_TRIES = 5
+# Link groups delete_links may tag its links with: far above any a person numbers by hand
+# (/etc/iproute2/group names 0 "default"), below the sign bit of a u32 read as int.
+GROUP_MIN, GROUP_MAX = 1 << 20, 1 << 31
 
 
 class NamespaceGone(HostError):
@@ -479,6 +483,99 @@ class Netlink:
             return
         self._change(f"remove link '{name}'", "del link", netns, dellink(link.index), ok=GONE)
 
+    def delete_links(self, names: list[str], *,
+                     netns: str | None = None) -> dict[str, Exception | None]:
+        """Delete the links `names` of one namespace in one kernel batch: {name: None when it
+        is gone (or was, or its namespace is), else the HostError}.
+
+        Unregistering a device waits for RCU grace periods, once per unregister call: one
+        RTM_DELLINK per link costs 20-30 ms each (16 `ip link del` of veths: 314 ms on the
+        development VM), while every device of one group goes in a single unregister batch
+        (`ip link del group G` of the same 16: ~10 ms). So the links are tagged with a random
+        group G in [2^20, 2^31) that no link of the namespace carries (checked in one dump),
+        then deleted with one RTM_DELLINK by group. A device of someone else's could only go
+        with them if it were given G between that dump and the delete.
+
+        A link that cannot be tagged gets that error. When the group delete fails (EOPNOTSUPP:
+        a device without rtnl dellink, such as lo), the links are deleted one by one, and one
+        that still cannot be deleted gets its old group back and its error."""
+        names = list(dict.fromkeys(names))
+        if len(names) == 1:
+            return {names[0]: self._one(names[0], netns)}
+        result: dict[str, Exception | None] = {}
+        links: dict[str, Link] = {}
+        for name in names:
+            try:
+                link = self.link(name, netns=netns)
+            except NamespaceGone:
+                return {name: None for name in names}  # every link went with it
+            except HostError as exc:
+                result[name] = exc
+                continue
+            if link is None:
+                result[name] = None
+            else:
+                links[name] = link
+        if len(links) <= 1:
+            result |= {name: self._one(name, netns) for name in links}
+            return {name: result[name] for name in names}
+        where = f" in netns '{netns}'" if netns else ""
+        groups: dict[int, int] = {}
+        tagged: list[str] = []
+        try:
+            groups = {parse_link(b).index: parse_group(b) or 0 for b in self._request(
+                "read links", "dump links", netns, RTM_GETLINK, _ifinfo(), dump=True) or []}
+            group = _free_group(set(groups.values()))
+            for name, link in links.items():
+                try:
+                    if self._change(f"remove link '{name}'", "set group", netns,
+                                    setlink_group(link.index, group), ok=GONE):
+                        tagged.append(name)
+                    else:
+                        result[name] = None  # deleted meanwhile
+                except HostError as exc:
+                    result[name] = exc
+            if tagged:
+                self._change(f"remove {len(tagged)} links", "del link group", netns,
+                             dellink(group=group), ok=GONE)
+        except NamespaceGone:
+            return {name: None for name in names}
+        except HostError:
+            # Not as a batch (the dump, or the group delete): one by one, the old way.
+            for name, link in links.items():
+                if name in result:
+                    continue
+                result[name] = self._one(name, netns)
+                if result[name] is not None:
+                    self._restore_group(link.index, groups.get(link.index), netns)
+            return {name: result[name] for name in names}
+        for name in tagged:
+            try:
+                left = self.link(name, netns=netns)
+            except NamespaceGone:
+                left = None
+            except HostError as exc:
+                result[name] = exc
+                continue
+            result[name] = None if left is None else HostError(
+                f"remove link '{name}'{where}: del link group: still there")
+        return {name: result[name] for name in names}
+
+    def _one(self, name: str, netns: str | None) -> HostError | None:
+        try:
+            self.delete_link(name, netns=netns)
+        except HostError as exc:
+            return exc
+        return None
+
+    def _restore_group(self, index: int, group: int | None, netns: str | None) -> None:
+        """Best effort: give a link that stays its group from before delete_links."""
+        if group is None:
+            return
+        with contextlib.suppress(HostError):
+            self._change(f"restore group of link #{index}", "set group", netns,
+                         setlink_group(index, group))
+
     def _require(self, name: str, netns: str | None) -> Link:
         link = self.link(name, netns=netns)
         if link is None:
@@ -530,3 +627,10 @@ class Netlink:
         self._change(f"set default route via {gateway}", "replace route", netns,
                      replace_default_route(gateway))
 
+
+def _free_group(used: set[int]) -> int:
+    """A random link group in [GROUP_MIN, GROUP_MAX) not in `used`."""
+    while True:
+        group = GROUP_MIN + int.from_bytes(os.urandom(4), "little") % (GROUP_MAX - GROUP_MIN)
+        if group not in used:
+            return group
