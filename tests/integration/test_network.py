@@ -284,6 +284,35 @@ def test_fault_at_every_network_step_rolls_back(net, backend):
             assert iptables_residue(net) == [], (keys[i], point)
 
 
+def test_down_all_removes_veths_together_and_a_failure_halfway_keeps_only_its_own(net):
+    """`down --all` deletes the environments' veths in one kernel batch; one refused removal
+    (a fault in the batch, or a link another step cannot delete) keeps that step in its
+    journal only, and the next `down` finishes it."""
+    names = ["alpha", "beta", "gamma"]
+    for i, name in enumerate(names):
+        net.write_spec(name, spec(name, f"10.231.0.{i + 2}", backend="nftables",
+                                  ports=f"[{9090 + i}]"))
+    net.envctl("up", "--all", check=True)
+    beta_veth = status(net, "beta")["veth"]["key"]
+    res = net.envctl("down", "--all", "--json", env={"ENVCTL_FAULT": f"fail@remove:{beta_veth}"})
+    assert res.returncode == 1
+    outs = {o["env"]: o for o in json.loads(res.stdout)}
+    assert outs["alpha"]["errors"] == [] and outs["gamma"]["errors"] == []
+    assert outs["beta"]["errors"] and "injected fault" in outs["beta"]["errors"][0]
+    # Every other step of beta went on (netns, its hold on the bridge, which it was the last
+    # to hold); its journal keeps only the refused veth, which the next `down` finishes. (The
+    # veth itself may already be gone with the namespace, which the kernel tears down later.)
+    left = net.residue()
+    assert sorted(left["netns"]) == ["outside"]
+    assert "t-br0" not in left["links"]
+    rows = net.envctl_json("status")
+    assert [(r["env"], [st["key"] for st in r["steps"] if st["note"] != "not applied"])
+            for r in rows if r["env"] == "beta"] == [("beta", [beta_veth])]
+    assert not any(st["note"] != "not applied" for r in rows if r["env"] != "beta"
+                   for st in r["steps"])
+    net.envctl("down", "--all", check=True)
+
+
 def test_nft_command_transport_and_backend_in_status(net):
     net.write_spec("alpha", spec("alpha", "10.231.0.2", backend="nftables"))
     env = {"ENVCTL_NFT": "cli"}

@@ -21,6 +21,7 @@ class Veth(Resource):
     also takes the peer's address and routes with it."""
 
     kind = "veth"
+    batch_remove = True
     name: str
     bridge: str
     netns: str
@@ -96,14 +97,36 @@ class Veth(Resource):
         # non-veth; a veth already present was made by someone else or by a lost run).
         return {"existed": link is not None, "kind": link.kind if link else None}
 
-    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+    def _not_ours(self, host: Host, memo: dict[str, Any]) -> bool:
+        """Somebody else's device under this name, which apply refused to touch."""
         if memo.get("existed") and memo.get("kind") != "veth":
-            return  # somebody else's device that apply refused to touch
+            return True
         if memo.get("existed"):
             link = host.netlink.link(self.name)
-            if link is not None and link.kind != "veth":
-                return
-        host.netlink.delete_link(self.name)  # the peer goes with it; success when gone
+            return link is not None and link.kind != "veth"
+        return False
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        if not self._not_ours(host, memo):
+            host.netlink.delete_link(self.name)  # the peer goes with it; success when gone
+
+    @classmethod
+    def remove_many(cls, host: Host,
+                    items: list[tuple[Resource, dict[str, Any]]]) -> list[Exception | None]:
+        """All in one kernel batch: deleting a veth pair alone waits for RCU (20-30 ms here),
+        a batch waits once (Netlink.delete_links)."""
+        out: list[Exception | None] = [None] * len(items)
+        mine: dict[str, int] = {}
+        for i, (res, memo) in enumerate(items):
+            assert isinstance(res, Veth)
+            try:
+                if not res._not_ours(host, memo):
+                    mine[res.name] = i
+            except HostError as exc:
+                out[i] = exc
+        for name, exc in host.netlink.delete_links(list(mine)).items():
+            out[mine[name]] = exc
+        return out
 
 
 @dataclass(frozen=True)
