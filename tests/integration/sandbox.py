@@ -130,9 +130,9 @@ class Sandbox:
 
     def journals(self) -> list[str]:
         d = self.state / "journal"
-        files = sorted(p.name for p in d.glob("*.json")) if d.is_dir() else []
-        if (self.state / "shared.json").exists():
-            files.append("shared.json")
+        files = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+        files += sorted(p.name for p in self.state.glob("shared.*")) \
+            if self.state.is_dir() else []
         return files
 
     def residue(self) -> dict[str, list[str]]:

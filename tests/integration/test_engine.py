@@ -141,7 +141,7 @@ def test_two_concurrent_ups_serialize(alpha):
                        env={"ENVCTL_FAULT": "sleep1.5@apply:netns:*"})
     # Wait until the first one holds the lock and is mid-plan (its journal exists).
     deadline = time.monotonic() + 10
-    while not (alpha.state / "journal" / "alpha.json").exists():
+    while not alpha.journals():
         assert time.monotonic() < deadline
         time.sleep(0.02)
     second = alpha.envctl("up", "alpha")

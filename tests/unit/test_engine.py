@@ -249,7 +249,7 @@ def test_down_many_injected_fault_in_a_batch_spares_the_others(engine, monkeypat
     assert "remove together v2" in fakes.LOG
 
 
-def test_down_writes_journals_once_and_still_saves_when_a_bug_stops_it(engine, monkeypatch):
+def test_down_folds_journals_once_and_still_does_when_a_bug_stops_it(engine, monkeypatch):
     _two_up(engine)
     writes = []
     real_save = Journal.save
@@ -263,7 +263,7 @@ def test_down_writes_journals_once_and_still_saves_when_a_bug_stops_it(engine, m
                         if self.name == "a1" else fakes.WORLD.pop(self.name, None))
     with pytest.raises(RuntimeError):
         engine.down_many(["one", "two"])
-    assert writes == ["one", "two"]  # once each, at the end, despite the bug
+    assert writes == ["one", "two"]  # folded once each, at the end, despite the bug
     assert [e.key for e in Journal.open(engine.host.state_dir, "one").entries] == [
         "fake-thing:a1"]
     assert [e.key for e in Journal.open(engine.host.state_dir, "two").entries] == [

@@ -235,9 +235,8 @@ class Engine:
         reached are removed in one batch, then each goes on. Order within an environment is
         kept; environments share nothing but ledger-counted resources.
 
-        The journals and the ledger are written once, at the end: removals are idempotent, so
-        after a crash part way the entries left behind name objects already gone, which the
-        next `down` (or `up`) finds absent."""
+        Each removal is logged as it happens; the journals and the ledger are folded once, at
+        the end (see engine.journal)."""
         with nullcontext() if locked else self.locked():
             ledger = Ledger.open(self.host.state_dir)
             runs = []
@@ -267,7 +266,7 @@ class Engine:
         run.pos += 1
         others = [h for h in ledger.holders(key) if h != run.env]
         try:
-            self._release(run.env, key, res, run.journal, ledger, index=index, save=False)
+            self._release(run.env, key, res, run.journal, ledger, index=index)
         except (EnvctlError, OSError) as exc:
             run.outcome.errors.append(f"remove {res.describe()}: {exc}")
             return
@@ -297,7 +296,7 @@ class Engine:
             if exc is not None:
                 run.outcome.errors.append(f"remove {res.describe()}: {exc}")
                 continue
-            run.journal.drop(key, save=False)
+            run.journal.drop(key)
             self._removed(run, Step(REMOVE, res, Check.absent()))
 
     def _removed(self, run: _Teardown, step: Step) -> None:
@@ -315,9 +314,8 @@ class Engine:
         return items
 
     def _release(self, env: str, key: str, res: Resource, journal: Journal, ledger: Ledger,
-                 *, index: int, faults: bool = True, save: bool = True) -> None:
-        """Remove one step (a shared resource only when `env` is its last holder); `save`
-        writes the journal and ledger now, else the caller saves them later."""
+                 *, index: int, faults: bool = True) -> None:
+        """Remove one step (a shared resource only when `env` is its last holder)."""
         if faults:
             maybe_fault("remove", key, index)
         entry = journal.get(key)
@@ -325,10 +323,10 @@ class Engine:
             item = ledger.get(key)
             if item is not None and item["holders"] in ([env], []):
                 res.remove(self.host, item["memo"])  # the last holder restores the host
-            ledger.forget(key, env, save=save)
+            ledger.forget(key, env)
         elif entry is not None:
             res.remove(self.host, entry.memo)
-        journal.drop(key, save=save)
+        journal.drop(key)
 
 
 @dataclass
