@@ -133,3 +133,27 @@ def test_validate_json_lists_problems_on_stdout(capsys, tmp_path):
     data = json.loads(out)
     assert code == 2 and data["ok"] is False
     assert data["problems"][0]["line"] == 3 and data["problems"][0]["field"] == "bogus"
+
+
+def test_the_command_exits_with_mains_code_and_all_its_output(tmp_path):
+    """`python -m envctl` ends with os._exit: the exit code and every byte of output must
+    still come out (big JSON to a pipe included)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ENVCTL_STATE_DIR": str(tmp_path / "state")}
+    ok = subprocess.run([sys.executable, "-m", "envctl", "-C", str(REPO / "configs"),
+                         "plan", "cpu-compute", "--json"], capture_output=True, text=True,
+                        env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert [p["env"] for p in json.loads(ok.stdout)] == ["cpu-compute"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: Bad\nkind: cpu\n")
+    res = subprocess.run([sys.executable, "-m", "envctl", "validate", str(bad), "--json"],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode == 2
+    assert json.loads(res.stdout)["ok"] is False and "bad.yaml:1:" in res.stderr
+    usage = subprocess.run([sys.executable, "-m", "envctl", "down"], capture_output=True,
+                           text=True, env=env)
+    assert usage.returncode == 2 and "--all" in usage.stderr
