@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,6 +29,16 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+class Firewall(StrEnum):
+    nftables = "nftables"
+    iptables = "iptables"
+
+
+class CgroupDriver(StrEnum):
+    cgroupfs = "cgroupfs"
+    systemd = "systemd"
 
 
 class Ctx:
@@ -58,10 +69,23 @@ def _main(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
     lock_timeout: Annotated[float, typer.Option(
         "--lock-timeout", help="Seconds to wait for another envctl to finish.")] = 120.0,
+    firewall: Annotated[Firewall | None, typer.Option(
+        "--firewall", help="The firewall backend `network.firewall: auto` uses (default: "
+        "$ENVCTL_FIREWALL, else nftables when installed, else iptables).",
+        show_default=False)] = None,
+    cgroup_driver: Annotated[CgroupDriver | None, typer.Option(
+        "--cgroup-driver", help="The cgroup driver `resources.driver: auto` uses (default: "
+        "$ENVCTL_CGROUP_DRIVER, else systemd when it is PID 1, else cgroupfs).",
+        show_default=False)] = None,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
     CTX.config_dir, CTX.debug, CTX.lock_timeout = config_dir, debug, lock_timeout
+    # The flags are the environment variables' command-line form: the host facts read those.
+    if firewall is not None:
+        os.environ["ENVCTL_FIREWALL"] = firewall.value
+    if cgroup_driver is not None:
+        os.environ["ENVCTL_CGROUP_DRIVER"] = cgroup_driver.value
 
 
 # ---------------------------------------------------------------- helpers

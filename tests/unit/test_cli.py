@@ -157,3 +157,23 @@ def test_the_command_exits_with_mains_code_and_all_its_output(tmp_path):
     usage = subprocess.run([sys.executable, "-m", "envctl", "down"], capture_output=True,
                            text=True, env=env)
     assert usage.returncode == 2 and "--all" in usage.stderr
+
+
+def test_backend_and_driver_flags_say_what_auto_means(capsys, monkeypatch):
+    # Set first so that monkeypatch restores them: the flags write these variables.
+    monkeypatch.setenv("ENVCTL_FIREWALL", "nftables")
+    monkeypatch.setenv("ENVCTL_CGROUP_DRIVER", "cgroupfs")
+    code, out, _ = run(capsys, "--firewall", "iptables", "plan", "cpu-compute", "--json")
+    assert code == 0 and json.loads(out)[0]["resolved"]["firewall"] == "iptables"
+    code, out, _ = run(capsys, "plan", "cpu-compute", "--json")
+    assert json.loads(out)[0]["resolved"]["firewall"] == "iptables"  # this process's setting
+    monkeypatch.setenv("ENVCTL_FIREWALL", "nftables")
+    code, out, _ = run(capsys, "plan", "cpu-compute", "--json")
+    assert json.loads(out)[0]["resolved"]["firewall"] == "nftables"
+    code, _, err = run(capsys, "--firewall", "pf", "plan", "cpu-compute")
+    assert code == 2 and "'pf' is not one of 'nftables', 'iptables'" in err
+    code, out, err = run(capsys, "--cgroup-driver", "systemd", "plan", "cpu-compute", "--json")
+    if code == 0:
+        assert json.loads(out)[0]["resolved"]["cgroup.driver"] == "systemd"
+    else:  # PID 1 is not systemd: the spec's `auto` now asks for it, and that is refused
+        assert code == 2 and "needs systemd as PID 1" in err
