@@ -268,3 +268,20 @@ def test_down_folds_journals_once_and_still_does_when_a_bug_stops_it(engine, mon
         "fake-thing:a1"]
     assert [e.key for e in Journal.open(engine.host.state_dir, "two").entries] == [
         "fake-thing:a2"]
+
+
+def test_down_many_a_batch_that_fails_whole_keeps_every_item(engine, monkeypatch):
+    from tests.unit.fakes import BatchThing
+
+    _two_up(engine)
+
+    def refuse(cls, host, items):
+        raise fakes.HostError("remove 2 things: del group: refused")
+
+    monkeypatch.setattr(BatchThing, "remove_many", classmethod(refuse))
+    one, two = engine.down_many(["one", "two"])
+    assert one.errors == ["remove fake-batch v1: remove 2 things: del group: refused"]
+    assert two.errors == ["remove fake-batch v2: remove 2 things: del group: refused"]
+    assert fakes.WORLD == {"v1": "on", "v2": "on"}
+    assert [e.key for e in Journal.open(engine.host.state_dir, "one").entries] == [
+        "fake-batch:v1"]

@@ -291,7 +291,10 @@ class Engine:
             todo.append((run, key, res, entry.memo))
         if not todo:
             return
-        errors = kind.remove_many(self.host, [(res, memo) for _, _, res, memo in todo])
+        try:
+            errors = kind.remove_many(self.host, [(res, memo) for _, _, res, memo in todo])
+        except (EnvctlError, OSError) as exc:  # the batch as a whole: every item keeps its step
+            errors = [exc] * len(todo)
         for (run, key, res, _), exc in zip(todo, errors, strict=True):
             if exc is not None:
                 run.outcome.errors.append(f"remove {res.describe()}: {exc}")
