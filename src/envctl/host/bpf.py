@@ -27,7 +27,6 @@ ACC_MKNOD, ACC_READ, ACC_WRITE = 1, 2, 4
 ATTR_SIZE = 128  # zero-filled union bpf_attr; the kernel accepts trailing zeros
 
 
-
 # ---------------------------------------------------------------- assembling the program
 
 

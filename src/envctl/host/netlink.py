@@ -475,10 +475,7 @@ class Netlink:
 
     def delete_link(self, name: str, *, netns: str | None = None) -> None:
         """Delete; success when it is already gone (ENODEV) or its namespace is gone."""
-        try:
-            link = self.link(name, netns=netns)
-        except NamespaceGone:
-            return
+        link = self._link_unless_gone(name, netns)
         if link is None:
             return
         self._change(f"remove link '{name}'", "del link", netns, dellink(link.index), ok=GONE)
@@ -576,6 +573,13 @@ class Netlink:
             self._change(f"restore group of link #{index}", "set group", netns,
                          setlink_group(index, group))
 
+    def _link_unless_gone(self, name: str, netns: str | None) -> Link | None:
+        """The link, or None when it or its namespace is gone (a removal's success)."""
+        try:
+            return self.link(name, netns=netns)
+        except NamespaceGone:
+            return None
+
     def _require(self, name: str, netns: str | None) -> Link:
         link = self.link(name, netns=netns)
         if link is None:
@@ -602,10 +606,7 @@ class Netlink:
 
     def del_address(self, name: str, cidr: str, *, netns: str | None = None) -> None:
         """Success when the address, the link or the namespace is already gone."""
-        try:
-            link = self.link(name, netns=netns)
-        except NamespaceGone:
-            return
+        link = self._link_unless_gone(name, netns)
         if link is None:
             return
         self._change(f"configure link '{name}'", f"del address {cidr}", netns,
