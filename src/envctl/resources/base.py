@@ -170,10 +170,3 @@ def resource_class(kind: Any) -> type[Resource]:
         cls = REGISTRY[kind]
     return cls
 
-
-def load_all() -> None:
-    """Import every resource module, so REGISTRY knows every kind."""
-    from envctl.resources import MODULES
-
-    for module in set(MODULES.values()):
-        importlib.import_module(f"envctl.resources.{module}")
