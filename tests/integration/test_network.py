@@ -52,21 +52,41 @@ with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3) as c:
     print(c.recv(100).decode())
 """
 
+UDP_SERVER = """\
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+print("listening", flush=True)
+s.settimeout(10)
+data, addr = s.recvfrom(100)
+s.sendto(addr[0].encode(), addr)
+"""
+
+UDP_CLIENT = """\
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(3)
+s.sendto(b"hi", (sys.argv[1], int(sys.argv[2])))
+print(s.recvfrom(100)[0].decode())
+"""
+
 
 def in_ns(sb, ns, *argv, check=False, timeout=30):
     return sb.run("ip", "netns", "exec", ns, *argv, check=check, timeout=timeout)
 
 
-def serve(sb, ns, port):
-    """A one-shot TCP server in `ns` that answers with the address the client came from."""
-    cmd = ("ip", "netns", "exec", ns, sys.executable, "-c", SERVER, str(port))
+def serve(sb, ns, port, *, udp=False):
+    """A one-shot TCP (or UDP) server in `ns` that answers with the address the client came
+    from."""
+    cmd = ("ip", "netns", "exec", ns, sys.executable, "-c", UDP_SERVER if udp else SERVER,
+           str(port))
     proc = sb.popen(*cmd) if ns else sb.popen(*cmd[4:])
     assert proc.stdout.readline().strip() == "listening", proc.stderr.read()
     return proc
 
 
-def connect(sb, ns, host, port):
-    argv = (sys.executable, "-c", CLIENT, host, str(port))
+def connect(sb, ns, host, port, *, udp=False):
+    argv = (sys.executable, "-c", UDP_CLIENT if udp else CLIENT, host, str(port))
     res = in_ns(sb, ns, *argv) if ns else sb.run(*argv)
     return res.stdout.strip() if res.returncode == 0 else f"failed: {res.stderr.strip()[-200:]}"
 
@@ -147,6 +167,23 @@ def test_gateway_port_forward_and_masquerade(net, backend):
 
     net.envctl("down", "alpha", check=True)
     assert connect(net, "outside", HOST_OUT, 9090).startswith("failed")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_udp_port_forward(net, backend):
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend=backend,
+                                 ports="['5353:53/udp']"))
+    net.envctl("up", "alpha", check=True)
+    server = serve(net, "alpha", 53, udp=True)
+    assert connect(net, "outside", HOST_OUT, 5353, udp=True) == PEER
+    server.wait(5)
+    server = serve(net, "alpha", 53, udp=True)
+    assert connect(net, None, HOST_OUT, 5353, udp=True) == HOST_OUT
+    server.wait(5)
+    # The TCP port of the same number is not forwarded: only what the spec names.
+    assert connect(net, "outside", HOST_OUT, 5353).startswith("failed")
+    net.envctl("down", "alpha", check=True)
+    assert connect(net, "outside", HOST_OUT, 5353, udp=True).startswith("failed")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
