@@ -12,8 +12,9 @@ from pathlib import Path
 
 from envctl.engine.engine import Engine
 from envctl.errors import SpecError, UsageError
+from envctl.facts import HostFacts
 from envctl.host.context import Host
-from envctl.host.facts import HostFacts, gather
+from envctl.host.facts import gather
 from envctl.plan.builder import Plan, PlanError
 from envctl.plan.host import find_host_conflicts
 from envctl.plan.planner import plan_env

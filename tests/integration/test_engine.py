@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import pytest
@@ -137,12 +138,16 @@ def test_kill_9_during_down_then_down_again(alpha):
 
 
 def test_two_concurrent_ups_serialize(alpha):
-    slow = alpha.popen("python3", "-m", "envctl", "up", "alpha",
+    slow = alpha.popen(sys.executable, "-m", "envctl", "up", "alpha",
                        env={"ENVCTL_FAULT": "sleep1.5@apply:netns:*"})
-    # Wait until the first one holds the lock and is mid-plan (its journal exists).
-    deadline = time.monotonic() + 10
+    # Wait until the first one holds the lock and is mid-plan (its journal exists); a child
+    # that dies first shows why.
+    deadline = time.monotonic() + 60
     while not alpha.journals():
-        assert time.monotonic() < deadline
+        if slow.poll() is not None:
+            out, err = slow.communicate()
+            pytest.fail(f"the first envctl exited {slow.returncode} before journalling:\n{err}")
+        assert time.monotonic() < deadline, "the first envctl never journalled a step"
         time.sleep(0.02)
     second = alpha.envctl("up", "alpha")
     out, err = slow.communicate(timeout=30)

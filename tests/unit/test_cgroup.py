@@ -6,9 +6,9 @@ import struct
 
 import pytest
 
+from envctl.facts import CgroupFacts, HostFacts
 from envctl.host import bpf
-from envctl.host.cgroups import CgroupFacts, CgroupLayout, detect_layout, normalize
-from envctl.host.facts import HostFacts
+from envctl.host.cgroups import CgroupLayout, detect_layout, normalize
 from envctl.plan.builder import PlanError
 from envctl.plan.cgroup import DEFAULT_DEVICES, bfq_weight, blkio_weight, cpu_shares
 from envctl.plan.planner import plan_env

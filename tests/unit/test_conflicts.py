@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from envctl.errors import SpecError
-from envctl.host.facts import HostFacts
+from envctl.facts import HostFacts
 from envctl.spec.loader import load_specs
 
 FACTS = HostFacts(cpus=tuple(range(8)), memory_bytes=16 << 30)

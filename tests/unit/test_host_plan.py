@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from envctl.host.facts import HostFacts, ModuleFact
+from envctl.facts import HostFacts, ModuleFact
 from envctl.plan.builder import PlanError
 from envctl.plan.host import find_host_conflicts
 from envctl.plan.planner import plan_env

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from envctl.facts import HostFacts
 from envctl.host import netlink
-from envctl.host.facts import HostFacts
-from envctl.host.firewall import Row, detect_backend, env_rules, rule_drift
+from envctl.host.firewall import detect_backend
+from envctl.host.fwrules import Row, env_rules, rule_drift
 from envctl.host.netlink import parse_address, parse_default_gateway, parse_group, parse_link
 from envctl.host.nft import (
     Nftables,

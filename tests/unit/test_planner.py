@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from envctl.host.facts import HostFacts
+from envctl.facts import HostFacts
 from envctl.plan.builder import PlanError
 from envctl.plan.planner import plan_env
 from envctl.resources.base import Resource

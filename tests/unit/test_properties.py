@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envctl.errors import SpecError
-from envctl.host.facts import HostFacts
+from envctl.facts import HostFacts
 from envctl.plan.builder import PlanError
 from envctl.plan.planner import plan_env
 from envctl.resources.base import Resource

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from envctl.errors import HostError
+from envctl.facts import CgroupFacts, HostFacts
 from envctl.host import systemd as sd
-from envctl.host.cgroups import CgroupFacts, CgroupLayout, Cgroups
-from envctl.host.facts import HostFacts
+from envctl.host.cgroups import CgroupLayout, Cgroups
 from envctl.plan.builder import PlanError
 from envctl.plan.cgroup import DEFAULT_DEVICES
 from envctl.plan.planner import plan_env

@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from envctl.errors import HostError
+from envctl.facts import DEFAULT_PARENT, V2_CONTROLLERS, CgroupFacts
 from envctl.spec.units import format_cpu_list, parse_cpu_list
 
 DEFAULT_ROOT = Path("/sys/fs/cgroup")
-DEFAULT_PARENT = "envctl"
 # v1 hierarchies an environment's cgroup lives in (those mounted; freezer helps nothing yet).
 V1_CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "blkio", "pids", "devices")
-V2_CONTROLLERS = ("cpu", "cpuset", "memory", "io", "pids")
 # Values above this read back from a limit file mean "no limit" (v1 prints PAGE_COUNTER_MAX).
 _UNLIMITED_FLOOR = 2**62
 PAGE = 4096
@@ -96,29 +95,6 @@ def detect_layout(*, proc_root: Path = Path("/proc"), root: Path = DEFAULT_ROOT)
         except OSError:
             ctrls = frozenset()
     return CgroupLayout(v1, unified, ctrls)
-
-
-@dataclass(frozen=True)
-class CgroupFacts:
-    """What the planner knows about cgroups; the default is a modern v2 host without systemd."""
-
-    layout: str = "v2"
-    version: int = 2
-    controllers: tuple[str, ...] = V2_CONTROLLERS
-    # v1: memory.memsw.* exists (swapaccount); v2: memory.swap.max exists.
-    swap: bool = True
-    # The IO weight file in an environment's cgroup and its range; "" when there is none.
-    io_weight: str = "io.weight"
-    # Block devices using the bfq scheduler (a bfq weight acts only on those).
-    bfq_devices: tuple[str, ...] = ()
-    systemd: bool = False
-    # What `resources.driver: auto` means here when ENVCTL_CGROUP_DRIVER says so ("" = by PID 1).
-    default_driver: str = ""
-    cpus: str = ""  # the root cpuset (v1 parents are initialised to it)
-    mems: str = ""
-    # The parent cgroup / slice name (ENVCTL_CGROUP_PARENT); recorded in every cgroup resource
-    # so that `down` removes what `up` made even when the variable has changed since.
-    parent: str = DEFAULT_PARENT
 
 
 def read_cgroup_facts(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
@@ -508,7 +484,7 @@ class Cgroups:
         `driver` "systemd" reads the environment's slice (`<parent>.slice/<parent>-<env>.slice`,
         see envctl.host.systemd); None reads whichever of the two exists, cgroupfs first."""
         if driver == "systemd" or (driver is None and not any(self.present(env))):
-            from envctl.host.systemd import env_slice, parent_slice
+            from envctl.spec.naming import env_slice, parent_slice
 
             sliced = Cgroups(self.lay, parent_slice(self.parent))
             if driver == "systemd" or any(sliced.present(env_slice(env, self.parent))):

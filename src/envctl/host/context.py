@@ -59,9 +59,18 @@ class Host:
 
     @cached_property
     def kmod(self):  # noqa: ANN201
+        # Everything under kmod_root when set (ENVCTL_KMOD_ROOT): a fake tree in tests.
+        import shlex
+
         from envctl.host.kmod import KernelModules
 
-        return KernelModules.for_host(self)
+        root = self.kmod_root
+        if root is not None:
+            proc, sys, lib = root / "proc", root / "sys", root / "lib" / "modules"
+        else:
+            proc, sys, lib = self.proc, self.sys, Path("/lib/modules")
+        return KernelModules(proc=proc, sys=sys, lib=lib, modprobe=shlex.split(self.modprobe),
+                             rmmod=shlex.split(self.rmmod))
 
     @cached_property
     def cpufreq(self):  # noqa: ANN201

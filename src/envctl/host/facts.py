@@ -1,49 +1,19 @@
-"""Read-only facts about the host that planning needs: CPUs, memory, NUMA nodes, kernel."""
+"""Gathering the facts planning needs (CPUs, memory, NUMA nodes, kernel, cgroups, modules):
+read-only; the value types live in envctl.facts."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from envctl.host.cgroups import CgroupFacts, read_cgroup_facts
+from envctl.facts import HostFacts, ModuleFact
+from envctl.host.cgroups import read_cgroup_facts
+from envctl.host.procfs import sysctl_path
 from envctl.spec.units import parse_cpu_list
 
 if TYPE_CHECKING:
     from envctl.host.kmod import KernelModules
-
-
-@dataclass(frozen=True)
-class ModuleFact:
-    """One kernel module: `loaded`, `builtin`, `available` (modprobe can load it, after `deps`)
-    or `missing` (`reason` says why: no /lib/modules/<release>, no file, no module support)."""
-
-    state: str
-    deps: tuple[str, ...] = ()
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class HostFacts:
-    """What the planner may know about the host; tests build these by hand."""
-
-    cpus: tuple[int, ...] = (0, 1)
-    memory_bytes: int = 24 * 1024**3
-    numa_nodes: tuple[int, ...] = (0,)
-    kernel: str = "6.1.0"
-    # Sysctls that exist on this kernel, among those the specs ask about.
-    sysctls: frozenset[str] = field(default_factory=frozenset)
-    # Cgroup layout, controllers, swap/IO-weight support and whether PID 1 is systemd.
-    cgroup: CgroupFacts = field(default_factory=CgroupFacts)
-    # Kernel modules the specs ask about, by name with '_' (see ModuleFact).
-    modules: dict[str, ModuleFact] = field(default_factory=dict)
-    # CPUs that have cpufreq, each with its scaling_available_governors; empty: no cpufreq.
-    cpufreq: dict[int, tuple[str, ...]] = field(default_factory=dict)
-    # The firewall backend `network.firewall: auto` means here (nftables or iptables).
-    firewall: str = "nftables"
-    # Extra facts contributed by resource families (cgroup layout, GPUs, firewall, …).
-    extra: dict[str, object] = field(default_factory=dict, compare=False)
 
 
 def _read(path: Path) -> str | None:
@@ -77,10 +47,6 @@ def _firewall_backend() -> str:
     from envctl.host.firewall import detect_backend
 
     return detect_backend()
-
-
-def sysctl_path(proc_root: Path, name: str) -> Path:
-    return proc_root / "sys" / name.replace(".", "/")
 
 
 def read_module(kmod: KernelModules, name: str) -> ModuleFact:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from envctl.errors import HostError
-from envctl.host.firewall import Listing, Row, Rule, compare_rules
+from envctl.host.fwrules import Listing, Row, Rule, compare_rules
 from envctl.spec.naming import env_of_comment
 
 # envctl chain -> (table, built-in chain that jumps to it)

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import os
-import shlex
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from envctl.errors import HostError
-
-if TYPE_CHECKING:
-    from envctl.host.context import Host
 
 LOADED, BUILTIN, ABSENT = "loaded", "builtin", "absent"
 _SUFFIXES = (".ko", ".ko.xz", ".ko.zst", ".ko.gz")
@@ -90,17 +85,6 @@ class KernelModules:
         self.release = release or os.uname().release
         self.modprobe = tuple(modprobe)
         self.rmmod = tuple(rmmod)
-
-    @classmethod
-    def for_host(cls, host: Host) -> KernelModules:
-        """The host's trees, all moved under `host.kmod_root` when set (ENVCTL_KMOD_ROOT)."""
-        root = host.kmod_root
-        if root is not None:
-            proc, sys, lib = root / "proc", root / "sys", root / "lib" / "modules"
-        else:
-            proc, sys, lib = host.proc, host.sys, Path("/lib/modules")
-        return cls(proc=proc, sys=sys, lib=lib, modprobe=shlex.split(host.modprobe),
-                   rmmod=shlex.split(host.rmmod))
 
     # ------------------------------------------------------------------ read-only
 

@@ -24,7 +24,7 @@ import subprocess
 from typing import Any
 
 from envctl.errors import HostError
-from envctl.host.firewall import Listing, Row, Rule, compare_rules
+from envctl.host.fwrules import Listing, Row, Rule, compare_rules
 from envctl.spec.naming import env_of_comment
 
 FAMILY, TABLE = "inet", "envctl"

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from envctl.errors import HostError
-from envctl.host.facts import sysctl_path
+
+
+def sysctl_path(proc_root: Path, name: str) -> Path:
+    return proc_root / "sys" / name.replace(".", "/")
 
 
 def normalize(value: str) -> str:

@@ -22,13 +22,9 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from envctl.errors import HostError
-from envctl.host.cgroups import (
-    DEFAULT_PARENT,
-    DEFAULT_ROOT,
-    CgroupLayout,
-    detect_layout,
-    read_procs,
-)
+from envctl.facts import DEFAULT_PARENT
+from envctl.host.cgroups import DEFAULT_ROOT, CgroupLayout, detect_layout, read_procs
+from envctl.spec.naming import env_slice, escape, parent_slice, slice_cgroup  # noqa: F401
 from envctl.spec.units import format_cpu_list, parse_cpu_list
 
 UNIT_DIR = Path("/run/systemd/system")
@@ -38,45 +34,6 @@ CONTROL_DIR = Path("/run/systemd/system.control")
 EXIT_NOT_LOADED = 5
 
 Runner = Callable[[list[str]], subprocess.CompletedProcess]
-
-
-# ---------------------------------------------------------------- names
-
-
-def escape(text: str) -> str:
-    """`systemd-escape TEXT`: keep [A-Za-z0-9:_.], '/' becomes '-', anything else (also '-')
-    becomes \\xHH; a leading '.' is escaped too."""
-    out = []
-    for i, ch in enumerate(text):
-        if ch == "/":
-            out.append("-")
-        elif (ch.isascii() and ch.isalnum()) or ch in ":_" or (ch == "." and i > 0):
-            out.append(ch)
-        else:
-            out.extend(f"\\x{b:02x}" for b in ch.encode())
-    return "".join(out)
-
-
-def _label(name: str) -> str:
-    # In a slice name '-' means "child of": envctl-cpu-compute.slice would sit under
-    # envctl-cpu.slice. Like kubelet (pod UIDs), '-' becomes '_'; environment names are
-    # [a-z0-9-], so this cannot make two of them collide. Anything else is escaped.
-    return escape(name.replace("-", "_"))
-
-
-def parent_slice(parent: str = DEFAULT_PARENT) -> str:
-    """The slice every environment's slice sits in: `envctl.slice`."""
-    return f"{_label(parent)}.slice"
-
-
-def env_slice(env: str, parent: str = DEFAULT_PARENT) -> str:
-    """An environment's slice: `envctl-cpu_compute.slice` for `cpu-compute`."""
-    return f"{_label(parent)}-{_label(env)}.slice"
-
-
-def slice_cgroup(env: str, parent: str = DEFAULT_PARENT) -> str:
-    """The slice's cgroup, relative to a hierarchy's root: `envctl.slice/envctl-x.slice`."""
-    return f"{parent_slice(parent)}/{env_slice(env, parent)}"
 
 
 # ---------------------------------------------------------------- unit files and properties

@@ -10,7 +10,7 @@ from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.units import format_cpu_list
 
 if TYPE_CHECKING:
-    from envctl.host.facts import HostFacts
+    from envctl.facts import HostFacts
     from envctl.spec.models import EnvSpec
 
 

@@ -6,23 +6,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from envctl.plan.builder import Plan
+from envctl.plan.cgroup_systemd import plan_systemd
+from envctl.plan.limits import DEFAULT_DEVICES, GPU_DEVICES_KEY, need, page, quota_micros
 from envctl.resources.cgroup import Cgroup, CgroupDevices, CgroupParent
 from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.units import format_cpu_list, format_size
 
 if TYPE_CHECKING:
-    from envctl.host.cgroups import CgroupFacts
-    from envctl.host.facts import HostFacts
-    from envctl.spec.models import Cpu, EnvSpec
-
-PAGE = 4096
-# What every environment may open (as runc's default): null, zero, full, random, urandom,
-# tty, ptmx and the Unix98 pty slaves (major 136).
-DEFAULT_DEVICES = ("c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm", "c 1:9 rwm",
-                   "c 5:0 rwm", "c 5:2 rwm", "c 136:* rwm")
-# Where another section (the GPU one) leaves extra device nodes for the allow-list:
-# plan.resolved[GPU_DEVICES_KEY] = ("c 195:0 rwm", "c 195:255 rwm", ...).
-GPU_DEVICES_KEY = "cgroup.devices"
+    from envctl.facts import HostFacts
+    from envctl.spec.models import EnvSpec
 
 CGROUP_WEIGHT_DEFAULT, CGROUP_WEIGHT_MAX = 100, 10_000
 
@@ -63,8 +55,6 @@ def plan_cgroup(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
                    f"{cg.layout}); mount cgroup2 on /sys/fs/cgroup or the v1 controllers")
         return
     if driver == "systemd":
-        from envctl.plan.cgroup_systemd import plan_systemd
-
         plan_systemd(spec, facts, plan)
         return
     settings = _settings(spec, facts, plan)
@@ -77,28 +67,6 @@ def plan_cgroup(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     rules = DEFAULT_DEVICES + tuple(plan.resolved.get(GPU_DEVICES_KEY, ()))
     plan.add(CgroupDevices(spec.name, cg.version, rules, cg.parent), ("resources",))
 
-
-
-def quota_micros(cpu: Cpu, plan: Plan) -> int | None:
-    """The quota in µs per period; None (with a plan error) below the kernel's 1000 µs minimum,
-    or when there is no quota."""
-    if cpu.quota is None:
-        return None
-    quota_us = round(cpu.quota / 100 * cpu.period_us)
-    if quota_us < 1000:
-        plan.error(("resources", "cpu", "quota"), f"{cpu.quota:g}% of a {cpu.period_us} µs "
-                   f"period is {quota_us} µs, below the kernel's 1000 µs minimum; raise the "
-                   "quota or the period")
-        return None
-    return quota_us
-
-
-def _need(cg: CgroupFacts, controller: str, loc: tuple, why: str, plan: Plan) -> bool:
-    if controller in cg.controllers:
-        return True
-    plan.error(loc, f"{why} needs the '{controller}' cgroup controller, which this host "
-               f"(cgroup {cg.layout}: {', '.join(cg.controllers) or 'none'}) does not offer")
-    return False
 
 
 def _settings(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, str, str]] | None:
@@ -115,7 +83,7 @@ def _settings(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, st
     if cpu.quota is not None and quota_us is None:
         ok = False
     wants_cpu = cpu.quota is not None or cpu.weight is not None
-    if wants_cpu and not _need(cg, "cpu", loc_cpu, "a CPU quota or weight", plan):
+    if wants_cpu and not need(cg, "cpu", loc_cpu, "a CPU quota or weight", plan):
         ok = False
     if "cpu" in cg.controllers:
         if v1:
@@ -132,7 +100,7 @@ def _settings(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, st
     except ValueError:
         placement, ok = (), False  # reported by the base section
     nodes = res.memory.nodes
-    if (placement or nodes) and not _need(cg, "cpuset", loc_cpu + ("dedicated",),
+    if (placement or nodes) and not need(cg, "cpuset", loc_cpu + ("dedicated",),
                                           "dedicated CPUs or memory nodes", plan):
         ok = False
     if "cpuset" in cg.controllers:
@@ -151,11 +119,11 @@ def _settings(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, st
     # -- memory: max, high (v1: soft limit), swap
     mem = res.memory
     total = facts.memory_bytes
-    mx = _page(mem.max.resolve(total)) if mem.max else None
-    hi = _page(mem.high.resolve(total)) if mem.high else None
-    sw = _page(mem.swap_max.resolve(total)) if mem.swap_max else None
+    mx = page(mem.max.resolve(total)) if mem.max else None
+    hi = page(mem.high.resolve(total)) if mem.high else None
+    sw = page(mem.swap_max.resolve(total)) if mem.swap_max else None
     wants_mem = any(x is not None for x in (mx, hi, sw))
-    if wants_mem and not _need(cg, "memory", loc_mem, "a memory limit", plan):
+    if wants_mem and not need(cg, "memory", loc_mem, "a memory limit", plan):
         ok = False
     if mx is not None and hi is not None and hi > mx:
         plan.error(loc_mem + ("high",), f"memory.high ({format_size(hi)}) is above memory.max "
@@ -191,7 +159,7 @@ def _settings(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, st
     weight = res.io.weight
     io_ctrl = "blkio" if v1 else "io"
     if weight is not None:
-        if not _need(cg, io_ctrl, ("resources", "io", "weight"), "an IO weight", plan):
+        if not need(cg, io_ctrl, ("resources", "io", "weight"), "an IO weight", plan):
             ok = False
         elif not cg.io_weight:
             plan.error(("resources", "io", "weight"), "this kernel offers no proportional IO "
@@ -211,18 +179,13 @@ def _settings(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, st
             out.append((io_ctrl, cg.io_weight, str(value)))
 
     # -- pids
-    if res.pids.max is not None and not _need(cg, "pids", ("resources", "pids", "max"),
+    if res.pids.max is not None and not need(cg, "pids", ("resources", "pids", "max"),
                                               "a pids limit", plan):
         ok = False
     if "pids" in cg.controllers:
         out.append(("pids", "pids.max", str(res.pids.max) if res.pids.max else "max"))
 
     # -- devices: v1 needs the controller; v2 uses a BPF program, no controller
-    if v1 and not _need(cg, "devices", ("resources",), "the device allow-list", plan):
+    if v1 and not need(cg, "devices", ("resources",), "the device allow-list", plan):
         ok = False
     return out if ok else None
-
-
-def _page(n: int) -> int:
-    # The kernel keeps limits in pages; planning the rounded value keeps check() exact.
-    return n // PAGE * PAGE

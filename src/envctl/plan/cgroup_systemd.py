@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from envctl.plan.builder import Plan
-from envctl.plan.cgroup import DEFAULT_DEVICES, GPU_DEVICES_KEY, _need, _page, quota_micros
+from envctl.plan.limits import DEFAULT_DEVICES, GPU_DEVICES_KEY, need, page, quota_micros
 from envctl.resources.cgroup_systemd import SystemdParentSlice, SystemdSlice
 from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.units import format_cpu_list, format_size
 
 if TYPE_CHECKING:
-    from envctl.host.facts import HostFacts
+    from envctl.facts import HostFacts
     from envctl.spec.models import EnvSpec
 
 # systemd sets these only on the unified (v2) hierarchy; on v1 it would ignore them silently.
@@ -49,7 +49,7 @@ def properties(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, s
     cpu = res.cpu
     if cpu.quota is not None and quota_micros(cpu, plan) is None:
         ok = False
-    if (cpu.quota is not None or cpu.weight is not None) and not _need(
+    if (cpu.quota is not None or cpu.weight is not None) and not need(
             cg, "cpu", loc_cpu, "a CPU quota or weight", plan):
         ok = False
     if "cpu" in cg.controllers:
@@ -69,7 +69,7 @@ def properties(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, s
             plan.error(loc_cpu + ("dedicated",), V2_ONLY.format(
                 what="AllowedCPUs/AllowedMemoryNodes (dedicated CPUs, memory nodes)"))
             ok = False
-        elif not _need(cg, "cpuset", loc_cpu + ("dedicated",),
+        elif not need(cg, "cpuset", loc_cpu + ("dedicated",),
                        "dedicated CPUs or memory nodes", plan):
             ok = False
     if "cpuset" in cg.controllers and not v1:
@@ -79,10 +79,10 @@ def properties(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, s
     # -- memory: max, high, swap
     mem = res.memory
     total = facts.memory_bytes
-    mx = _page(mem.max.resolve(total)) if mem.max else None
-    hi = _page(mem.high.resolve(total)) if mem.high else None
-    sw = _page(mem.swap_max.resolve(total)) if mem.swap_max else None
-    if any(x is not None for x in (mx, hi, sw)) and not _need(cg, "memory", loc_mem,
+    mx = page(mem.max.resolve(total)) if mem.max else None
+    hi = page(mem.high.resolve(total)) if mem.high else None
+    sw = page(mem.swap_max.resolve(total)) if mem.swap_max else None
+    if any(x is not None for x in (mx, hi, sw)) and not need(cg, "memory", loc_mem,
                                                               "a memory limit", plan):
         ok = False
     if mx is not None and hi is not None and hi > mx:
@@ -106,7 +106,7 @@ def properties(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, s
     # -- io weight (systemd converts it to blkio.weight / bfq weights itself)
     weight = res.io.weight
     if weight is not None:
-        if not _need(cg, "blkio" if v1 else "io", ("resources", "io", "weight"),
+        if not need(cg, "blkio" if v1 else "io", ("resources", "io", "weight"),
                      "an IO weight", plan):
             ok = False
         elif not cg.io_weight:
@@ -120,13 +120,13 @@ def properties(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, s
         out += [("IOAccounting", "yes"), ("IOWeight", str(weight or 100))]
 
     # -- pids
-    if res.pids.max is not None and not _need(cg, "pids", ("resources", "pids", "max"),
+    if res.pids.max is not None and not need(cg, "pids", ("resources", "pids", "max"),
                                               "a pids limit", plan):
         ok = False
     if "pids" in cg.controllers:
         out.append(("TasksMax", str(res.pids.max) if res.pids.max else "infinity"))
 
     # -- devices: v1 through the devices controller; v2 systemd's own BPF program
-    if v1 and not _need(cg, "devices", ("resources",), "the device allow-list", plan):
+    if v1 and not need(cg, "devices", ("resources",), "the device allow-list", plan):
         ok = False
     return out if ok else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from envctl.host.facts import ModuleFact
+from envctl.facts import ModuleFact
 from envctl.plan.builder import Loc, Plan
 from envctl.resources.governor import CpuGovernor
 from envctl.resources.kmod import KernelModule
@@ -19,7 +19,7 @@ from envctl.spec.units import format_cpu_list
 
 if TYPE_CHECKING:
     from envctl.errors import Problem
-    from envctl.host.facts import HostFacts
+    from envctl.facts import HostFacts
     from envctl.spec.loader import LoadedSpec
     from envctl.spec.models import EnvSpec, Module
 

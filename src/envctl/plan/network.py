@@ -13,7 +13,7 @@ from envctl.resources.veth import IpConfig, Veth
 from envctl.spec.naming import host_veth
 
 if TYPE_CHECKING:
-    from envctl.host.facts import HostFacts
+    from envctl.facts import HostFacts
     from envctl.spec.models import EnvSpec
 
 

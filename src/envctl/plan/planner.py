@@ -8,7 +8,7 @@ from envctl.plan import base, cgroup, host, network
 from envctl.plan.builder import Plan
 
 if TYPE_CHECKING:
-    from envctl.host.facts import HostFacts
+    from envctl.facts import HostFacts
     from envctl.spec.models import EnvSpec
 
 # Order matters: teardown is this list reversed. Directories first (state lives there), host

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from envctl.errors import HostError
-from envctl.host.cgroups import DEFAULT_PARENT, normalize
+from envctl.facts import DEFAULT_PARENT
+from envctl.host.cgroups import normalize
 from envctl.resources.base import Check, Diff, Resource, Status
 
 if TYPE_CHECKING:

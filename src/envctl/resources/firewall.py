@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from envctl.host.firewall import Rule, env_rules, rule_drift
+from envctl.host.fwrules import Rule, env_rules, rule_drift
 from envctl.resources.base import Check, Diff, Resource, Status
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from envctl.spec.naming import host_veth
 from envctl.spec.resolve import dedicated_cpus
 
 if TYPE_CHECKING:
-    from envctl.host.facts import HostFacts
+    from envctl.facts import HostFacts
     from envctl.spec.loader import LoadedSpec
 
 

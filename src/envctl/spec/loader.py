@@ -14,7 +14,7 @@ from envctl.errors import Problem, SpecError
 from envctl.spec.models import EnvSpec
 
 if TYPE_CHECKING:
-    from envctl.host.facts import HostFacts
+    from envctl.facts import HostFacts
 
 Loc = tuple[str | int, ...]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+from envctl.facts import DEFAULT_PARENT
+
 IFNAMSIZ = 15  # usable characters of an interface name (16 bytes with the NUL)
 VETH_PREFIX = "ve-"
 TAG_PREFIX = "envctl:"
@@ -31,3 +33,42 @@ def env_of_comment(comment: str | None) -> str | None:
     if not comment or not comment.startswith(TAG_PREFIX):
         return None
     return comment[len(TAG_PREFIX):].split(" ", 1)[0] or None
+
+
+# ---------------------------------------------------------------- systemd slices
+
+
+def escape(text: str) -> str:
+    """`systemd-escape TEXT`: keep [A-Za-z0-9:_.], '/' becomes '-', anything else (also '-')
+    becomes \\xHH; a leading '.' is escaped too."""
+    out = []
+    for i, ch in enumerate(text):
+        if ch == "/":
+            out.append("-")
+        elif (ch.isascii() and ch.isalnum()) or ch in ":_" or (ch == "." and i > 0):
+            out.append(ch)
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode())
+    return "".join(out)
+
+
+def _label(name: str) -> str:
+    # In a slice name '-' means "child of": envctl-cpu-compute.slice would sit under
+    # envctl-cpu.slice. Like kubelet (pod UIDs), '-' becomes '_'; environment names are
+    # [a-z0-9-], so this cannot make two of them collide. Anything else is escaped.
+    return escape(name.replace("-", "_"))
+
+
+def parent_slice(parent: str = DEFAULT_PARENT) -> str:
+    """The slice every environment's slice sits in: `envctl.slice`."""
+    return f"{_label(parent)}.slice"
+
+
+def env_slice(env: str, parent: str = DEFAULT_PARENT) -> str:
+    """An environment's slice: `envctl-cpu_compute.slice` for `cpu-compute`."""
+    return f"{_label(parent)}-{_label(env)}.slice"
+
+
+def slice_cgroup(env: str, parent: str = DEFAULT_PARENT) -> str:
+    """The slice's cgroup, relative to a hierarchy's root: `envctl.slice/envctl-x.slice`."""
+    return f"{parent_slice(parent)}/{env_slice(env, parent)}"

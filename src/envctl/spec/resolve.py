@@ -9,7 +9,7 @@ from envctl.spec.models import ReservedCpus
 from envctl.spec.units import format_cpu_list
 
 if TYPE_CHECKING:
-    from envctl.host.facts import HostFacts
+    from envctl.facts import HostFacts
     from envctl.spec.models import EnvSpec
 
 

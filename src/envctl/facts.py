@@ -1,0 +1,69 @@
+"""What the planner may know about the host: plain values, gathered by envctl.host.facts.
+
+Pure: this module imports nothing that touches the kernel, so the planner (which imports only
+this and the spec) provably cannot; tests build these values by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The default name of envctl's parent cgroup / slice (ENVCTL_CGROUP_PARENT overrides it).
+DEFAULT_PARENT = "envctl"
+# cgroup v2 controllers an environment's cgroup uses, in the order they are delegated.
+V2_CONTROLLERS = ("cpu", "cpuset", "memory", "io", "pids")
+
+
+@dataclass(frozen=True)
+class CgroupFacts:
+    """What the planner knows about cgroups; the default is a modern v2 host without systemd."""
+
+    layout: str = "v2"
+    version: int = 2
+    controllers: tuple[str, ...] = V2_CONTROLLERS
+    # v1: memory.memsw.* exists (swapaccount); v2: memory.swap.max exists.
+    swap: bool = True
+    # The IO weight file in an environment's cgroup and its range; "" when there is none.
+    io_weight: str = "io.weight"
+    # Block devices using the bfq scheduler (a bfq weight acts only on those).
+    bfq_devices: tuple[str, ...] = ()
+    systemd: bool = False
+    # What `resources.driver: auto` means here when ENVCTL_CGROUP_DRIVER says so ("" = by PID 1).
+    default_driver: str = ""
+    cpus: str = ""  # the root cpuset (v1 parents are initialised to it)
+    mems: str = ""
+    # The parent cgroup / slice name (ENVCTL_CGROUP_PARENT); recorded in every cgroup resource
+    # so that `down` removes what `up` made even when the variable has changed since.
+    parent: str = DEFAULT_PARENT
+
+
+@dataclass(frozen=True)
+class ModuleFact:
+    """One kernel module: `loaded`, `builtin`, `available` (modprobe can load it, after `deps`)
+    or `missing` (`reason` says why: no /lib/modules/<release>, no file, no module support)."""
+
+    state: str
+    deps: tuple[str, ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the planner may know about the host; tests build these by hand."""
+
+    cpus: tuple[int, ...] = (0, 1)
+    memory_bytes: int = 24 * 1024**3
+    numa_nodes: tuple[int, ...] = (0,)
+    kernel: str = "6.1.0"
+    # Sysctls that exist on this kernel, among those the specs ask about.
+    sysctls: frozenset[str] = field(default_factory=frozenset)
+    # Cgroup layout, controllers, swap/IO-weight support and whether PID 1 is systemd.
+    cgroup: CgroupFacts = field(default_factory=CgroupFacts)
+    # Kernel modules the specs ask about, by name with '_' (see ModuleFact).
+    modules: dict[str, ModuleFact] = field(default_factory=dict)
+    # CPUs that have cpufreq, each with its scaling_available_governors; empty: no cpufreq.
+    cpufreq: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    # The firewall backend `network.firewall: auto` means here (nftables or iptables).
+    firewall: str = "nftables"
+    # Extra facts contributed by resource families (cgroup layout, GPUs, firewall, …).
+    extra: dict[str, object] = field(default_factory=dict, compare=False)

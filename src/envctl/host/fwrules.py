@@ -1,0 +1,139 @@
+"""The backend-neutral firewall rule model: the rules of one environment, what a backend
+found in envctl's chains, and what differs. Pure: no backend, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from envctl.spec.naming import env_of_comment, rule_tag
+
+# The chains envctl hooks, one per netfilter hook it needs (nat prerouting/output/postrouting,
+# filter forward). Each backend maps them onto its own table/chains.
+CHAINS = ("prerouting", "output", "postrouting", "forward")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One firewall rule for one environment, in terms both backends can express.
+
+    `name` identifies the rule within its environment and says everything it does, so the
+    comment (`envctl:ENV NAME`) both tags the rule and changes whenever the rule would."""
+
+    env: str
+    name: str
+    chain: str
+    action: str  # masquerade | dnat | drop
+    saddr: str | None = None
+    daddr: str | None = None
+    not_daddr: str | None = None  # a network the destination must not be in
+    iif: str | None = None
+    oif: str | None = None
+    not_oif: str | None = None
+    proto: str | None = None  # tcp | udp
+    dport: int | None = None
+    local_daddr: bool = False  # the destination is an address of this host
+    not_dnat: bool = False  # the connection was not DNATed (so port forwards stay reachable)
+    to_addr: str | None = None
+    to_port: int | None = None
+
+    @property
+    def comment(self) -> str:
+        return f"{rule_tag(self.env)} {self.name}"
+
+
+def env_rules(env: str, *, bridge: str, address: str, nat: bool, isolate: bool,
+              ports: tuple[tuple[str, int, int], ...]) -> list[Rule]:
+    """Every rule environment `env` needs, in order. `ports` are (protocol, host, env) ports."""
+    rules = []
+    if nat:
+        # Traffic from the environment leaving by any interface but its own bridge takes the
+        # host's address; traffic between environments on the bridge keeps its source.
+        rules.append(Rule(env, f"masquerade {address} out of !{bridge}", "postrouting",
+                          "masquerade", saddr=address, not_oif=bridge))
+    for proto, host_port, env_port in ports:
+        to = f"{address}:{env_port}"
+        # From outside: anything addressed to one of this host's addresses on the port.
+        rules.append(Rule(env, f"dnat {proto}/{host_port} -> {to}", "prerouting", "dnat",
+                          proto=proto, dport=host_port, local_daddr=True, to_addr=address,
+                          to_port=env_port))
+        # From the host itself. Loopback is left out: a packet from 127.0.0.1 cannot be routed
+        # to the bridge without route_localnet, which would widen what reaches the host.
+        rules.append(Rule(env, f"dnat local {proto}/{host_port} -> {to}", "output", "dnat",
+                          proto=proto, dport=host_port, local_daddr=True,
+                          not_daddr="127.0.0.0/8", to_addr=address, to_port=env_port))
+    if isolate:
+        # Bridge-port isolation stops frames between isolated ports; these stop the detour
+        # through the host's routing (an environment routing to another via its gateway).
+        rules.append(Rule(env, f"isolate from {address} on {bridge}", "forward", "drop",
+                          iif=bridge, oif=bridge, saddr=address, not_dnat=True))
+        rules.append(Rule(env, f"isolate to {address} on {bridge}", "forward", "drop",
+                          iif=bridge, oif=bridge, daddr=address, not_dnat=True))
+    return rules
+
+
+@dataclass(frozen=True)
+class Row:
+    """One rule found in envctl's chains: where, its comment, and its content as the backend
+    reads it back, normalised (a tuple of parts, each one match or the statement), so that
+    it equals the content of the `Rule` it was made from while nobody edited it."""
+
+    chain: str
+    handle: int | None  # nft: the rule's handle (None: added here, not read back); iptables: None
+    comment: str
+    content: tuple[str, ...]
+
+
+@dataclass
+class Listing:
+    """What a backend found of envctl's table/chains. `base` describes each hook point envctl
+    needs (an nft base chain, an iptables chain or the jump to it) as found; `missing` when
+    it is not there. The adapter's `base()` says what each should be."""
+
+    base: dict[str, str] = field(default_factory=dict)
+    rows: list[Row] = field(default_factory=list)
+
+    def comments(self, env: str) -> list[str]:
+        return [r.comment for r in self.rows if env_of_comment(r.comment) == env]
+
+
+def compare_rules(rows: list[Row], env: str, want: list[tuple[Rule, tuple[str, ...]]]
+                  ) -> tuple[list[Row], list[Rule]]:
+    """`env`'s rows to delete and the rules to add so that `env` has exactly `want` (each
+    rule with its expected content): a row is kept only when chain, comment and content
+    all match a wanted rule (each row matches at most one)."""
+    pending = [r for r in rows if env_of_comment(r.comment) == env]
+    add = []
+    for rule, content in want:
+        found = next((r for r in pending if (r.chain, r.comment, r.content)
+                      == (rule.chain, rule.comment, content)), None)
+        if found is None:
+            add.append(rule)
+        else:
+            pending.remove(found)
+    return pending, add
+
+
+def rule_drift(rows: list[Row], env: str, want: list[tuple[Rule, tuple[str, ...]]]
+               ) -> list[tuple[str, str, str]]:
+    """(field, want, have) for each of `env`'s rules that is missing, extra, or there under
+    its comment with other content (a rule edited by hand): then only the differing parts."""
+    extra, add = compare_rules(rows, env, want)
+    contents = dict(want)
+    out = []
+    for rule in add:
+        edited = next((r for r in extra if r.comment == rule.comment), None)
+        if edited is None:
+            out.append(("rule", rule.comment, "missing"))
+            continue
+        extra.remove(edited)
+        content = contents[rule]
+        gone = [p for p in content if p not in edited.content]
+        new = [p for p in edited.content if p not in content]
+        if rule.chain != edited.chain:
+            gone, new = [f"in {rule.chain}", *gone], [f"in {edited.chain}", *new]
+        if not gone and not new:  # the same parts in another order, or duplicated
+            gone, new = list(content), list(edited.content)
+        out.append((f"rule {rule.comment}", " ".join(gone) or "(nothing)",
+                    " ".join(new) or "(nothing)"))
+    out += [("rule", "absent", r.comment) for r in extra]
+    return out
