@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from envctl.engine.engine import Engine, Outcome, Step
-from envctl.engine.journal import Journal, Ledger
+from envctl.engine.journal import Journal
 from envctl.errors import NeedsRootError, SpecError
 from envctl.host.context import Host
 from envctl.host.files import read_json, write_json
@@ -72,7 +72,6 @@ def status_rows(ws: Workspace | None, host: Host, names: list[str]) -> dict[str,
             except SpecError:
                 resources = None
         out[name] = engine.status(name, resources)
-        annotate_restores(host, name, out[name])
     return out
 
 
@@ -90,27 +89,6 @@ def status_warnings(ws: Workspace | None, host: Host, names: list[str]) -> dict[
             except SpecError:
                 out[name] = []
     return out
-
-
-def annotate_restores(host: Host, env: str, steps: list[Step]) -> None:
-    """Say, on each host setting envctl holds, what it found and will restore at `down`."""
-    ledger = Ledger.open(host.state_dir)
-    for step in steps:
-        item = ledger.get(step.resource.key) if step.resource.shared else None
-        if item is None or env not in item["holders"]:
-            continue
-        memo = item["memo"]
-        restores = getattr(step.resource, "restores", None)
-        if restores is not None:
-            text = restores(memo)
-        elif memo.get("old") is not None:
-            text = f"found {memo['old']}: restored at down"  # a sysctl
-        else:
-            continue
-        others = [h for h in item["holders"] if h != env]
-        if others:
-            text += f" (held with {', '.join(others)}: when the last of them goes)"
-        step.note = "; ".join(x for x in (step.note, text) if x)
 
 
 def cgroup_usage(host: Host, rows: dict[str, list[Step]]) -> dict[str, dict]:

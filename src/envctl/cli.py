@@ -183,8 +183,7 @@ def plan(
         if not targets:
             raise typer.BadParameter("name at least one environment, or use --all")
         for n in targets:
-            steps = engine.diff_down(n)
-            ops.annotate_restores(ws.host, n, steps)  # what each host setting goes back to
+            steps = engine.diff_down(n)  # each removal says what it restores
             out.append({"env": n, "warnings": [], "resolved": {}, "steps": steps})
     else:
         for p in ws.plan_all(ws.select(env_names, all_=all_)):

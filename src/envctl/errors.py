@@ -53,6 +53,14 @@ class HostError(EnvctlError):
     """The host refused an operation: `<action> <kind> '<name>': <operation>: <cause>`."""
 
 
+class ForeignObject(HostError):
+    """Something envctl did not make is where envctl would make its own; it is left alone."""
+
+
+class NamespaceGone(HostError):
+    """The named network namespace does not exist (any more)."""
+
+
 class NeedsRootError(EnvctlError):
     """The command changes the host and was not run as root."""
 

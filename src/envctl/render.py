@@ -11,8 +11,8 @@ if TYPE_CHECKING:
 
     from envctl.engine.engine import Outcome, Step
 
-STYLE = {"+": "green", "~": "yellow", "=": "dim", "-": "red", ".": "dim"}
-WORD = {"+": "create", "~": "change", "=": "keep", "-": "remove", ".": "gone"}
+STYLE = {"+": "green", "~": "yellow", "=": "dim", "-": "red", ".": "dim", "!": "bold red"}
+WORD = {"+": "create", "~": "change", "=": "keep", "-": "remove", ".": "gone", "!": "refuse"}
 
 
 def _step_line(step: Step) -> str:
@@ -50,12 +50,14 @@ def render_plan(console: Console, plans: list[dict[str, Any]], *, down: bool) ->
             console.print("  [dim]nothing recorded for this environment[/]")
         for step in p["steps"]:
             console.print("  " + _step_line(step))
-        counts = {op: sum(1 for s in p["steps"] if s.op == op) for op in "+~=-."}
+        counts = {op: sum(1 for s in p["steps"] if s.op == op) for op in "+~=-.!"}
         if down:
             summary = f"{counts['-']} to remove, {counts['=']} kept for other environments"
         else:
             summary = (f"{counts['+']} to create, {counts['~']} to change, {counts['=']} "
-                       f"unchanged" + (f", {counts['-']} to remove" if counts["-"] else ""))
+                       f"unchanged" + (f", {counts['-']} to remove" if counts["-"] else "")
+                       + (f", {counts['!']} refused: `up` would stop there" if counts["!"]
+                          else ""))
         console.print(f"  [bold]{summary}[/]")
 
 

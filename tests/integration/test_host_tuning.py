@@ -47,13 +47,13 @@ def test_sysctls_already_equal_shared_by_two_envs_restored_exactly(clean):
     sb.envctl("up", "a", check=True)
     sb.envctl("up", "b", check=True)
     steps, _ = steps_by_key(sb, "a")
-    assert "found 0: restored at down" in steps["sysctl:vm.zone_reclaim_mode"]["note"]
+    assert "at down: restored 1 -> 0" in steps["sysctl:vm.zone_reclaim_mode"]["note"]
     assert "held with b" in steps["sysctl:vm.zone_reclaim_mode"]["note"]
-    assert "found 1" in steps["sysctl:net.ipv4.ip_forward"]["note"]
+    assert "at down: left at 1, as found" in steps["sysctl:net.ipv4.ip_forward"]["note"]
     sb.envctl("down", "a", check=True)
     assert sb.sysctl("vm.zone_reclaim_mode") == "1"  # b still holds it
     down_plan = sb.envctl("plan", "--down", "b", check=True).stdout
-    assert "- sysctl vm.zone_reclaim_mode = 1  (found 0: restored at down)" in down_plan
+    assert "- sysctl vm.zone_reclaim_mode = 1  (restored 1 -> 0)" in down_plan
     sb.envctl("down", "b", check=True)
     assert (sb.sysctl("net.ipv4.ip_forward"), sb.sysctl("vm.zone_reclaim_mode"),
             sb.sysctl("net.ipv4.ip_local_port_range")) == ("1", "0", "32768\t60999")
@@ -102,7 +102,8 @@ def test_governor_per_cpu_saved_shared_and_restored(clean, cpufreq):
     assert cpufreq.governors() == {c: "performance" for c in range(4)}
     sb.envctl("up", "b", env=env, check=True)
     steps, _ = steps_by_key(sb, "a", extra=env)
-    assert "restores schedutil at down" in steps["governor:cpu1"]["note"]
+    assert "at down: restored performance -> schedutil (held with b" in \
+        steps["governor:cpu1"]["note"]
     sb.envctl("down", "a", env=env, check=True)
     assert cpufreq.governors() == {c: "performance" for c in range(4)}  # b holds them
     sb.envctl("down", "b", env=env, check=True)

@@ -83,3 +83,16 @@ class BatchThing(Thing):
                 WORLD.pop(res.name, None)
                 out.append(None)
         return out
+
+
+@dataclass(frozen=True)
+class OwnThing(Thing):
+    """Does not adopt: refuses when something of the same name is already there."""
+
+    kind = "fake-own"
+
+    def refuses(self, memo: dict[str, Any]) -> str:
+        return "exists and was not made by envctl" if memo.get("old") is not None else ""
+
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        return f"restored {WORLD.get(self.name)} -> {memo['old']}" if memo.get("old") else ""

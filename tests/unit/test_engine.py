@@ -285,3 +285,39 @@ def test_down_many_a_batch_that_fails_whole_keeps_every_item(engine, monkeypatch
     assert fakes.WORLD == {"v1": "on", "v2": "on"}
     assert [e.key for e in Journal.open(engine.host.state_dir, "one").entries] == [
         "fake-batch:v1"]
+
+
+# ---------------------------------------------------------------- what envctl did not make
+
+
+def test_a_kind_that_does_not_adopt_refuses_before_journalling(engine):
+    from envctl.engine.engine import REFUSE
+    from tests.unit.fakes import OwnThing
+
+    fakes.WORLD["o"] = "somebody's"
+    plan = [Thing("a"), OwnThing("o"), Thing("c")]
+    steps = engine.diff("env", plan)
+    assert [s.op for s in steps] == ["+", REFUSE, "+"]
+    assert steps[1].note == "exists and was not made by envctl"
+    with pytest.raises(StepFailed, match="fake-own o: exists and was not made by envctl"):
+        engine.up("env", plan)
+    # The step before it rolled back; the foreign object was never touched.
+    assert fakes.WORLD == {"o": "somebody's"}
+    assert fakes.LOG == ["apply a", "remove a"]
+    assert not Journal.open(engine.host.state_dir, "env").exists()
+
+
+def test_down_says_what_each_removal_restores(engine):
+    from tests.unit.fakes import OwnThing
+
+    res = OwnThing("x")
+    engine.up("env", [res])
+    # As if envctl had found "orig" there and changed it (a kind that adopts would record so).
+    journal = Journal.open(engine.host.state_dir, "env")
+    journal.entries[0].memo["old"] = "orig"
+    journal.save()
+    fakes.WORLD["x"] = "changed"
+    assert [s.note for s in engine.diff_down("env")] == ["restored changed -> orig"]
+    assert "at down: restored changed -> orig" in engine.status("env", [res])[0].note
+    out = engine.down("env")
+    assert [(s.op, s.note) for s in out.steps] == [("-", "restored changed -> orig")]

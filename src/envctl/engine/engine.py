@@ -11,12 +11,13 @@ from typing import Any
 from envctl.engine.faults import maybe_fault
 from envctl.engine.journal import Entry, Journal, Ledger
 from envctl.engine.lock import global_lock
-from envctl.errors import EnvctlError, HostError, StepFailed
+from envctl.errors import EnvctlError, ForeignObject, HostError, StepFailed
 from envctl.host.context import Host
 from envctl.resources.base import Check, Resource, Status
 
-# One-character operations, as in `terraform plan` and the issue: create, change, keep, remove.
-CREATE, CHANGE, KEEP, REMOVE, GONE = "+", "~", "=", "-", "."
+# One-character operations, as in `terraform plan`: create, change, keep, remove, already gone,
+# and refuse (an object envctl did not make is in the way; `up` stops there).
+CREATE, CHANGE, KEEP, REMOVE, GONE, REFUSE = "+", "~", "=", "-", ".", "!"
 OP_FOR_STATUS = {Status.ABSENT: CREATE, Status.DRIFTED: CHANGE, Status.PRESENT: KEEP,
                  Status.WRONG_KIND: CHANGE}
 
@@ -76,7 +77,8 @@ class Engine:
     def diff(self, env: str, resources: Sequence[Resource]) -> list[Step]:
         """What `up` would do: one step per planned resource, then removals of stale ones."""
         journal = Journal.open(self.host.state_dir, env)
-        steps = [self._planned_step(r) for r in resources]
+        ledger = Ledger.open(self.host.state_dir)
+        steps = [self._planned_step(r, journal, ledger) for r in resources]
         wanted = {r.key for r in resources}
         for entry in reversed(journal.entries):
             if entry.key not in wanted:
@@ -84,8 +86,18 @@ class Engine:
                                   "no longer in the spec"))
         return steps
 
-    def _planned_step(self, res: Resource) -> Step:
+    def _planned_step(self, res: Resource, journal: Journal, ledger: Ledger) -> Step:
         check = _safe_check(res, self.host)
+        known = ledger.get(res.key) if res.shared else journal.get(res.key)
+        if known is None and check.status is not Status.ABSENT:
+            # Something is there that no journal or ledger says envctl made: will `up` take it?
+            try:
+                why = res.refuses(res.snapshot(self.host))
+            except HostError as exc:
+                why = ""
+                check = Check(Status.DRIFTED, detail=f"cannot check: {exc}")
+            if why:
+                return Step(REFUSE, res, check, why)
         return Step(OP_FOR_STATUS[check.status], res, check)
 
     def diff_down(self, env: str) -> list[Step]:
@@ -101,7 +113,8 @@ class Engine:
             elif check.status is Status.ABSENT:
                 steps.append(Step(GONE, res, check, "already gone"))
             else:
-                steps.append(Step(REMOVE, res, check))
+                steps.append(Step(REMOVE, res, check,
+                                  self._undo_note(res, _memo(key, res, journal, ledger))))
         return steps
 
     def status(self, env: str, resources: Sequence[Resource] | None) -> list[Step]:
@@ -109,11 +122,18 @@ class Engine:
         journal = Journal.open(self.host.state_dir, env)
         steps: list[Step] = []
         seen = set()
+        ledger = Ledger.open(self.host.state_dir)
         for entry in journal.entries:
             res = entry.load()
-            note = "" if entry.status == "applied" else "interrupted while applying"
+            notes = [] if entry.status == "applied" else ["interrupted while applying"]
             check = _safe_check(res, self.host)
-            steps.append(Step(OP_FOR_STATUS[check.status], res, check, note))
+            undo = self._undo_note(res, _memo(entry.key, res, journal, ledger))
+            if undo:
+                others = [h for h in ledger.holders(entry.key) if h != env]
+                notes.append(f"at down: {undo}" + (
+                    f" (held with {', '.join(others)}: when the last of them goes)"
+                    if others else ""))
+            steps.append(Step(OP_FOR_STATUS[check.status], res, check, "; ".join(notes)))
             seen.add(entry.key)
         for res in resources or ():
             if res.key not in seen:
@@ -199,10 +219,18 @@ class Engine:
         return Step(op, res, check, "adopted" if check.ok else "")
 
     def _take_memo(self, env: str, res: Resource, ledger: Ledger) -> dict[str, Any]:
+        item = ledger.get(res.key) if res.shared else None
+        if item is not None:
+            memo = item["memo"]
+        else:
+            memo = res.snapshot(self.host)
+            why = res.refuses(memo)
+            if why:
+                # Before anything is journalled: this step owns nothing, so nothing of it is
+                # ever removed; the steps before it roll back as for any failure.
+                raise ForeignObject(f"{res.describe()}: {why}")
         if not res.shared:
-            return res.snapshot(self.host)
-        item = ledger.get(res.key)
-        memo = item["memo"] if item else res.snapshot(self.host)
+            return memo
         # Ledger first, journal second: a crash in between leaves a holding that `down`
         # still finds (it releases every ledger holding of the environment).
         return ledger.hold(res.key, env, res, memo)
@@ -265,13 +293,14 @@ class Engine:
         index, (key, res) = run.pos, run.head
         run.pos += 1
         others = [h for h in ledger.holders(key) if h != run.env]
+        note = f"still used by {', '.join(others)}" if others else self._undo_note(
+            res, _memo(key, res, run.journal, ledger))
         try:
             self._release(run.env, key, res, run.journal, ledger, index=index)
         except (EnvctlError, OSError) as exc:
             run.outcome.errors.append(f"remove {res.describe()}: {exc}")
             return
-        self._removed(run, Step(KEEP if others else REMOVE, res, Check.absent(),
-                                f"still used by {', '.join(others)}" if others else ""))
+        self._removed(run, Step(KEEP if others else REMOVE, res, Check.absent(), note))
 
     def _down_batch(self, kind: type[Resource], group: list[_Teardown]) -> None:
         """The head step of every run in `group` (one kind, never shared), removed at once."""
@@ -305,6 +334,15 @@ class Engine:
     def _removed(self, run: _Teardown, step: Step) -> None:
         run.outcome.steps.append(step)
         self.progress("done", step)
+
+    def _undo_note(self, res: Resource, memo: dict[str, Any] | None) -> str:
+        """What removing `res` will do (Resource.undo_note); "" when unknown."""
+        if memo is None:
+            return ""
+        try:
+            return res.undo_note(self.host, memo)
+        except (EnvctlError, OSError):
+            return ""
 
     def _teardown_order(self, env: str, journal: Journal,
                         ledger: Ledger) -> list[tuple[str, Resource]]:
@@ -349,6 +387,15 @@ class _Teardown:
     @property
     def head(self) -> tuple[str, Resource]:
         return self.items[self.pos]
+
+
+def _memo(key: str, res: Resource, journal: Journal, ledger: Ledger) -> dict[str, Any] | None:
+    """The memo `remove` gets for step `key`: the ledger's for a shared resource."""
+    if res.shared:
+        item = ledger.get(key)
+        return None if item is None else item["memo"]
+    entry = journal.get(key)
+    return None if entry is None else entry.memo
 
 
 def _batched(res: Resource) -> bool:

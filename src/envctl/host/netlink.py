@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from envctl.errors import HostError
+from envctl.errors import HostError, NamespaceGone
 from envctl.host.libc import libc as _libc
 
 IFF_UP = 0x1
@@ -61,10 +61,6 @@ _DUMP_TRIES = 5
 # Link groups delete_links may tag its links with: far above any a person numbers by hand
 # (/etc/iproute2/group names 0 "default"), below the sign bit of a u32 read as int.
 GROUP_MIN, GROUP_MAX = 1 << 20, 1 << 31
-
-
-class NamespaceGone(HostError):
-    """The named network namespace does not exist (any more)."""
 
 
 @dataclass(frozen=True)

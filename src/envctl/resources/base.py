@@ -81,7 +81,9 @@ class Resource:
       (a sysctl's old value, whether an object existed before); the engine journals it
       *before* `apply` runs, so a crash between the change and its record loses nothing.
     - `apply(host, memo)` makes it so and is a no-op when already so.
-    - `remove(host, memo)` undoes it; success when it is already gone.
+    - `remove(host, memo)` undoes it; success when it is already gone. It undoes only what
+      envctl did: an object that existed before (memo) is never deleted, only given back the
+      attributes envctl changed.
     """
 
     kind: ClassVar[str] = ""
@@ -91,6 +93,11 @@ class Resource:
     # `down` of several environments gathers the steps of a kind that sets this and removes
     # them together through `remove_many` (see Engine.down_many).
     batch_remove: ClassVar[bool] = False
+    # The object lives in the kernel (or on tmpfs) and is gone after a reboot: journal entries
+    # and ledger memos of such kinds from another boot are dropped without `remove`, and `up`
+    # snapshots afresh (see engine.journal). False for what survives a reboot (a directory on
+    # disk), which `down` still removes from an old boot's journal.
+    volatile: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -116,6 +123,20 @@ class Resource:
 
     def snapshot(self, host: Host) -> dict[str, Any]:
         return {}
+
+    def refuses(self, memo: dict[str, Any]) -> str:
+        """Why envctl will not take over the object its snapshot `memo` describes ("" when it
+        will): an object envctl did not make sits where this one goes, and this kind does not
+        adopt (a cgroup, a veth). The engine refuses the step before journalling it, so
+        nothing of it is ever removed; `plan` shows it as `!`. Kinds that adopt (a namespace,
+        a bridge) record `existed` instead and undo only their own changes."""
+        return ""
+
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        """Read-only: what `remove` with `memo` will do to the host now, for `down`, `plan
+        --down` and `status` ("1 -> 0", "kept: it existed before envctl"); "" when it simply
+        goes."""
+        return ""
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         raise NotImplementedError

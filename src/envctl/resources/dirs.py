@@ -20,6 +20,7 @@ class Directory(Resource):
     """A directory at `base`/`path` ("state" or "run" base), created with `mode`."""
 
     kind = "dir"
+    volatile = False  # on disk: an old boot's journal still names what `down` must remove
     base: str
     path: str
     mode: int = 0o755

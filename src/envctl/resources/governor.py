@@ -59,6 +59,8 @@ class CpuGovernor(Resource):
             return  # already the governor we found (or cpufreq went away)
         host.cpufreq.set_governor(self.cpu, old)
 
-    def restores(self, memo: dict[str, Any]) -> str:
-        old = memo.get("old")
-        return f"restores {old} at down" if old else "nothing to restore"
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        old, have = memo.get("old"), host.cpufreq.governor(self.cpu)
+        if old is None or have is None:
+            return ""
+        return f"restored {have} -> {old}" if have != old else f"left at {old}, as found"

@@ -65,11 +65,13 @@ class KernelModule(Resource):
             return
         host.kmod.unload(self.name)
 
-    def restores(self, memo: dict[str, Any]) -> str:
-        """What `remove` will do, for `status`."""
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
         state = memo.get("state", ABSENT)
         if state == LOADED:
-            return "was loaded before envctl: stays loaded"
+            return "stays loaded: it was loaded before envctl"
         if state == BUILTIN:
             return "built into the kernel: nothing to undo"
-        return "loaded by envctl: unloaded at down unless something uses it"
+        usage = host.kmod.usage(self.name)
+        if usage is None:
+            return ""
+        return "stays loaded: in use" if usage.in_use else "unloaded: envctl loaded it"

@@ -45,6 +45,12 @@ class Sysctl(Resource):
             return  # already so
         host.sysctl.write(self.name, self.value)
 
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        old, have = memo.get("old"), host.sysctl.read(self.name)
+        if old is None or have is None:
+            return ""
+        return f"restored {have} -> {old}" if have != old else f"left at {old}, as found"
+
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
         old = memo.get("old")
         if old is None:

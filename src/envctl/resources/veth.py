@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from envctl.errors import HostError
-from envctl.host.netlink import NamespaceGone
+from envctl.errors import HostError, NamespaceGone
 from envctl.resources.base import Check, Resource, Status
 
 if TYPE_CHECKING:
