@@ -210,7 +210,7 @@ def test_modules_loaded_by_envctl_are_unloaded_the_hosts_stay(clean, kmod):
     assert kmod.log() == ["modprobe nvidia", "modprobe nvidia_uvm uvm_x=1"]
     steps, _ = steps_by_key(sb, "a", extra=env)
     assert "stays loaded" in steps["kmod:bridge"]["note"]
-    assert "unloaded at down" in steps["kmod:nvidia_uvm"]["note"]
+    assert "at down: unloaded: envctl loaded it" in steps["kmod:nvidia_uvm"]["note"]
     sb.envctl("down", "a", env=env, check=True)
     assert kmod.loaded() == ["bridge"]
     assert kmod.log()[2:] == ["rmmod nvidia_uvm", "rmmod nvidia"]
