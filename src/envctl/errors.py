@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 
@@ -61,6 +62,22 @@ class NamespaceGone(HostError):
     """The named network namespace does not exist (any more)."""
 
 
+class StateCorrupt(EnvctlError):
+    """A journal or the ledger cannot be read; nothing is written over it."""
+
+    def __init__(self, path: object, why: str):
+        self.path = path
+        self.why = why
+        name = getattr(path, "name", str(path)).split(".", 1)[0]
+        if name == "shared":
+            hint = ("take the environments down with `envctl down --force NAME…` (or --all): "
+                    "the host settings it recorded cannot all be restored")
+        else:
+            hint = (f"`envctl down --force {name}` removes what can still be found of it, by "
+                    "its journal and by name")
+        super().__init__(f"state file {path} is damaged: {why}. It is left as it is; {hint}")
+
+
 class NeedsRootError(EnvctlError):
     """The command changes the host and was not run as root."""
 
@@ -78,9 +95,22 @@ class StepFailed(EnvctlError):
         self.cause = cause
         self.rolled_back = rolled_back
         self.rollback_errors = rollback_errors
-        msg = f"step '{step}' failed: {cause}"
+        msg = f"step '{step}' {self._what(cause)}"
         if rolled_back:
             msg += f"; rolled back {len(rolled_back)} step(s) this run applied"
         if rollback_errors:
             msg += "; rollback left: " + "; ".join(rollback_errors)
         super().__init__(msg)
+
+    def _what(self, cause: BaseException) -> str:
+        return f"failed: {cause}"
+
+
+class StepInterrupted(StepFailed):
+    """envctl was asked to stop (Ctrl-C, SIGTERM) during a step; it rolled back as on failure.
+    Exit status 128 + the signal, as a shell reports a process the signal ended."""
+
+    def _what(self, cause: BaseException) -> str:
+        signum = getattr(cause, "signum", 2)  # a plain KeyboardInterrupt is Ctrl-C
+        self.exit_code = 128 + signum
+        return f"interrupted ({signal.Signals(signum).name})"

@@ -96,3 +96,11 @@ class OwnThing(Thing):
 
     def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
         return f"restored {WORLD.get(self.name)} -> {memo['old']}" if memo.get("old") else ""
+
+
+@dataclass(frozen=True)
+class DiskThing(Thing):
+    """Survives a reboot (as a directory on disk does)."""
+
+    kind = "fake-disk"
+    volatile = False

@@ -71,3 +71,27 @@ def test_empty_state_dir_is_removed_after_an_error_too(tmp_path):
     with pytest.raises(RuntimeError), global_lock(state):
         raise RuntimeError("step failed, everything rolled back")
     assert not state.exists()
+
+
+def test_a_state_directory_tidied_away_under_a_starting_envctl_is_made_again(tmp_path,
+                                                                             monkeypatch):
+    """The holder before us removes the empty state directory between our mkdir and our open
+    of the lock file: retry, never crash with ENOENT."""
+    import os
+
+    from envctl.engine import lock
+
+    state = tmp_path / "state"
+    real_open = os.open
+    raced = []
+
+    def racing_open(path, flags, mode=0o777):
+        if not raced and str(path).endswith("/lock"):
+            raced.append(path)
+            os.rmdir(state)  # empty: as the previous holder's _tidy leaves it
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(lock.os, "open", racing_open)
+    with global_lock(state):
+        assert (state / "lock").exists()
+    assert raced

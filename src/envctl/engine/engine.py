@@ -11,7 +11,8 @@ from typing import Any
 from envctl.engine.faults import maybe_fault
 from envctl.engine.journal import Entry, Journal, Ledger
 from envctl.engine.lock import global_lock
-from envctl.errors import EnvctlError, ForeignObject, HostError, StepFailed
+from envctl.engine.signals import deferred
+from envctl.errors import EnvctlError, ForeignObject, HostError, StepFailed, StepInterrupted
 from envctl.host.context import Host
 from envctl.resources.base import Check, Resource, Status
 
@@ -76,8 +77,8 @@ class Engine:
 
     def diff(self, env: str, resources: Sequence[Resource]) -> list[Step]:
         """What `up` would do: one step per planned resource, then removals of stale ones."""
-        journal = Journal.open(self.host.state_dir, env)
-        ledger = Ledger.open(self.host.state_dir)
+        journal = self.journal(env)
+        ledger = self.ledger()
         steps = [self._planned_step(r, journal, ledger) for r in resources]
         wanted = {r.key for r in resources}
         for entry in reversed(journal.entries):
@@ -102,8 +103,8 @@ class Engine:
 
     def diff_down(self, env: str) -> list[Step]:
         """What `down` would do: the journal in reverse, shared resources other envs keep noted."""
-        journal = Journal.open(self.host.state_dir, env)
-        ledger = Ledger.open(self.host.state_dir)
+        journal = self.journal(env)
+        ledger = self.ledger()
         steps = []
         for key, res in self._teardown_order(env, journal, ledger):
             check = _safe_check(res, self.host)
@@ -119,10 +120,10 @@ class Engine:
 
     def status(self, env: str, resources: Sequence[Resource] | None) -> list[Step]:
         """Each resource envctl made (journal) or would make (plan): ok, missing or drifted."""
-        journal = Journal.open(self.host.state_dir, env)
+        journal = self.journal(env)
         steps: list[Step] = []
         seen = set()
-        ledger = Ledger.open(self.host.state_dir)
+        ledger = self.ledger()
         for entry in journal.entries:
             res = entry.load()
             notes = [] if entry.status == "applied" else ["interrupted while applying"]
@@ -142,47 +143,68 @@ class Engine:
 
     # ------------------------------------------------------------------ up
 
-    def up(self, env: str, resources: Sequence[Resource], *, locked: bool = False) -> Outcome:
-        """Make the host match `resources`; on failure undo what this run applied and raise."""
+    def up(self, env: str, resources: Sequence[Resource], *, locked: bool = False,
+           claims: dict[str, Any] | None = None) -> Outcome:
+        """Make the host match `resources`; on failure undo what this run applied and raise.
+        `claims` (address, ports, CPUs, … the environment holds exclusively) are recorded in
+        its journal, so that no other spec can take them while it is up."""
         with nullcontext() if locked else self.locked():
-            return self._up(env, resources)
+            return self._up(env, resources, claims)
 
-    def _up(self, env: str, resources: Sequence[Resource]) -> Outcome:
-        journal = Journal.open(self.host.state_dir, env)
-        ledger = Ledger.open(self.host.state_dir)
+    def _up(self, env: str, resources: Sequence[Resource],
+            claims: dict[str, Any] | None) -> Outcome:
+        journal = self.journal(env)
+        ledger = self.ledger()
         outcome = Outcome(env)
         wanted = {r.key for r in resources}
-
-        # Resources the spec no longer asks for go first, newest first.
-        for entry in reversed(list(journal.entries)):
-            if entry.key not in wanted:
-                res = entry.load()
-                self._release(env, entry.key, res, journal, ledger, index=-1)
-                outcome.steps.append(Step(REMOVE, res, Check.absent(), "no longer in the spec"))
-
         applied: list[tuple[str, Resource]] = []  # new this run: what rollback takes back
-        for index, res in enumerate(resources):
-            try:
+        step_name = "record the environment's claims"
+        try:
+            if claims is not None:
+                journal.set_claims(claims)
+            # Resources the spec no longer asks for go first, newest first.
+            for entry in reversed(list(journal.entries)):
+                if entry.key not in wanted:
+                    res = entry.load()
+                    step_name = f"remove {res.describe()} (no longer in the spec)"
+                    self._release(env, entry.key, res, journal, ledger, index=-1)
+                    outcome.steps.append(Step(REMOVE, res, Check.absent(),
+                                              "no longer in the spec"))
+            for index, res in enumerate(resources):
+                step_name = res.describe()
                 step = self._converge(env, index, res, journal, ledger, applied)
-            except Exception as exc:
-                # Roll back on any error, a bug in a resource included; only the expected
-                # ones become a one-line StepFailed, the rest keep their traceback.
+                outcome.steps.append(step)
+                self.progress("done", step)
+        except BaseException as exc:
+            # Roll back on any error, a bug in a resource and Ctrl-C / SIGTERM included, with
+            # further signals held until the journal is saved. Only expected errors become a
+            # one-line StepFailed; a bug keeps its traceback.
+            with deferred():
                 rolled, errors = self._rollback(env, applied, journal, ledger)
-                journal.save(durable=True)
-                ledger.save(durable=True)
-                if not isinstance(exc, EnvctlError | OSError):
-                    raise
-                raise StepFailed(res.describe(), exc, rolled_back=rolled,
-                                 rollback_errors=errors) from exc
-            outcome.steps.append(step)
-            self.progress("done", step)
+                errors += [msg for _, msg in _save(journal, ledger)]
+            if isinstance(exc, KeyboardInterrupt):
+                raise StepInterrupted(step_name, exc, rolled_back=rolled,
+                                      rollback_errors=errors) from None
+            if not isinstance(exc, EnvctlError | OSError):
+                raise
+            raise StepFailed(step_name, exc, rolled_back=rolled,
+                             rollback_errors=errors) from exc
 
         # Keep the journal in plan order so teardown is the plan reversed.
         order = {r.key: i for i, r in enumerate(resources)}
         journal.entries.sort(key=lambda e: order.get(e.key, -1))
-        journal.save(durable=True)
-        ledger.save(durable=True)
+        with deferred():
+            problems = _save(journal, ledger)
+        if problems:
+            raise HostError("; ".join(msg for _, msg in problems))
         return outcome
+
+    def journal(self, env: str) -> Journal:
+        """`env`'s journal as of this boot (entries from before a reboot dropped)."""
+        return Journal.open(self.host.state_dir, env, boot=self.host.boot_id)
+
+    def ledger(self) -> Ledger:
+        return Ledger.open(self.host.state_dir, boot=self.host.boot_id)
 
     def _converge(self, env: str, index: int, res: Resource, journal: Journal, ledger: Ledger,
                   applied: list[tuple[str, Resource]]) -> Step:
@@ -195,15 +217,14 @@ class Engine:
             return Step(KEEP, res, check)
         if entry is None:
             memo = self._take_memo(env, res, ledger)
-            entry = Entry(res.key, wanted, memo, "applying", res.shared)
+            entry = Entry(res.key, wanted, memo, "applying", res.shared, self.host.boot_id)
             journal.put(entry)
             applied.append((res.key, res))
         else:
             # Known from an earlier run: keep its memo (the host as it was before envctl).
             # Only new parameters need to be on record before the host changes.
-            changed = entry.resource != wanted
-            entry.resource = wanted
-            entry.status = "applying"
+            changed = entry.resource != wanted or entry.boot != self.host.boot_id
+            entry.resource, entry.status, entry.boot = wanted, "applying", self.host.boot_id
             if changed:
                 journal.put(entry)
         maybe_fault("apply", res.key, index)
@@ -233,7 +254,7 @@ class Engine:
             return memo
         # Ledger first, journal second: a crash in between leaves a holding that `down`
         # still finds (it releases every ledger holding of the environment).
-        return ledger.hold(res.key, env, res, memo)
+        return ledger.hold(res.key, env, res, memo, boot=self.host.boot_id)
 
     def _rollback(self, env: str, applied: list[tuple[str, Resource]], journal: Journal,
                   ledger: Ledger) -> tuple[list[str], list[str]]:
@@ -266,10 +287,10 @@ class Engine:
         Each removal is logged as it happens; the journals and the ledger are folded once, at
         the end (see engine.journal)."""
         with nullcontext() if locked else self.locked():
-            ledger = Ledger.open(self.host.state_dir)
+            ledger = self.ledger()
             runs = []
             for env in dict.fromkeys(envs):
-                journal = Journal.open(self.host.state_dir, env)
+                journal = self.journal(env)
                 runs.append(_Teardown(env, journal, Outcome(env),
                                       self._teardown_order(env, journal, ledger)))
             try:
@@ -284,9 +305,12 @@ class Engine:
                     for kind, group in waiting.items():
                         self._down_batch(kind, group)
             finally:
-                for run in runs:
-                    run.journal.save(durable=True)
-                ledger.save(durable=True)
+                with deferred():
+                    problems = _save(*(run.journal for run in runs), ledger)
+                for store, problem in problems:
+                    for run in runs:  # the ledger's concerns them all
+                        if store in (run.journal, ledger):
+                            run.outcome.errors.append(problem)
             return [run.outcome for run in runs]
 
     def _down_step(self, run: _Teardown, ledger: Ledger) -> None:
@@ -387,6 +411,19 @@ class _Teardown:
     @property
     def head(self) -> tuple[str, Resource]:
         return self.items[self.pos]
+
+
+def _save(*stores: Journal | Ledger) -> list[tuple[Journal | Ledger, str]]:
+    """Fold each journal and the ledger; what could not be saved (a full disk), one line each.
+    Every store is tried: the records of one that fails stay in its log, which the next run
+    reads, so the state on disk still covers everything on the host."""
+    problems = []
+    for store in stores:
+        try:
+            store.save(durable=True)
+        except HostError as exc:
+            problems.append((store, str(exc)))
+    return problems
 
 
 def _memo(key: str, res: Resource, journal: Journal, ledger: Ledger) -> dict[str, Any] | None:

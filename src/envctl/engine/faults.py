@@ -3,8 +3,11 @@
 Syntax: comma-separated `ACTION@POINT:PATTERN` where
   ACTION  fail | kill | sleep<SECONDS>
   POINT   before (nothing journalled yet), apply (journalled, host not yet changed),
-          after (host changed, not yet journalled as applied), remove (before a removal)
-  PATTERN a glob on the step key (`sysctl:net.*`, `netns:*`) or `#N`, the step's index.
+          after (host changed, not yet journalled as applied), remove (before a removal),
+          fold (after the N-th file operation of folding a journal or the ledger)
+  PATTERN a glob on the step key (`sysctl:net.*`, `netns:*`; for fold the file name,
+          `alpha.json`, `shared.json`), `#N` (the step's index, the fold's operation), or
+          both: `alpha.json#2`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 
 from envctl.errors import HostError
 
-POINTS = ("before", "apply", "after", "remove")
+POINTS = ("before", "apply", "after", "remove", "fold")
 
 
 class InjectedFault(HostError):
@@ -42,7 +45,10 @@ def maybe_fault(point: str, key: str, index: int) -> None:
     for action, p, pattern in _rules():
         if p != point:
             continue
-        if not (pattern == f"#{index}" or fnmatch.fnmatchcase(key, pattern)):
+        glob, _, number = pattern.partition("#")
+        if number and number != str(index):
+            continue
+        if glob and not fnmatch.fnmatchcase(key, glob):
             continue
         if action == "fail":
             raise InjectedFault(f"injected fault {action}@{point} at '{key}'")

@@ -16,7 +16,15 @@ from envctl.errors import LockTimeout
 def _acquire(path: Path, deadline: float, on_wait: Callable[[str], None] | None) -> int:
     warned = False
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            # The holder before us removed the (empty) state directory while we got here:
+            # make it again and retry.
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if time.monotonic() >= deadline:
+                raise LockTimeout(f"lock {path}: its directory keeps disappearing") from None
+            continue
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

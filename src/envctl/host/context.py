@@ -41,6 +41,14 @@ class Host:
             rmmod=environ.get("ENVCTL_RMMOD", "rmmod"),
         )
 
+    @cached_property
+    def boot_id(self) -> str:
+        """This boot's id, which journals record ("" when the kernel does not say)."""
+        try:
+            return (self.proc / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
+        except OSError:
+            return ""
+
     def base(self, name: str) -> Path:
         """A named base directory that resources refer to instead of absolute paths."""
         return {"state": self.state_dir, "run": self.run_dir}[name]

@@ -1,18 +1,34 @@
-"""Crash-safe file writes for state: write a temporary file, rename it over the target.
+"""Crash-safe file writes for state: whole writes, and a temporary file renamed over the target.
 
 Renaming makes a write atomic against a crash of *this process* (kill -9, an exception): a
 reader sees the old file or the new one. Surviving a crash of the *machine* also needs fsync,
 which costs a millisecond or more per call; the engine asks for it once per run rather than
 per step, because the kernel objects its journal describes (namespaces, links, sysctls, nft
 rules, cgroups) do not survive a machine crash either.
+
+A full disk makes write(2) write less than asked (then fail with ENOSPC): every write here goes
+on until all of it is written or raises, and a temporary file that could not be written whole
+is deleted, never renamed over the good one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """write(2) until every byte of `data` is written; OSError (ENOSPC, EIO, …) otherwise."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:  # a regular file never does this; a broken device might
+            raise OSError(errno.EIO, "write wrote nothing")
+        view = view[n:]
 
 
 def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
@@ -22,21 +38,26 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = 
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
-        os.write(fd, data)
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            write_all(fd, data)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     if durable:
         sync_dir(path.parent)
 
 
 def sync_dir(path: Path) -> None:
     """fsync a directory, making renames and unlinks in it durable."""
-    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dfd)
     finally:
@@ -49,7 +70,8 @@ def write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
 
 
 def read_json(path: Path) -> Any | None:
+    """The parsed file, or None when it does not exist; ValueError when it is not JSON."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
