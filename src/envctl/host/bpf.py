@@ -14,8 +14,17 @@ from pathlib import Path
 from envctl.errors import HostError
 from envctl.host.libc import libc as _libc
 
-SYS_BPF = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351}.get(platform.machine(),
-                                                                         321)
+# bpf(2)'s number by `uname -m`, with the word size of the ABI it is for, as the kernel's
+# syscall tables have them (arch/*/syscall*.tbl; asm-generic/unistd.h for aarch64, riscv64 and
+# loongarch64). A 32-bit process on a 64-bit kernel (or x32) calls through another table: not
+# known either. A guessed number would be some other syscall with a pointer in its arguments.
+SYS_BPF = {
+    "x86_64": (321, 64), "i686": (357, 32), "i386": (357, 32),
+    "aarch64": (280, 64), "armv7l": (386, 32), "armv8l": (386, 32),
+    "ppc64le": (361, 64), "ppc64": (361, 64), "s390x": (351, 64),
+    "riscv64": (280, 64), "loongarch64": (280, 64),
+}
+_WORD_BITS = struct.calcsize("P") * 8
 # bpf(2) commands
 BPF_PROG_LOAD, BPF_PROG_ATTACH, BPF_PROG_DETACH = 5, 8, 9
 BPF_PROG_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD, BPF_PROG_QUERY = 13, 15, 16
@@ -25,6 +34,8 @@ BPF_CGROUP_DEVICE = 6  # attach type
 DEV_BLOCK, DEV_CHAR = 1, 2
 ACC_MKNOD, ACC_READ, ACC_WRITE = 1, 2, 4
 ATTR_SIZE = 128  # zero-filled union bpf_attr; the kernel accepts trailing zeros
+_LOG_SIZE = 1 << 18  # for a failed load's verifier log (ours are a few KiB)
+_LOG_LINES = 6  # of it, in the error: the refusal and the lines that lead to it
 
 
 # ---------------------------------------------------------------- assembling the program
@@ -100,8 +111,20 @@ def program_name(rules: tuple[str, ...]) -> str:
 # ---------------------------------------------------------------- the syscall
 
 
+def syscall_number() -> int:
+    """bpf(2)'s number for this process; OSError(ENOSYS) naming the architecture where envctl
+    does not know it."""
+    machine = platform.machine()
+    nr, bits = SYS_BPF.get(machine, (None, _WORD_BITS))
+    if nr is None or bits != _WORD_BITS:
+        arch = machine if nr is None else f"{machine} (a {_WORD_BITS}-bit process)"
+        raise OSError(errno.ENOSYS, "cgroup v2 device allow-lists need bpf(2); envctl does not "
+                                    f"know its syscall number on {arch}")
+    return nr
+
+
 def _bpf(cmd: int, attr: ctypes.Array) -> int:
-    ret = _libc.syscall(SYS_BPF, cmd, ctypes.byref(attr), ATTR_SIZE)
+    ret = _libc.syscall(syscall_number(), cmd, ctypes.byref(attr), ATTR_SIZE)
     if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
@@ -116,22 +139,40 @@ def _attr(*fields: tuple[int, str, int]) -> ctypes.Array:
 
 
 def load(rules: tuple[str, ...]) -> int:
-    """Load the program for `rules`; returns its fd. The verifier log is in the error."""
+    """Load the program for `rules`; returns its fd. The verifier's last words are in the
+    error.
+
+    Without a log first: a log costs the verifier time, and one that outgrows its buffer fails
+    a load that would pass (ENOSPC). Only a refused load is tried again, once, with a log to
+    say why; the error keeps the first attempt's errno."""
+    syscall_number()  # an unknown architecture fails here, not twice below
     insns = assemble(rules)
     code = ctypes.create_string_buffer(insns, len(insns))
     license_ = ctypes.create_string_buffer(b"GPL")
-    log = ctypes.create_string_buffer(65536)
     name = program_name(rules).encode()
-    attr = _attr((0, "I", BPF_PROG_TYPE_CGROUP_DEVICE), (4, "I", len(insns) // 8),
-                 (8, "Q", ctypes.addressof(code)), (16, "Q", ctypes.addressof(license_)),
-                 (24, "I", 1), (28, "I", len(log)), (32, "Q", ctypes.addressof(log)),
-                 (68, "I", BPF_CGROUP_DEVICE))
-    attr[48:48 + len(name)] = name
-    try:
+
+    def attempt(log: ctypes.Array | None) -> int:
+        attr = _attr((0, "I", BPF_PROG_TYPE_CGROUP_DEVICE), (4, "I", len(insns) // 8),
+                     (8, "Q", ctypes.addressof(code)), (16, "Q", ctypes.addressof(license_)),
+                     (68, "I", BPF_CGROUP_DEVICE))
+        if log is not None:  # log_level 1, log_size, log_buf
+            struct.pack_into("<IIQ", attr, 24, 1, len(log), ctypes.addressof(log))
+        attr[48:48 + len(name)] = name
         return _bpf(BPF_PROG_LOAD, attr)
+
+    try:
+        return attempt(None)
     except OSError as exc:
-        text = log.value.decode(errors="replace").strip()
-        raise OSError(exc.errno, f"{exc.strerror}{': ' + text if text else ''}") from None
+        first = exc
+    log = ctypes.create_string_buffer(_LOG_SIZE)
+    try:
+        return attempt(log)
+    except OSError:
+        pass
+    lines = log.value.decode(errors="replace").strip().splitlines()
+    text = "; ".join(lines[-_LOG_LINES:])
+    raise OSError(first.errno, f"{first.strerror}{': verifier: ' + text if text else ''}") \
+        from None
 
 
 def _open_dir(path: Path, action: str, name: str) -> int:

@@ -8,7 +8,9 @@ few and fixed (a bridge, a veth pair with its peer born in a namespace, master/u
 bridge-port isolation flag, an IPv4 address, the default route, deleting links), so their
 messages are built here by the pure functions below (unit-tested by decoding them with pyroute2).
 Sockets inside a named namespace are made by entering it with setns(2) for the socket() call and
-coming straight back, in this thread.
+coming straight back, in this thread, with signals held meanwhile. Every reply is bounds-checked
+before it is parsed (a malformed one is OSError(EPROTO), never a misparse), and a kernel that
+does not answer within `TIMEOUT` seconds is an error rather than a hang.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from envctl.errors import HostError, NamespaceGone
 from envctl.host.libc import libc as _libc
+from envctl.host.libc import signals_held
 
 IFF_UP = 0x1
 AF_INET = 2
@@ -40,13 +44,16 @@ _IFINFO = struct.Struct("=BxHiII")  # ifinfomsg: family, type, index, flags, cha
 _IFADDR = struct.Struct("=BBBBI")  # ifaddrmsg: family, prefixlen, flags, scope, index
 _RTMSG = struct.Struct("=BBBBBBBBI")  # rtmsg: family, dst_len, src_len, tos, table, ...
 _ATTR = struct.Struct("=HH")  # rtattr: len, type
+_ERR = struct.Struct("=i16x")  # nlmsgerr: error, then the request's nlmsghdr (always there)
+_DONE = struct.Struct("=i")  # NLMSG_DONE: 0, or the errno that ended the dump
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 NLM_F_REQUEST, NLM_F_MULTI, NLM_F_ACK, NLM_F_DUMP_INTR, NLM_F_DUMP = 0x1, 0x2, 0x4, 0x10, 0x300
 NLM_F_REPLACE, NLM_F_EXCL, NLM_F_CREATE = 0x100, 0x200, 0x400
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
 RTM_NEWADDR, RTM_DELADDR, RTM_GETADDR = 20, 21, 22
 RTM_NEWROUTE, RTM_GETROUTE = 24, 26
-IFLA_IFNAME, IFLA_MASTER, IFLA_LINKINFO, IFLA_GROUP, IFLA_NET_NS_FD = 3, 10, 18, 27, 28
+IFLA_ADDRESS, IFLA_IFNAME, IFLA_MASTER, IFLA_LINKINFO, IFLA_GROUP = 1, 3, 10, 18, 27
+IFLA_NET_NS_FD = 28
 IFLA_LINK_NETNSID = 37
 IFLA_INFO_KIND, IFLA_INFO_DATA, IFLA_INFO_SLAVE_KIND, IFLA_INFO_SLAVE_DATA = 1, 2, 4, 5
 VETH_INFO_PEER = 1
@@ -56,8 +63,9 @@ RTA_GATEWAY, RTA_TABLE = 5, 15
 RTPROT_STATIC, RT_SCOPE_UNIVERSE, RTN_UNICAST = 4, 0, 1
 NLA_F_NESTED = 0x8000
 NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
-_RECV = 65536
+_RECV = 65536  # above the 32 KiB the kernel puts in one dump datagram
 _DUMP_TRIES = 5
+TIMEOUT = 30.0  # seconds: far beyond any answer of a live kernel, even under load
 # Link groups delete_links may tag its links with: far above any a person numbers by hand
 # (/etc/iproute2/group names 0 "default"), below the sign bit of a u32 read as int.
 GROUP_MIN, GROUP_MAX = 1 << 20, 1 << 31
@@ -74,9 +82,15 @@ class Link:
     master: int | None
     isolated: bool | None  # the bridge-port isolation flag, None when not a bridge port
     peer_netnsid: int | None  # veth: the netns id its peer lives in, as seen from here
+    address: str | None = None  # the hardware address, "02:ab:cd:ef:01:23"
+
+
+T = TypeVar("T")
 
 
 def _cause(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror  # os.strerror's text, or what envctl said (a malformed reply)
     code = getattr(exc, "code", None) or getattr(exc, "errno", None)
     if isinstance(code, int) and code > 0:
         return os.strerror(code)
@@ -96,35 +110,72 @@ def socket_in(path: Path, proto: int = socket.NETLINK_ROUTE) -> socket.socket:
     """A netlink socket that lives in the network namespace bound at `path`.
 
     A socket stays in the namespace it was made in, so this thread enters the namespace for the
-    socket() call only. FileNotFoundError when there is no such file; OSError(EINVAL) when it
-    is not a network namespace."""
+    socket() call only, with signals held until it is back (see signals_held).
+    FileNotFoundError when there is no such file; OSError(EINVAL) when it is not a network
+    namespace."""
     target = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            _setns(target)
-            try:
-                return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, proto)
-            finally:
+            with signals_held():
+                _setns(target)
                 try:
-                    _setns(home)
-                except OSError as exc:  # pragma: no cover - setns back into our own netns
-                    # Going on in the wrong namespace would change the wrong host: stop here,
-                    # before the engine's rollback acts on it.
-                    sys.stderr.write(f"envctl: cannot return to the host netns: {exc}\n")
-                    os._exit(70)
+                    return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, proto)
+                finally:
+                    try:
+                        _setns(home)
+                    except OSError as exc:  # pragma: no cover - setns back into our own netns
+                        # Going on in the wrong namespace would change the wrong host: stop
+                        # here, before the engine's rollback acts on it.
+                        sys.stderr.write(f"envctl: cannot return to the host netns: {exc}\n")
+                        os._exit(70)
         finally:
             os.close(home)
     finally:
         os.close(target)
 
 
-class Requests:
-    """Request/response on one NETLINK_ROUTE socket, returning raw message bodies."""
+def _malformed(what: str) -> OSError:
+    return OSError(errno.EPROTO, f"malformed netlink reply: {what}")
 
-    def __init__(self, sock: socket.socket):
+
+def split(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """The messages of one datagram as (type, flags, seq, body), every length checked against
+    what was received; OSError(EPROTO) when one does not fit."""
+    out = []
+    off = 0
+    while off < len(data):
+        if len(data) - off < _HDR.size:
+            raise _malformed(f"{len(data) - off} stray bytes after the last message")
+        length, typ, flags, seq, _ = _HDR.unpack_from(data, off)
+        if length < _HDR.size:
+            raise _malformed(f"a message of {length} bytes, shorter than its header")
+        if length > len(data) - off:
+            raise _malformed(f"a message of {length} bytes at offset {off} of a "
+                             f"{len(data)}-byte datagram")
+        out.append((typ, flags, seq, data[off + _HDR.size:off + length]))
+        off += (length + 3) & ~3  # the next starts aligned; the last may go unpadded
+    return out
+
+
+class Requests:
+    """Request/response on one netlink socket, returning raw message bodies.
+
+    `broken` is set when a reply could not be read whole (no answer in time, a truncated or
+    malformed datagram): the rest of it may still come, or a dump still be running on the
+    socket (the kernel refuses a second one with EBUSY), so the socket should not be used
+    again. An error the kernel answers with leaves it in step."""
+
+    def __init__(self, sock: socket.socket, *, timeout: float = TIMEOUT):
         self.sock = sock
+        self.timeout = timeout
+        self.broken = False
         sock.bind((0, 0))
+        # SO_RCVTIMEO rather than settimeout(): the socket stays blocking, and a receive that
+        # waits longer fails with EAGAIN (struct timeval: seconds, microseconds).
+        sec = int(timeout)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        struct.pack("@ll", sec, int((timeout - sec) * 1_000_000)))
         self.seq = 0
 
     def close(self) -> None:
@@ -150,27 +201,46 @@ class Requests:
         bodies: list[bytes] = []
         interrupted = False
         while True:
-            data = self.sock.recv(_RECV)
-            off = 0
-            while off + _HDR.size <= len(data):
-                length, typ, fl, sq, _ = _HDR.unpack_from(data, off)
-                if length < _HDR.size:
-                    raise OSError(errno.EPROTO, "malformed netlink message")
-                body = data[off + _HDR.size:off + length]
-                off += (length + 3) & ~3
+            for typ, fl, sq, body in self._receive():
                 if sq != seq:
                     continue  # a late answer to an earlier request
                 interrupted |= bool(fl & NLM_F_DUMP_INTR)
-                if typ == NLMSG_ERROR:
-                    code = struct.unpack_from("=i", body)[0]
+                if typ in (NLMSG_ERROR, NLMSG_DONE):
+                    code = self._code(typ, body)
                     if code:
                         raise OSError(-code, os.strerror(-code))
-                    return bodies, interrupted
-                if typ == NLMSG_DONE:
                     return bodies, interrupted
                 bodies.append(body)
                 if not fl & NLM_F_MULTI:
                     return bodies, interrupted
+
+    def _receive(self) -> list[tuple[int, int, int, bytes]]:
+        """The messages of the next datagram, read whole and checked."""
+        self.broken = True  # until the datagram is in hand and well formed
+        try:
+            data, _, msg_flags, _ = self.sock.recvmsg(_RECV)
+        except BlockingIOError:  # EAGAIN: SO_RCVTIMEO ran out
+            raise OSError(errno.ETIMEDOUT, f"no answer from the kernel within "
+                                           f"{self.timeout:g} s") from None
+        if msg_flags & socket.MSG_TRUNC:
+            raise OSError(errno.EMSGSIZE, f"netlink reply truncated: a datagram over {_RECV} "
+                                          "bytes")
+        messages = split(data)
+        self.broken = False
+        return messages
+
+    def _code(self, typ: int, body: bytes) -> int:
+        """The errno field of NLMSG_ERROR (0: an ack) or NLMSG_DONE (negative: the dump
+        failed part way), checked."""
+        name, form = ("error message", _ERR) if typ == NLMSG_ERROR else ("done message", _DONE)
+        if len(body) < form.size:
+            self.broken = True
+            raise _malformed(f"{name} of {len(body)} bytes, expected {form.size}")
+        code = form.unpack_from(body)[0]
+        if code > 0:
+            self.broken = True
+            raise _malformed(f"{name} with errno {code}, expected 0 or a negative errno")
+        return code
 
 
 def message(mtype: int, flags: int, payload: bytes, seq: int = 0) -> bytes:
@@ -179,12 +249,17 @@ def message(mtype: int, flags: int, payload: bytes, seq: int = 0) -> bytes:
 
 
 def attrs(buf: bytes, off: int = 0) -> dict[int, bytes]:
-    """The attributes from `off` on, by type (nested ones stay raw bytes)."""
+    """The attributes from `off` on, by type (nested ones stay raw bytes); OSError(EPROTO)
+    when one does not fit the buffer."""
     out = {}
     while off + _ATTR.size <= len(buf):
         length, typ = _ATTR.unpack_from(buf, off)
         if length < _ATTR.size:
-            break
+            raise _malformed(f"attribute type {typ & NLA_TYPE_MASK} of {length} bytes, shorter "
+                             "than its header")
+        if length > len(buf) - off:
+            raise _malformed(f"attribute type {typ & NLA_TYPE_MASK} of {length} bytes runs "
+                             f"past its {len(buf) - off}-byte buffer")
         out[typ & NLA_TYPE_MASK] = buf[off + _ATTR.size:off + length]
         off += (length + 3) & ~3
     return out
@@ -210,56 +285,86 @@ def _u32_attr(typ: int, value: int) -> bytes:
 
 
 def _str(raw: bytes | None) -> str | None:
-    return None if raw is None else raw.split(b"\0", 1)[0].decode()
+    # Linux takes any bytes but "/", ":" and white space in a link name: a foreign one that is
+    # not UTF-8 must not stop a dump (envctl's own names are ASCII).
+    return None if raw is None else raw.split(b"\0", 1)[0].decode(errors="replace")
 
 
-def _u32(raw: bytes | None) -> int | None:
-    return None if raw is None else struct.unpack_from("=I", raw)[0]
+def _int(raw: bytes | None, fmt: str, what: str) -> int | None:
+    """The integer in attribute `raw` (None when absent), its size checked."""
+    if raw is None:
+        return None
+    if len(raw) < struct.calcsize(fmt):
+        raise _malformed(f"{what} of {len(raw)} bytes, expected {struct.calcsize(fmt)}")
+    return struct.unpack_from(fmt, raw)[0]
+
+
+def _u32(raw: bytes | None, what: str) -> int | None:
+    return _int(raw, "=I", what)
+
+
+def _fixed(form: struct.Struct, body: bytes, name: str) -> tuple[Any, ...]:
+    """The fixed header `name` at the start of a message body, its size checked."""
+    if len(body) < form.size:
+        raise _malformed(f"{name} of {len(body)} bytes, expected {form.size}")
+    return form.unpack_from(body)
+
+
+def _mac(raw: bytes) -> str:
+    return ":".join(f"{b:02x}" for b in raw)
 
 
 def parse_link(body: bytes) -> Link:
     """A Link from the body of an RTM_NEWLINK message."""
-    _, _, index, flags, _ = _IFINFO.unpack_from(body)
+    _, _, index, flags, _ = _fixed(_IFINFO, body, "ifinfomsg")
     a = attrs(body, _IFINFO.size)
     info = attrs(a[IFLA_LINKINFO]) if IFLA_LINKINFO in a else {}
     isolated = None
     if _str(info.get(IFLA_INFO_SLAVE_KIND)) == "bridge" and IFLA_INFO_SLAVE_DATA in info:
-        flag = attrs(info[IFLA_INFO_SLAVE_DATA]).get(IFLA_BRPORT_ISOLATED)
-        isolated = None if flag is None else bool(flag[0])
-    netnsid = a.get(IFLA_LINK_NETNSID)
+        flag = _int(attrs(info[IFLA_INFO_SLAVE_DATA]).get(IFLA_BRPORT_ISOLATED), "=B",
+                    "bridge port isolation flag")
+        isolated = None if flag is None else bool(flag)
+    address = a.get(IFLA_ADDRESS)
     return Link(
         index=index,
         name=_str(a.get(IFLA_IFNAME)) or "",
         kind=_str(info.get(IFLA_INFO_KIND)) or "",
         up=bool(flags & IFF_UP),
-        master=_u32(a.get(IFLA_MASTER)),
+        master=_u32(a.get(IFLA_MASTER), "link master"),
         isolated=isolated,
-        peer_netnsid=None if netnsid is None else struct.unpack_from("=i", netnsid)[0],
+        peer_netnsid=_int(a.get(IFLA_LINK_NETNSID), "=i", "link netns id"),
+        address=None if address is None else _mac(address),
     )
 
 
 def parse_address(body: bytes) -> tuple[int, str]:
     """(interface index, `ADDR/PLEN`) from the body of an AF_INET RTM_NEWADDR message."""
-    _, plen, _, _, index = _IFADDR.unpack_from(body)
-    addr = attrs(body, _IFADDR.size).get(IFA_ADDRESS, b"")
-    return index, f"{socket.inet_ntoa(addr[:4])}/{plen}" if len(addr) >= 4 else ""
+    _, plen, _, _, index = _fixed(_IFADDR, body, "ifaddrmsg")
+    addr = attrs(body, _IFADDR.size).get(IFA_ADDRESS)
+    if addr is None:
+        return index, ""
+    if len(addr) != 4:
+        raise _malformed(f"IPv4 address of {len(addr)} bytes")
+    return index, f"{socket.inet_ntoa(addr)}/{plen}"
 
 
 def parse_default_gateway(body: bytes) -> str | None:
     """The gateway of an AF_INET RTM_NEWROUTE message when it is a main-table default route."""
-    _, dst_len, _, _, table, _, _, _, _ = _RTMSG.unpack_from(body)
+    _, dst_len, _, _, table, _, _, _, _ = _fixed(_RTMSG, body, "rtmsg")
     a = attrs(body, _RTMSG.size)
     if RTA_TABLE in a:
-        table = _u32(a[RTA_TABLE]) or table
+        table = _u32(a[RTA_TABLE], "route table") or table
     gw = a.get(RTA_GATEWAY)
-    if dst_len != 0 or table != MAIN_TABLE or gw is None or len(gw) != 4:
+    if gw is not None and len(gw) != 4:
+        raise _malformed(f"IPv4 gateway of {len(gw)} bytes")
+    if dst_len != 0 or table != MAIN_TABLE or gw is None:
         return None
     return socket.inet_ntoa(gw)
 
 
 def parse_group(body: bytes) -> int | None:
     """The link group (IFLA_GROUP) from the body of an RTM_NEWLINK message."""
-    return _u32(attrs(body, _IFINFO.size).get(IFLA_GROUP))
+    return _u32(attrs(body, _IFINFO.size).get(IFLA_GROUP), "link group")
 
 
 # ---------------------------------------------------------------- the changes, as messages
@@ -285,10 +390,22 @@ def newlink_bridge(name: str) -> Change:
         IFLA_IFNAME, _cstr(name)) + _nest(IFLA_LINKINFO, _attr(IFLA_INFO_KIND, _cstr("bridge"))))
 
 
-def newlink_veth(name: str, peer: str, netns_fd: int) -> Change:
-    """`ip link add NAME type veth peer name PEER netns NS`: the peer is born in the namespace
-    open as `netns_fd`. VETH_INFO_PEER holds an ifinfomsg of its own, then the peer's attrs."""
-    peer_msg = _ifinfo() + _attr(IFLA_IFNAME, _cstr(peer)) + _u32_attr(IFLA_NET_NS_FD, netns_fd)
+def _mac_bytes(mac: str) -> bytes:
+    parts = mac.split(":")
+    if len(parts) != 6 or not all(len(p) == 2 and p.isascii() and all(
+            c in "0123456789abcdefABCDEF" for c in p) for p in parts):
+        raise ValueError(f"bad MAC address '{mac}': expected six hex pairs, 02:ab:cd:ef:01:23")
+    return bytes(int(p, 16) for p in parts)
+
+
+def newlink_veth(name: str, peer: str, netns_fd: int, *,
+                 peer_address: str | None = None) -> Change:
+    """`ip link add NAME type veth peer name PEER [address MAC] netns NS`: the peer is born in
+    the namespace open as `netns_fd`, with the hardware address `peer_address` when given.
+    VETH_INFO_PEER holds an ifinfomsg of its own, then the peer's attrs."""
+    mac = b"" if peer_address is None else _attr(IFLA_ADDRESS, _mac_bytes(peer_address))
+    peer_msg = (_ifinfo() + _attr(IFLA_IFNAME, _cstr(peer)) + mac
+                + _u32_attr(IFLA_NET_NS_FD, netns_fd))
     return Change(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, _ifinfo() + _attr(
         IFLA_IFNAME, _cstr(name)) + _nest(
             IFLA_LINKINFO, _attr(IFLA_INFO_KIND, _cstr("veth")),
@@ -392,6 +509,9 @@ class Netlink:
     def _reader(self, netns: str | None) -> Requests:
         key = self._key(netns)
         rt = self._readers.get(key)
+        if rt is not None and rt.broken:
+            rt.close()  # out of step with the kernel: a fresh socket instead
+            rt = None
         if rt is None:
             rt = self._readers[key] = Requests(self._socket(netns))
         return rt
@@ -406,9 +526,18 @@ class Netlink:
                  ok: tuple[int, ...] = ()) -> list[bytes] | None:
         """One request on envctl's own socket; errnos in `ok` return None, others become
         HostError."""
+        return self._parsed(what, op, netns, mtype, payload, bytes, dump=dump, ack=ack,
+                            flags=flags, ok=ok)
+
+    def _parsed(self, what: str, op: str, netns: str | None, mtype: int, payload: bytes,
+                parse: Callable[[bytes], T], *, dump: bool = False, ack: bool = False,
+                flags: int = 0, ok: tuple[int, ...] = ()) -> list[T] | None:
+        """`_request`, each body through `parse`: a reply that does not parse is a HostError
+        naming the request too."""
         rt = self._reader(netns)
         try:
-            return rt.request(mtype, payload, dump=dump, ack=ack, flags=flags)
+            return [parse(body) for body in rt.request(mtype, payload, dump=dump, ack=ack,
+                                                       flags=flags)]
         except OSError as exc:
             if exc.errno in ok:
                 return None
@@ -427,21 +556,23 @@ class Netlink:
     def link(self, name: str, *, netns: str | None = None) -> Link | None:
         """The interface called `name`, or None."""
         req = _IFINFO.pack(0, 0, 0, 0, 0) + _attr(IFLA_IFNAME, name.encode() + b"\0")
-        bodies = self._request(f"read link '{name}'", "get link", netns, RTM_GETLINK, req,
-                               ok=(errno.ENODEV,))
-        return parse_link(bodies[0]) if bodies else None
+        links = self._parsed(f"read link '{name}'", "get link", netns, RTM_GETLINK, req,
+                             parse_link, ok=(errno.ENODEV,))
+        return links[0] if links else None
 
     def link_by_index(self, index: int, *, netns: str | None = None) -> Link | None:
-        bodies = self._request(f"read link #{index}", "get link", netns, RTM_GETLINK,
-                               _IFINFO.pack(0, 0, index, 0, 0), ok=(errno.ENODEV,))
-        return parse_link(bodies[0]) if bodies else None
+        links = self._parsed(f"read link #{index}", "get link", netns, RTM_GETLINK,
+                             _IFINFO.pack(0, 0, index, 0, 0), parse_link, ok=(errno.ENODEV,))
+        return links[0] if links else None
 
     def add_bridge(self, name: str) -> None:
         self._change(f"create bridge '{name}'", "add link", None, newlink_bridge(name))
 
-    def add_veth(self, name: str, *, peer: str, peer_netns: str) -> None:
+    def add_veth(self, name: str, *, peer: str, peer_netns: str,
+                 peer_address: str | None = None) -> None:
         """A veth pair whose peer is born inside `peer_netns` already named `peer` (so it never
-        clashes with a host interface of the same name, e.g. eth0)."""
+        clashes with a host interface of the same name, e.g. eth0), with the hardware address
+        `peer_address` ("02:ab:cd:ef:01:23") when given, else a random one."""
         self._key(peer_netns)  # NamespaceGone before anything is made
         path = self.netns_dir / peer_netns
         try:
@@ -453,7 +584,7 @@ class Netlink:
                             f"{_cause(exc)}") from exc
         try:
             self._change(f"create veth '{name}'", "add link", None,
-                         newlink_veth(name, peer, fd))
+                         newlink_veth(name, peer, fd, peer_address=peer_address))
         finally:
             os.close(fd)
 
@@ -516,8 +647,9 @@ class Netlink:
         groups: dict[int, int] = {}
         tagged: list[str] = []
         try:
-            groups = {parse_link(b).index: parse_group(b) or 0 for b in self._request(
-                "read links", "dump links", netns, RTM_GETLINK, _ifinfo(), dump=True) or []}
+            groups = dict(self._parsed(
+                "read links", "dump links", netns, RTM_GETLINK, _ifinfo(),
+                lambda b: (parse_link(b).index, parse_group(b) or 0), dump=True) or [])
             group = _free_group(set(groups.values()))
             for name, link in links.items():
                 try:
@@ -590,10 +722,9 @@ class Netlink:
         link = self.link(name, netns=netns)
         if link is None:
             return []
-        bodies = self._request(f"read addresses of '{name}'", "get addr", netns, RTM_GETADDR,
-                               _IFADDR.pack(AF_INET, 0, 0, 0, 0), dump=True) or []
-        return [cidr for index, cidr in map(parse_address, bodies)
-                if index == link.index and cidr]
+        found = self._parsed(f"read addresses of '{name}'", "get addr", netns, RTM_GETADDR,
+                             _IFADDR.pack(AF_INET, 0, 0, 0, 0), parse_address, dump=True) or []
+        return [cidr for index, cidr in found if index == link.index and cidr]
 
     def add_address(self, name: str, cidr: str, *, netns: str | None = None) -> None:
         link = self._require(name, netns)
@@ -612,13 +743,10 @@ class Netlink:
 
     def default_gateway(self, *, netns: str | None = None) -> str | None:
         """The gateway of the IPv4 default route in the main table, or None."""
-        bodies = self._request("read routes", "get route", netns, RTM_GETROUTE,
-                               _RTMSG.pack(AF_INET, 0, 0, 0, 0, 0, 0, 0, 0), dump=True) or []
-        for body in bodies:
-            gw = parse_default_gateway(body)
-            if gw:
-                return gw
-        return None
+        gateways = self._parsed("read routes", "get route", netns, RTM_GETROUTE,
+                                _RTMSG.pack(AF_INET, 0, 0, 0, 0, 0, 0, 0, 0),
+                                parse_default_gateway, dump=True) or []
+        return next((gw for gw in gateways if gw), None)
 
     def set_default_route(self, gateway: str, *, netns: str | None = None) -> None:
         self._change(f"set default route via {gateway}", "replace route", netns,
