@@ -7,14 +7,17 @@ journal alone, starts without pydantic, YAML or the planner.
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from envctl.engine.engine import Engine, Outcome, Step
-from envctl.engine.journal import Journal
-from envctl.errors import NeedsRootError, SpecError
+from envctl.engine.journal import Entry, Journal, Ledger
+from envctl.errors import EnvctlError, HostError, NeedsRootError, SpecError, StateCorrupt
 from envctl.host.context import Host
 from envctl.host.files import read_json, write_json
+from envctl.resources.base import Status
 
 if TYPE_CHECKING:
     from envctl.plan.builder import Plan
@@ -26,13 +29,31 @@ def require_root(action: str) -> None:
         raise NeedsRootError(f"envctl {action} changes the host and needs root: run it with sudo")
 
 
-def up(ws: Workspace, plans: list[Plan], engine: Engine) -> list[Outcome]:
+@dataclass
+class UpResult:
+    """What `up` did: an outcome per environment brought up, and why the others were not."""
+
+    outcomes: list[Outcome] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # env -> the error (rolled back)
+
+
+def up(plans: list[Plan], engine: Engine, claims: dict[str, dict]) -> UpResult:
+    """Each environment in turn, under one lock hold. A failing one is rolled back (by the
+    engine) and the others still come up: at boot, one broken partition must not keep the
+    rest down. A signal (Ctrl-C, SIGTERM) stops everything after the rollback."""
+    result = UpResult()
     with engine.locked():
-        outcomes = []
         for p in plans:
-            outcomes.append(engine.up(p.env, p.resources, locked=True))
+            try:
+                result.outcomes.append(engine.up(p.env, p.resources, locked=True,
+                                                 claims=claims.get(p.env)))
+            except EnvctlError as exc:
+                if isinstance(exc, KeyboardInterrupt) or exc.exit_code > 128:
+                    raise
+                result.failed[p.env] = str(exc)
+                continue
             _record_warnings(engine.host, p)
-        return outcomes
+    return result
 
 
 def _warnings_file(host: Host, env: str) -> Path:
@@ -61,6 +82,83 @@ def known_environments(ws: Workspace | None, host: Host) -> list[str]:
     return names
 
 
+# ---------------------------------------------------------------- down --force
+
+
+@dataclass
+class Repair:
+    """What `down --force` did to envctl's state before taking the environments down."""
+
+    kept: list[str] = field(default_factory=list)  # damaged files moved aside, kept
+    found: dict[str, list[str]] = field(default_factory=dict)  # env -> objects found by name
+    lost: dict[str, list[str]] = field(default_factory=dict)  # env -> shared, memo lost
+
+
+def force_down(engine: Engine, names: list[str], plans: dict[str, list]) -> tuple[
+        list[Outcome], Repair]:
+    """`down` for environments whose journal (or the ledger) is damaged or lost.
+
+    Damaged state files are moved aside (kept, named `FILE.damaged-TIME`) and replaced by what
+    could still be read of them. To that, objects the environment's spec (`plans`: its planned
+    resources, when a spec is there) names and the host has are added as envctl's own: found
+    by name, where no journal names them. Shared settings (sysctls, modules, governors, the
+    bridge) whose memo was lost are left as they are and reported, never "restored" to a
+    guess. Then it is a normal `down`."""
+    repair = Repair()
+    host = engine.host
+    with engine.locked():
+        try:
+            ledger = engine.ledger()
+        except StateCorrupt:
+            ledger = Ledger.open(host.state_dir, salvage=True)
+            repair.kept += _move_aside(ledger.store.path, ledger.store.logs())
+            ledger.store.gen = 0
+        for env in names:
+            try:
+                journal = engine.journal(env)
+            except StateCorrupt:
+                journal = Journal.salvage(host.state_dir, env)
+                repair.kept += _move_aside(journal.path, journal.store.logs())
+                journal.store.gen = 0
+            held = set(ledger.held_by(env))
+            for entry in journal.entries:
+                if entry.shared and entry.key not in held:
+                    repair.lost.setdefault(env, []).append(entry.load().describe())
+            for res in plans.get(env, ()):
+                if journal.get(res.key) is not None or res.key in held:
+                    continue
+                try:
+                    found = res.check(host).status is not Status.ABSENT
+                except HostError:
+                    found = False
+                if not found:
+                    continue
+                if res.shared:
+                    repair.lost.setdefault(env, []).append(res.describe())
+                    continue
+                # Found by name: treated as made by envctl, which is what --force asks for.
+                journal.put(Entry(res.key, res.to_dict(), {}, "applied", False, host.boot_id))
+                repair.found.setdefault(env, []).append(res.describe())
+            journal.save(durable=True)
+        ledger.save(durable=True)
+        return engine.down_many(names, locked=True), repair
+
+
+def _move_aside(path: Path, logs: list[Path]) -> list[str]:
+    """Keep damaged state files under new names no envctl reads."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    kept = []
+    for p in [path, *logs]:
+        if p.exists():
+            dest = p.with_name(f"{p.name}.damaged-{stamp}")
+            p.rename(dest)
+            kept.append(str(dest))
+    return kept
+
+
+# ---------------------------------------------------------------- status
+
+
 def status_rows(ws: Workspace | None, host: Host, names: list[str]) -> dict[str, list[Step]]:
     engine = Engine(host)
     out = {}
@@ -80,8 +178,11 @@ def status_warnings(ws: Workspace | None, host: Host, names: list[str]) -> dict[
     for one that is not up."""
     out = {}
     for name in names:
-        recorded = read_json(_warnings_file(host, name))
-        if recorded is not None:
+        try:
+            recorded = read_json(_warnings_file(host, name))
+        except (ValueError, OSError):
+            recorded = None
+        if isinstance(recorded, dict):
             out[name] = list(recorded.get("warnings", []))
         elif ws is not None and name in ws.names():
             try:
@@ -93,8 +194,6 @@ def status_warnings(ws: Workspace | None, host: Host, names: list[str]) -> dict[
 
 def cgroup_usage(host: Host, rows: dict[str, list[Step]]) -> dict[str, dict]:
     """Per environment: the cgroup driver in use and, when its cgroup exists, its usage."""
-    from envctl.errors import HostError
-
     out: dict[str, dict] = {}
     for env, steps in rows.items():
         for s in steps:

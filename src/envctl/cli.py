@@ -102,15 +102,43 @@ def _split(names: list[str] | None) -> tuple[list[str], list[Path]]:
     return env_names, files
 
 
-def _workspace(names: list[str] | None):
+def _workspace(names: list[str] | None, **kwargs: Any):
     from envctl.workspace import Workspace, config_dir
 
     env_names, files = _split(names)
-    ws = Workspace.open(config_dir(CTX.config_dir), extra_files=files)
+    ws = Workspace.open(config_dir(CTX.config_dir), extra_files=files, **kwargs)
     for f in files:
         env_names.append(next(ls.spec.name for ls in ws.specs
                               if Path(ls.path).resolve() == f.resolve()))
     return ws, env_names
+
+
+def _require_known(names: list[str], host: Any, ws: Any = None) -> None:
+    """Names that are neither a spec nor an environment with a journal are a typo (exit 2):
+    `status --check typo` must not report healthy, `down typo` must not report success."""
+    from envctl.engine.journal import Journal, journal_path
+
+    for n in names:
+        journal_path(host.state_dir, n)  # a name no environment can have: say so first
+    up = set(Journal.environments(host.state_dir))
+    unknown = [n for n in names if n not in up]
+    if not unknown:
+        return
+    if ws is None:  # `down` loads specs only now, for names no journal knows
+        from envctl.workspace import Workspace, config_dir
+
+        try:
+            ws = Workspace.open(config_dir(CTX.config_dir), pure=True)
+        except EnvctlError:
+            ws = None
+    specs = set(ws.names()) if ws is not None else set()
+    unknown = [n for n in unknown if n not in specs]
+    if unknown:
+        from envctl.errors import UsageError
+
+        known = ", ".join(sorted(up | specs)) or "none"
+        raise UsageError(f"no environment {', '.join(repr(n) for n in unknown)}: not in the "
+                         f"config directory and not up on this host (known: {known})")
 
 
 def _emit_json(obj: Any) -> None:
@@ -120,7 +148,11 @@ def _emit_json(obj: Any) -> None:
 def _console():
     from rich.console import Console
 
-    return Console(highlight=False)
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        # Piped to a file or a program: one line per line, never wrapped at 80 columns.
+        console.soft_wrap = True
+    return console
 
 
 def _stderr(msg: str) -> None:
@@ -134,31 +166,39 @@ def _stderr(msg: str) -> None:
 def validate(
     path: Annotated[str | None, typer.Argument(help="A spec file or a directory of specs.",
                                                 show_default=False)] = None,
+    host: Annotated[bool, typer.Option("--host", help="Also check that this host can serve "
+                                                      "them (modules, CPUs, GPUs, memory, "
+                                                      "cgroup controllers).")] = False,
     json_: JsonOpt = False,
 ) -> None:
-    """Check specs, every conflict between them, and that this host can honour them.
+    """Check specs and every conflict between them: the same answer on any machine.
 
-    A directory is checked whole; a file is checked together with the specs of the
-    config directory (conflicts) and planned alone. Exit 2 lists every problem.
+    A directory is checked whole; a file is checked together with the specs of the config
+    directory. With --host, also plan each against this host (what `plan` and `up` check),
+    and against the environments that are up here. Exit 2 lists every problem.
 
-    Example: envctl validate configs/
+    Example: envctl validate configs/ (in CI);  envctl validate --host (on the GPU host)
     """
-    from envctl.workspace import Workspace, config_dir
+    from envctl.workspace import config_dir
 
     target = Path(path) if path else config_dir(CTX.config_dir)
     if target.is_dir():
-        ws = Workspace.open(target)
+        from envctl.workspace import Workspace
+
+        ws = Workspace.open(target, pure=not host)
         selected = ws.specs
     else:
-        ws, names = _workspace([str(target)])
+        ws, names = _workspace([str(target)], pure=not host)
         selected = [ws.get(n) for n in names]
-    ws.plan_all(selected)
+    if host:
+        ws.plan_all(selected)
     checked = [ls.spec.name for ls in selected]
     if json_:
-        _emit_json({"ok": True, "environments": checked})
+        _emit_json({"ok": True, "environments": checked, "host": host})
     else:
+        where = " and this host" if host else ""
         print(f"ok: {', '.join(checked)} ({len(ws.specs)} spec(s) in {ws.directory} "
-              "checked for conflicts)")
+              f"checked for conflicts{where})")
 
 
 @app.command()
@@ -182,6 +222,7 @@ def plan(
         targets = ops.known_environments(ws, ws.host) if all_ else env_names
         if not targets:
             raise typer.BadParameter("name at least one environment, or use --all")
+        _require_known(targets, ws.host, ws)
         for n in targets:
             steps = engine.diff_down(n)  # each removal says what it restores
             out.append({"env": n, "warnings": [], "resolved": {}, "steps": steps})
@@ -199,30 +240,58 @@ def plan(
 def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> None:
     """Bring environments up: apply their plan in order, repairing drift; safe to re-run.
 
-    A failing step rolls back what this run applied and exits 1.
+    A failing step rolls back what this run applied to that environment; the others still
+    come up, and the exit status is 1. With --all (the boot unit), an environment this host
+    cannot serve (a required kernel module missing) is reported and skipped. Bad specs and
+    conflicts stop everything before the first change (exit 2).
 
     Example: sudo envctl up cpu-compute
     """
     from envctl import app as ops
+    from envctl.engine.signals import interruptible
     from envctl.render import render_outcomes, step_printer
 
-    ws, env_names = _workspace(names)
-    plans = ws.plan_all(ws.select(env_names, all_=all_))
+    ws, env_names = _workspace(names, secure=os.geteuid() == 0)
+    selected = ws.select(env_names, all_=all_)
+    if all_:
+        plans, skipped = ws.plan_each(selected)
+    else:
+        plans, skipped = ws.plan_all(selected), {}
     ops.require_root("up")
+    interruptible()  # SIGTERM / SIGHUP roll back like Ctrl-C
     for p in plans:
         for w in p.warnings:
             _stderr(f"warning: {p.env}: {w}")
+    for env, exc in skipped.items():
+        for problem in exc.problems:
+            _stderr(f"error: {problem}")
+        _stderr(f"skipped {env}: this host cannot serve it")
     engine = ws.engine(lock_timeout=CTX.lock_timeout, on_wait=_stderr,
                        progress=None if json_ else step_printer(_console()))
-    outcomes = ops.up(ws, plans, engine)
+    result = ops.up(plans, engine, {p.env: ws.claims(p.env) for p in plans})
+    for env, err in result.failed.items():
+        _stderr(f"error: {env}: {err}")
     if json_:
-        _emit_json([o.to_json() for o in outcomes])
+        _emit_json([o.to_json() for o in result.outcomes]
+                   + [{"env": env, "error": err} for env, err in result.failed.items()]
+                   + [{"env": env, "skipped": [str(p) for p in exc.problems]}
+                      for env, exc in skipped.items()])
     else:
-        render_outcomes(_console(), outcomes, verb="up")
+        render_outcomes(_console(), result.outcomes, verb="up")
+    if result.failed or skipped:
+        raise typer.Exit(1)
 
 
 @app.command()
-def down(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> None:
+def down(
+    names: EnvNames = None,
+    all_: AllOpt = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="For a damaged or lost journal: keep the damaged state files aside, "
+        "then remove what can still be read of them and what the spec names and the host has "
+        "(found by name).")] = False,
+    json_: JsonOpt = False,
+) -> None:
     """Take environments down: remove what envctl made and restore what it changed.
 
     Works from the journal, newest step first, so a deleted or changed spec still tears
@@ -231,6 +300,8 @@ def down(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -
     Example: sudo envctl down --all
     """
     from envctl import app as ops
+    from envctl.engine.engine import Engine
+    from envctl.engine.signals import interruptible
     from envctl.host.context import Host
     from envctl.render import render_outcomes
 
@@ -244,16 +315,51 @@ def down(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -
     else:
         raise typer.BadParameter("name at least one environment, or use --all")
     ops.require_root("down")
-    from envctl.engine.engine import Engine
-
+    if not force:
+        _require_known(targets, host)
+    interruptible()
     engine = Engine(host, lock_timeout=CTX.lock_timeout, on_wait=_stderr)
-    outcomes = ops.down(engine, targets)
+    if force:
+        outcomes, repair = ops.force_down(engine, targets, _planned_by_name(targets))
+        for path in repair.kept:
+            _stderr(f"kept damaged state file as {path}")
+        for env, what in repair.found.items():
+            _stderr(f"{env}: found by name: {'; '.join(what)}")
+        for env, what in repair.lost.items():
+            _stderr(f"{env}: left as found (its memo was lost with the damaged state): "
+                    f"{'; '.join(what)}")
+    else:
+        outcomes = ops.down(engine, targets)
     if json_:
         _emit_json([o.to_json() for o in outcomes])
     else:
         render_outcomes(_console(), outcomes, verb="down")
     if any(o.errors for o in outcomes):
         raise typer.Exit(1)
+
+
+def _planned_by_name(names: list[str]) -> dict[str, list]:
+    """For `down --force`: the resources each named environment's spec plans on this host
+    (what envctl would have made, by name), when its spec is in the config directory."""
+    from envctl.workspace import Workspace, config_dir
+
+    try:
+        ws = Workspace.open(config_dir(CTX.config_dir), pure=True)
+    except EnvctlError as exc:
+        _stderr(f"warning: specs not read ({exc}): only what the journals name is removed")
+        return {}
+    ws = ws.with_host_facts()
+    out = {}
+    for name in names:
+        if name not in ws.names():
+            _stderr(f"warning: no spec for {name}: only what its journal names is removed")
+            continue
+        try:
+            out[name] = ws.plan(ws.get(name)).resources
+        except EnvctlError as exc:
+            _stderr(f"warning: {name} cannot be planned here ({exc}): only what its journal "
+                    "names is removed")
+    return out
 
 
 def _name_of_file(path: str) -> str:
@@ -274,6 +380,7 @@ def status(
     Example: envctl status cpu-compute --json
     """
     from envctl import app as ops
+    from envctl.engine.engine import env_state
     from envctl.host.context import Host
     from envctl.render import render_status
 
@@ -285,12 +392,14 @@ def status(
         if not names:
             raise
         env_names = list(names)  # status still works from the journal when a spec is gone
+    if env_names:
+        _require_known(env_names, host, ws)
     targets = env_names or ops.known_environments(ws, host)
     rows = ops.status_rows(ws, host, targets)
     warnings = ops.status_warnings(ws, host, targets)
     cgroups = ops.cgroup_usage(host, rows)
     if json_:
-        _emit_json([{"env": env, "up": any(s.op != "+" for s in steps) and bool(steps),
+        _emit_json([{"env": env, "state": env_state(steps), "up": env_state(steps) != "down",
                      "steps": [s.to_json() for s in steps],
                      "warnings": warnings.get(env, []), "cgroup": cgroups.get(env)}
                     for env, steps in rows.items()])
@@ -304,11 +413,47 @@ def status(
 # ---------------------------------------------------------------- entry point
 
 
+# Options of the envctl command itself, and whether each takes a value: accepted after the
+# subcommand too (`envctl plan X --config-dir D`), as operators type them.
+GLOBAL_OPTIONS = {"--config-dir": True, "-C": True, "--debug": False, "--lock-timeout": True,
+                  "--firewall": True, "--cgroup-driver": True}
+
+
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """`argv` with global options given after the subcommand moved before it. Nothing after a
+    `--` moves (it belongs to the command being run)."""
+    i = 0
+    while i < len(argv):  # find the subcommand: the first word that is not a global option
+        word = argv[i]
+        name = word.split("=", 1)[0]
+        if word == "--" or not word.startswith("-"):
+            break
+        i += 2 if GLOBAL_OPTIONS.get(name) and "=" not in word else 1
+    head, rest = argv[: i + 1], argv[i + 1:]
+    moved, kept = [], []
+    j = 0
+    while j < len(rest):
+        word = rest[j]
+        if word == "--":
+            kept += rest[j:]
+            break
+        name = word.split("=", 1)[0]
+        if name in GLOBAL_OPTIONS:
+            takes = GLOBAL_OPTIONS[name] and "=" not in word
+            moved += rest[j:j + 2] if takes else [word]
+            j += 2 if takes else 1
+            continue
+        kept.append(word)
+        j += 1
+    return head[:i] + moved + head[i:] + kept
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every expected error becomes one line on stderr and its exit code."""
     # Newer typer vendors click; find its exception base without importing click directly.
     click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
-    debug = "--debug" in (argv if argv is not None else sys.argv)
+    argv = hoist_global_options(list(sys.argv[1:] if argv is None else argv))
+    debug = "--debug" in argv
     try:
         rc = app(args=argv, standalone_mode=False)
     except typer.Exit as exc:
@@ -317,10 +462,13 @@ def main(argv: list[str] | None = None) -> None:
         _stderr("aborted")
         rc = 130
     except click_error as exc:
-        exc.show()
+        # Every usage error reads the same: one line, exit 2 (click's own format is a usage
+        # block plus "Error:", different per command).
+        command = getattr(getattr(exc, "ctx", None), "command_path", "envctl")
+        _stderr(f"error: {exc.format_message()} (see `{command} --help`)")
         rc = 2
     except SpecError as exc:
-        if "--json" in (argv if argv is not None else sys.argv):
+        if "--json" in argv:
             _emit_json({"ok": False, "problems": [vars(p) for p in exc.problems]})
         for p in exc.problems:
             _stderr(f"error: {p}")
@@ -333,8 +481,11 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         _stderr(f"error: {exc}")
         rc = exc.exit_code
-    except KeyboardInterrupt:
-        rc = 130
+    except KeyboardInterrupt as exc:
+        # Outside a step (waiting for the lock, between environments, during down): what was
+        # done is journalled; running the command again finishes it.
+        _stderr("interrupted")
+        rc = 128 + getattr(exc, "signum", 2)
     sys.exit(rc or 0)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from envctl.engine.engine import env_state
 from envctl.spec.units import format_size
 
 if TYPE_CHECKING:
@@ -78,8 +79,10 @@ def render_outcomes(console: Console, outcomes: list[Outcome], *, verb: str) -> 
         for err in o.errors:
             console.print(f"  [red]error: {err}[/]")
         if verb == "up":
+            # The same counts, in the same words, as `plan`'s summary.
+            removed = f", {o.count('-')} removed" if o.count("-") else ""
             console.print(f"  [bold]up: {o.count('+')} created, {o.count('~')} changed, "
-                          f"{o.count('=')} unchanged[/]")
+                          f"{o.count('=')} unchanged{removed}[/]")
         else:
             left = " — run `envctl down` again to retry" if o.errors else ""
             console.print(f"  [bold]down: {o.count('-')} removed, {o.count('=')} kept for other "
@@ -92,13 +95,7 @@ def render_status(console: Console, rows: dict[str, list[Step]],
     if not rows:
         console.print("no environments")
     for env, steps in rows.items():
-        applied = [s for s in steps if s.note != "not applied"]
-        if not applied:
-            state = "down"
-        elif all(s.op == "=" for s in applied) and len(applied) == len(steps):
-            state = "up"
-        else:
-            state = "degraded"
+        state = env_state(steps)
         colour = {"up": "green", "down": "dim", "degraded": "yellow"}[state]
         console.print(f"[bold]{env}[/]  [{colour}]{state}[/]")
         if (cgroups or {}).get(env):

@@ -7,17 +7,20 @@ from the journal alone and never imports pydantic, YAML or the planner.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from envctl.engine.engine import Engine
-from envctl.errors import SpecError, UsageError
+from envctl.engine.journal import Journal
+from envctl.errors import Problem, SpecError, StateCorrupt, UsageError
 from envctl.facts import HostFacts
 from envctl.host.context import Host
 from envctl.host.facts import gather
 from envctl.plan.builder import Plan, PlanError
 from envctl.plan.host import find_host_conflicts
 from envctl.plan.planner import plan_env
+from envctl.spec.claims import held_conflicts, spec_claims
 from envctl.spec.conflicts import find_conflicts
 from envctl.spec.loader import LoadedSpec, load_each, spec_files
 from envctl.spec.models import EnvSpec
@@ -47,7 +50,15 @@ class Workspace:
 
     @classmethod
     def open(cls, directory: Path, *, extra_files: list[Path] = (), host: Host | None = None,
-             facts: HostFacts | None = None) -> Workspace:
+             facts: HostFacts | None = None, pure: bool = False,
+             secure: bool = False) -> Workspace:
+        """Load and validate the specs of `directory` (and `extra_files`) together.
+
+        `pure`: only what the specs say, the same on any machine (no host facts, no journals:
+        `validate`). Otherwise conflicts are also checked against this host (memory, CPUs,
+        governors) and against environments that are up here without a spec among these.
+        `secure` (commands that change the host as root): refuse spec files and directories
+        that anyone but root can write, since they choose sysctls and modules."""
         host = host or Host.from_env()
         files = spec_files(directory) if directory.is_dir() else []
         if not directory.is_dir() and not extra_files:
@@ -56,14 +67,28 @@ class Workspace:
         for f in extra_files:
             if f.resolve() not in {x.resolve() for x in files}:
                 files.append(f)
+        if secure:
+            problems = unsafe_spec_paths([directory, *files] if directory.is_dir() else files)
+            if problems:
+                raise SpecError(problems)
         specs, problems = load_each(files)
-        if facts is None:
+        if pure:
+            facts = None
+        elif facts is None:
             facts = _facts_for([ls.spec for ls in specs], host)
         problems += find_conflicts(specs, facts)
-        problems += find_host_conflicts(specs, facts)  # governors, module options
+        if facts is not None:
+            problems += find_host_conflicts(specs, facts)  # governors, module options
+            problems += held_conflicts(specs, _held(host, {ls.spec.name for ls in specs}),
+                                       facts)
         if problems:
             raise SpecError(problems)
-        return cls(directory, specs, facts, host)
+        return cls(directory, specs, facts or HostFacts(), host)
+
+    def with_host_facts(self) -> Workspace:
+        """This workspace with this host's facts (one opened `pure` has none)."""
+        facts = _facts_for([ls.spec for ls in self.specs], self.host)
+        return Workspace(self.directory, self.specs, facts, self.host)
 
     def names(self) -> list[str]:
         return [ls.spec.name for ls in self.specs]
@@ -90,6 +115,21 @@ class Workspace:
         except PlanError as exc:
             raise SpecError([ls.problem(loc, msg) for loc, msg in exc.issues]) from None
 
+    def plan_each(self, selected: list[LoadedSpec]) -> tuple[list[Plan], dict[str, SpecError]]:
+        """Plan every selected spec; those this host cannot serve (a required module missing,
+        CPUs not online) are returned apart, with why, instead of stopping the others."""
+        plans, skipped = [], {}
+        for ls in selected:
+            try:
+                plans.append(self.plan(ls))
+            except SpecError as exc:
+                skipped[ls.spec.name] = exc
+        return plans, skipped
+
+    def claims(self, name: str) -> dict:
+        """What environment `name` holds exclusively, for its journal (spec.claims)."""
+        return spec_claims(self.get(name).spec, self.facts)
+
     def plan_all(self, selected: list[LoadedSpec]) -> list[Plan]:
         """Plan every selected spec first, so bad input is refused before any host change."""
         plans, problems = [], []
@@ -104,6 +144,58 @@ class Workspace:
 
     def engine(self, **kwargs) -> Engine:
         return Engine(self.host, **kwargs)
+
+
+def _held(host: Host, specs: set[str]) -> dict[str, tuple[str, dict]]:
+    """The claims of every environment that is up here and has no spec among `specs`."""
+    out = {}
+    for env in Journal.environments(host.state_dir):
+        if env in specs:
+            continue
+        try:
+            journal = Journal.open(host.state_dir, env, boot=host.boot_id)
+        except (StateCorrupt, UsageError):
+            continue  # `status` reports a damaged journal; its claims cannot be known
+        if journal.entries and journal.claims:
+            out[env] = (str(journal.path), journal.claims)
+    return out
+
+
+def unsafe_spec_paths(paths: list[Path]) -> list[Problem]:
+    """Spec files, their directory and its ancestors that someone other than root could
+    change: not owned by root, or writable by group or others (a world-writable directory with
+    the sticky bit, such as /tmp, is fine above a root-owned entry: nobody else can replace
+    it). Checked only when running as root, which is when it matters."""
+    if os.geteuid() != 0:
+        return []
+    problems: list[Problem] = []
+    seen: set[Path] = set()
+    for path in paths:
+        p = path.absolute()
+        chain = [p, *p.parents]
+        for i, q in enumerate(chain):
+            if q in seen:
+                break
+            seen.add(q)
+            try:
+                st = os.stat(q)
+            except OSError:
+                continue
+            sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+            why = ""
+            if st.st_uid != 0:
+                why = f"is owned by uid {st.st_uid}, not root"
+            elif st.st_mode & 0o022 and not (sticky_dir and i > 0):
+                who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
+                                   if st.st_mode & bit)
+                why = f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+            if why:
+                problems.append(Problem(str(path), None, None, "", (
+                    f"{q} {why}: envctl reads host settings (sysctls, kernel modules) from "
+                    "specs as root, so only root may be able to change them; "
+                    f"chown root and chmod go-w {q}")))
+                break
+    return problems
 
 
 def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:

@@ -46,7 +46,7 @@ def test_validate_a_directory_and_a_file(capsys, tmp_path):
     code, out, _ = run(capsys, "validate", str(d))
     assert code == 0 and out.startswith("ok: a, b")
     code, out, _ = run(capsys, "--config-dir", str(d), "validate", str(d / "b.yaml"), "--json")
-    assert json.loads(out) == {"ok": True, "environments": ["b"]}
+    assert json.loads(out) == {"ok": True, "environments": ["b"], "host": False}
 
 
 def test_validate_the_shipped_cpu_partition(capsys):
@@ -177,3 +177,125 @@ def test_backend_and_driver_flags_say_what_auto_means(capsys, monkeypatch):
         assert json.loads(out)[0]["resolved"]["cgroup.driver"] == "systemd"
     else:  # PID 1 is not systemd: the spec's `auto` now asks for it, and that is refused
         assert code == 2 and "needs systemd as PID 1" in err
+
+
+# ---------------------------------------------------------------- as operators use it
+
+
+def test_global_options_are_accepted_after_the_subcommand(capsys, tmp_path):
+    d = tmp_path / "specs"
+    d.mkdir()
+    (d / "x.yaml").write_text("name: x\nkind: cpu\n")
+    code, out, err = run(capsys, "plan", "x", "--config-dir", str(d), "--json")
+    assert code == 0, err
+    assert json.loads(out)[0]["env"] == "x"
+    code, out, _ = run(capsys, "plan", "x", f"--config-dir={d}", "--json", "--debug")
+    assert code == 0 and json.loads(out)[0]["env"] == "x"
+
+
+def test_hoisting_stops_at_a_double_dash():
+    from envctl.cli import hoist_global_options
+
+    assert hoist_global_options(["plan", "x", "-C", "d"]) == ["-C", "d", "plan", "x"]
+    assert hoist_global_options(["--debug", "up", "x", "--lock-timeout=3"]) == [
+        "--debug", "--lock-timeout=3", "up", "x"]
+    assert hoist_global_options(["exec", "x", "--", "cmd", "--debug"]) == [
+        "exec", "x", "--", "cmd", "--debug"]
+
+
+@pytest.mark.parametrize("argv", [
+    ("plan", "--frobnicate"),
+    ("status", "--bogus"),
+    ("--firewall", "pf", "plan", "cpu-compute"),
+    ("down",),
+    ("plan", "cpu-compute", "--all"),
+    ("nosuchcommand",),
+])
+def test_every_usage_error_is_one_error_line_and_exit_2(capsys, monkeypatch, argv):
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Usage:" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ("status", "nope"),
+    ("status", "nope", "--check"),
+    ("plan", "--down", "nope"),
+    ("down", "nope"),
+])
+def test_unknown_environment_names_are_exit_2_everywhere(capsys, monkeypatch, argv):
+    monkeypatch.setattr("os.geteuid", lambda: 0)  # down checks root before names
+    code, _, err = run(capsys, *argv)
+    assert code == 2, err
+    assert "no environment 'nope'" in err and "cpu-compute" in err
+
+
+def test_status_of_an_environment_that_is_down_calls_nothing_drifted(capsys):
+    code, out, _ = run(capsys, "status", "cpu-compute", "--json")
+    assert code == 0
+    row = json.loads(out)[0]
+    assert row["up"] is False
+    assert {s["status"] for s in row["steps"]} == {"not-applied"}
+    code, out, _ = run(capsys, "status", "cpu-compute")
+    assert "drifted" not in out and "not applied" in out
+
+
+def test_validate_is_the_same_on_any_machine_and_host_fitness_is_asked_for(capsys):
+    # gpu-compute needs the NVIDIA modules, which this machine lacks: a CI runner without a
+    # GPU still validates the GPU host's specs; --host says what this host cannot serve.
+    code, out, err = run(capsys, "validate", str(REPO / "configs"))
+    assert code == 0, err
+    assert out.startswith("ok: ") and "gpu-compute" in out
+    code, _, err = run(capsys, "validate", "--host", str(REPO / "configs"))
+    assert code == 2 and "nvidia" in err
+
+
+def test_piped_output_is_never_wrapped(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    d = tmp_path / "specs"
+    d.mkdir()
+    ports = ", ".join(f'"{8000 + i}:{80 + i}"' for i in range(12))
+    (d / "wide.yaml").write_text(f"name: wide\nkind: cpu\nnetwork:\n  address: 10.200.0.9\n"
+                                 f"  ports: [{ports}]\n")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env["ENVCTL_STATE_DIR"] = str(tmp_path / "state")
+    res = subprocess.run([sys.executable, "-m", "envctl", "-C", str(d), "plan", "wide"],
+                         capture_output=True, text=True, env=env, check=False)
+    assert res.returncode == 0, res.stderr
+    line = next(x for x in res.stdout.splitlines() if "firewall rules of wide" in x)
+    assert "tcp/8011->91" in line and len(line) > 120
+
+
+def test_diffs_read_as_values_never_python_reprs():
+    from envctl.resources.base import Diff
+
+    assert str(Diff("rules", ["a *:* rwm", "c 1:3 rwm"], None)) == \
+        "rules: none -> a *:* rwm, c 1:3 rwm"
+    assert str(Diff("isolated", True, False)) == "isolated: off -> on"
+
+
+def test_specs_others_can_write_are_refused_for_up_but_fine_to_plan(capsys, monkeypatch,
+                                                                    tmp_path):
+    import os
+
+    d = tmp_path / "specs"
+    d.mkdir()
+    spec = d / "a.yaml"
+    spec.write_text("name: a\nkind: cpu\n")
+    spec.chmod(0o666)
+    code, _, err = run(capsys, "--config-dir", str(d), "plan", "a")
+    assert code == 0, err
+    code, _, err = run(capsys, "--config-dir", str(d), "up", "a")
+    assert code == 2 and f"{spec} is writable by group and others (mode 0666)" in err
+    assert not (tmp_path / "state").exists()
+    spec.chmod(0o644)
+    os.chown(d, 1000, 0)
+    code, _, err = run(capsys, "--config-dir", str(d), "up", "a")
+    assert code == 2 and f"{d} is owned by uid 1000, not root" in err
+    assert not (tmp_path / "state").exists()

@@ -14,11 +14,12 @@ from envctl.engine.lock import global_lock
 from envctl.engine.signals import deferred
 from envctl.errors import EnvctlError, ForeignObject, HostError, StepFailed, StepInterrupted
 from envctl.host.context import Host
-from envctl.resources.base import Check, Resource, Status
+from envctl.resources.base import Check, Resource, Status, show
 
 # One-character operations, as in `terraform plan`: create, change, keep, remove, already gone,
 # and refuse (an object envctl did not make is in the way; `up` stops there).
 CREATE, CHANGE, KEEP, REMOVE, GONE, REFUSE = "+", "~", "=", "-", ".", "!"
+NOT_APPLIED = "not applied"  # the note on a step of `status` that `up` never applied
 OP_FOR_STATUS = {Status.ABSENT: CREATE, Status.DRIFTED: CHANGE, Status.PRESENT: KEEP,
                  Status.WRONG_KIND: CHANGE}
 
@@ -33,11 +34,26 @@ class Step:
     note: str = ""
 
     def to_json(self) -> dict[str, Any]:
+        # A step `up` never applied is "not-applied" whatever the host shows (it is not envctl's
+        # object drifting); its diffs still say what `up` would change.
+        status = "not-applied" if self.note == NOT_APPLIED else self.check.status.value
         return {"op": self.op, "key": self.resource.key, "kind": self.resource.kind,
-                "describe": self.resource.describe(), "status": self.check.status.value,
-                "diffs": [{"field": d.field, "want": str(d.want), "have": str(d.have)}
+                "describe": self.resource.describe(), "status": status,
+                "diffs": [{"field": d.field, "want": show(d.want), "have": show(d.have)}
                           for d in self.check.diffs],
                 "detail": self.check.detail, "note": self.note}
+
+
+def env_state(steps: Sequence[Step]) -> str:
+    """"up" (every step envctl applied is there and nothing is missing), "down" (none of its
+    kernel objects: never up, taken down, or gone with a reboot; directories on disk may
+    remain) or "degraded" (anything between)."""
+    applied = [s for s in steps if s.note != NOT_APPLIED]
+    if not any(s.resource.volatile for s in applied):
+        return "down"
+    if len(applied) == len(steps) and all(s.op == KEEP for s in applied):
+        return "up"
+    return "degraded"
 
 
 @dataclass
@@ -138,7 +154,7 @@ class Engine:
             seen.add(entry.key)
         for res in resources or ():
             if res.key not in seen:
-                steps.append(Step(CREATE, res, _safe_check(res, self.host), "not applied"))
+                steps.append(Step(CREATE, res, _safe_check(res, self.host), NOT_APPLIED))
         return steps
 
     # ------------------------------------------------------------------ up
@@ -317,14 +333,21 @@ class Engine:
         index, (key, res) = run.pos, run.head
         run.pos += 1
         others = [h for h in ledger.holders(key) if h != run.env]
-        note = f"still used by {', '.join(others)}" if others else self._undo_note(
-            res, _memo(key, res, run.journal, ledger))
+        memo = _memo(key, res, run.journal, ledger)
+        if others:
+            op, note = KEEP, f"still used by {', '.join(others)}"
+        elif memo is None:
+            # A shared setting the ledger lost (down --force of a damaged ledger): what it was
+            # before envctl is unknown, so it is left as it is, never set to a guess.
+            op, note = KEEP, "left as found: its memo was lost"
+        else:
+            op, note = REMOVE, self._undo_note(res, memo)
         try:
             self._release(run.env, key, res, run.journal, ledger, index=index)
         except (EnvctlError, OSError) as exc:
             run.outcome.errors.append(f"remove {res.describe()}: {exc}")
             return
-        self._removed(run, Step(KEEP if others else REMOVE, res, Check.absent(), note))
+        self._removed(run, Step(op, res, Check.absent(), note))
 
     def _down_batch(self, kind: type[Resource], group: list[_Teardown]) -> None:
         """The head step of every run in `group` (one kind, never shared), removed at once."""

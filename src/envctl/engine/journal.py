@@ -254,7 +254,7 @@ class Journal:
     def open(cls, state_dir: Path, env: str, *, boot: str = "") -> Journal:
         """The journal of `env`; entries of volatile kinds from a boot other than `boot` are
         dropped ("" keeps everything). StateCorrupt when it cannot be read."""
-        journal = cls(_path(state_dir, env), env)
+        journal = cls(journal_path(state_dir, env), env)
         data, records = journal.store.load()
         journal._replay(data, records)
         journal._drop_stale(boot)
@@ -264,7 +264,7 @@ class Journal:
     def salvage(cls, state_dir: Path, env: str) -> Journal:
         """What can still be read of a damaged journal: the file if it parses, the log up to
         its first damaged line, entries that parse. For `down --force`."""
-        journal = cls(_path(state_dir, env), env)
+        journal = cls(journal_path(state_dir, env), env)
         data, records = journal.store.load(salvage=True)
         for raw in (data or {}).get("entries", []) if isinstance(data, dict) else []:
             with contextlib.suppress(StateCorrupt):
@@ -354,7 +354,8 @@ class Journal:
                        if p.name.endswith((".json", ".log")) and not p.name.startswith(".")})
 
 
-def _path(state_dir: Path, env: str) -> Path:
+def journal_path(state_dir: Path, env: str) -> Path:
+    """Where `env`'s journal lives; UsageError when `env` is not an environment name."""
     if not _ENV_NAME.fullmatch(env):
         # Names reach here from the command line (down/status of a spec-less env).
         raise UsageError(f"'{env}' is not an environment name")

@@ -3,9 +3,10 @@ rolls back instead of dying half-way, and no signal cuts a rollback or a journal
 
 from __future__ import annotations
 
+import contextlib
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
+
+from envctl.host.libc import signals_held
 
 # What an operator, systemd (stop, shutdown) or a closed terminal sends.
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -29,12 +30,7 @@ def interruptible() -> None:
         signal.signal(sig, _raise)
 
 
-@contextmanager
-def deferred() -> Iterator[None]:
-    """Hold the stopping signals until the block is done (a rollback, a fold): a second
-    Ctrl-C must not leave the host half rolled back. They arrive when it ends."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+def deferred() -> contextlib.AbstractContextManager[None]:
+    """Hold signals until the block is done (a rollback, a fold): a second Ctrl-C must not
+    leave the host half rolled back. They arrive when it ends."""
+    return signals_held()

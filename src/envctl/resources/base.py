@@ -32,7 +32,19 @@ class Diff:
     have: object
 
     def __str__(self) -> str:
-        return f"{self.field}: {self.have!s} -> {self.want!s}"
+        return f"{self.field}: {show(self.have)} -> {show(self.want)}"
+
+
+def show(value: object) -> str:
+    """A value as an operator reads it, never a Python repr: lists joined, None as none."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list | tuple | set | frozenset):
+        items = sorted(value, key=str) if isinstance(value, set | frozenset) else value
+        return ", ".join(show(v) for v in items) or "none"
+    return str(value)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,101 @@
+"""What an environment holds that no other may have while it is up (its address, host ports,
+dedicated CPUs, GPUs, derived interface name), and the conflicts of specs with environments that
+are up but not among the specs read now (a renamed spec, another config directory). Pure.
+
+`up` records an environment's claims in its journal; commands that change the host read them
+back for every environment that is up, so a spec elsewhere cannot take what it holds."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import TYPE_CHECKING, Any
+
+from envctl.spec.naming import host_veth
+from envctl.spec.resolve import dedicated_cpus
+
+if TYPE_CHECKING:
+    from envctl.errors import Problem
+    from envctl.facts import HostFacts
+    from envctl.spec.loader import LoadedSpec
+    from envctl.spec.models import EnvSpec
+
+
+def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
+    """The claims of `spec` as plain JSON values (what the journal records)."""
+    out: dict[str, Any] = {}
+    net = spec.network
+    if net is not None:
+        out["address"] = str(net.address)
+        out["bridge"] = {"name": net.bridge, "address": str(net.bridge_address)}
+        out["ports"] = [f"{p.protocol}/{p.host}" for p in net.ports]
+        out["veth"] = host_veth(spec.name)
+    cpus: tuple[int, ...] = ()
+    ded = spec.resources.cpu.dedicated
+    if isinstance(ded, tuple):
+        cpus = ded
+    elif ded is not None and facts is not None:
+        try:
+            cpus = dedicated_cpus(spec, facts).cpus
+        except ValueError:
+            cpus = ()
+    if cpus:
+        out["cpus"] = list(cpus)
+    gpus = spec.gpus
+    if gpus.wanted:
+        out["gpus"] = {"all": gpus.all, "indices": list(gpus.indices),
+                       "uuids": list(gpus.uuids)}
+    return out
+
+
+def held_conflicts(specs: list[LoadedSpec], held: dict[str, tuple[str, dict[str, Any]]],
+                   facts: HostFacts | None) -> list[Problem]:
+    """Every claim of `specs` that an environment which is up (`held`: name -> (where its
+    journal is, its recorded claims)) already holds. Environments with a spec among `specs`
+    are not in `held`: their spec is checked against the others by spec.conflicts."""
+    problems: list[Problem] = []
+    for ls in specs:
+        mine = spec_claims(ls.spec, facts)
+        for env, (where, theirs) in sorted(held.items()):
+            if env == ls.spec.name:
+                continue
+            for loc, what in _clashes(mine, theirs):
+                problems.append(ls.problem(loc, f"{what} is held by environment '{env}', which "
+                                                f"is up (journal {where}) but has no spec here; "
+                                                f"take it down first (envctl down {env})"))
+    return problems
+
+
+def _clashes(mine: dict[str, Any], theirs: dict[str, Any]) -> list[tuple[tuple, str]]:
+    out: list[tuple[tuple, str]] = []
+    if mine.get("address") and mine.get("address") == theirs.get("address"):
+        out.append((("network", "address"), f"address {mine['address']}"))
+    if mine.get("veth") and mine.get("veth") == theirs.get("veth"):
+        out.append((("name",), f"host interface name {mine['veth']} (derived from the name)"))
+    for i, port in enumerate(mine.get("ports", [])):
+        if port in theirs.get("ports", []):
+            out.append((("network", "ports", i), f"host port {port}"))
+    mb, tb = mine.get("bridge"), theirs.get("bridge")
+    if mb and tb:
+        mnet = ipaddress.ip_interface(mb["address"]).network
+        tnet = ipaddress.ip_interface(tb["address"]).network
+        if mb["name"] == tb["name"] and mb["address"] != tb["address"]:
+            out.append((("network", "bridge_address"), f"bridge '{mb['name']}' with address "
+                        f"{tb['address']} (environments sharing a bridge must agree on it)"))
+        elif mb["name"] != tb["name"] and mnet.overlaps(tnet):
+            out.append((("network", "bridge_address"), f"subnet {tnet} of bridge "
+                        f"'{tb['name']}'"))
+    shared = sorted(set(mine.get("cpus", [])) & set(theirs.get("cpus", [])))
+    if shared:
+        out.append((("resources", "cpu", "dedicated"),
+                    f"dedicated CPU{'s' if len(shared) > 1 else ''} "
+                    f"{', '.join(map(str, shared))}"))
+    mg, tg = mine.get("gpus"), theirs.get("gpus")
+    if mg and tg:
+        if mg["all"] or tg["all"]:
+            out.append((("gpus",), "every GPU" if tg["all"] else "a GPU"))
+        else:
+            both = sorted(set(mg["indices"]) & set(tg["indices"]))
+            both += sorted(set(mg["uuids"]) & set(tg["uuids"]))
+            if both:
+                out.append((("gpus",), f"GPU {', '.join(map(str, both))}"))
+    return out
