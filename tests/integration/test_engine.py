@@ -137,27 +137,36 @@ def test_kill_9_during_down_then_down_again(alpha):
     assert alpha.residue() == {}
 
 
-def test_two_concurrent_ups_serialize(alpha):
-    slow = alpha.popen(sys.executable, "-m", "envctl", "up", "alpha",
-                       env={"ENVCTL_FAULT": "sleep1.5@apply:netns:*"})
-    # Wait until the first one holds the lock and is mid-plan (its journal exists); a child
-    # that dies first shows why.
-    deadline = time.monotonic() + 60
-    while not alpha.journals():
-        if slow.poll() is not None:
-            out, err = slow.communicate()
-            pytest.fail(f"the first envctl exited {slow.returncode} before journalling:\n{err}")
-        assert time.monotonic() < deadline, "the first envctl never journalled a step"
-        time.sleep(0.02)
-    second = alpha.envctl("up", "alpha")
-    out, err = slow.communicate(timeout=30)
-    assert slow.returncode == 0, err
-    assert second.returncode == 0, second.stderr
-    assert "waiting for another envctl" in second.stderr
+def test_two_concurrent_ups_serialize(alpha, tmp_path):
+    go = tmp_path / "go"
+    first = alpha.popen(sys.executable, "-m", "envctl", "up", "alpha",
+                        env={"ENVCTL_FAULT": f"until={go}@apply:netns:*"})
+    try:
+        # The first holds the lock, stopped mid-plan (its journal exists) until `go` exists.
+        wait_for("the first envctl to journal a step", alpha.journals, first)
+        second = alpha.popen(sys.executable, "-m", "envctl", "up", "alpha")
+        line = second.stderr.readline()  # its first word: it found the lock taken
+        assert "waiting for another envctl" in line, line + second.stderr.read()
+    finally:
+        go.touch()
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    out2, err2 = second.communicate(timeout=120)
+    assert second.returncode == 0, err2
     # The second run found everything made by the first: nothing left to create.
-    assert "0 created" in second.stdout
+    assert "0 created" in out2
     alpha.envctl("down", "alpha", check=True)
     assert alpha.residue() == {}
+
+
+def wait_for(what, predicate, proc, timeout=60.0):
+    """Wait until `predicate()` holds; fail with the child's stderr if it died first."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"envctl exited {proc.returncode} before {what}:\n{proc.stderr.read()}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def test_drift_is_reported_and_repaired(alpha):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -42,26 +41,27 @@ def test_a_waiter_does_not_keep_a_lock_on_a_removed_file(tmp_path):
     take a fresh lock file, so that C starting afterwards is still excluded by B."""
     state = tmp_path / "state"
     events: list[str] = []
+    b_waiting = threading.Event()
     b_has_lock = threading.Event()
     release_b = threading.Event()
 
     def b() -> None:
-        with global_lock(state, timeout=5):
+        with global_lock(state, timeout=60, on_wait=lambda msg: b_waiting.set()):
             events.append("B in")
             b_has_lock.set()
             (state / "keep").write_text("x")  # so B's release does not tidy
-            release_b.wait(5)
+            release_b.wait(60)
             events.append("B out")
 
     with global_lock(state):
         t = threading.Thread(target=b)
         t.start()
-        time.sleep(0.2)  # B is now blocked on A's lock file
-    assert b_has_lock.wait(5)
+        assert b_waiting.wait(60)  # B is blocked on A's lock file, which A now removes
+    assert b_has_lock.wait(60)
     with pytest.raises(LockTimeout), global_lock(state, timeout=0.3):
         pass  # C: excluded, because B holds the lock file that now exists
     release_b.set()
-    t.join(5)
+    t.join(60)
     assert events == ["B in", "B out"]
 
 

@@ -1,7 +1,8 @@
 """Fault injection for tests: ENVCTL_FAULT makes a chosen step fail, hang or die at a chosen point.
 
 Syntax: comma-separated `ACTION@POINT:PATTERN` where
-  ACTION  fail | kill | sleep<SECONDS>
+  ACTION  fail | kill | sleep<SECONDS> | until=<PATH> (block until PATH exists: a test
+          holds envctl at a point for exactly as long as it needs, without timing luck)
   POINT   before (nothing journalled yet), apply (journalled, host not yet changed),
           after (host changed, not yet journalled as applied), remove (before a removal),
           fold (after the N-th file operation of folding a journal or the ledger)
@@ -56,3 +57,7 @@ def maybe_fault(point: str, key: str, index: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if action.startswith("sleep"):
             time.sleep(float(action[5:] or 1))
+        if action.startswith("until="):
+            deadline = time.monotonic() + 600
+            while not os.path.exists(action[6:]) and time.monotonic() < deadline:
+                time.sleep(0.01)
