@@ -43,8 +43,14 @@ class ModuleFact:
     or `missing` (`reason` says why: no /lib/modules/<release>, no file, no module support)."""
 
     state: str
+    # What `modprobe NAME` loads before it (modules.dep dependencies and `pre:` softdeps) and
+    # after it (`post:` softdeps), in its order; `soft` names the soft dependencies among them.
     deps: tuple[str, ...] = ()
     reason: str = ""
+    post: tuple[str, ...] = ()
+    soft: tuple[str, ...] = ()
+    # What envctl cannot follow about loading it (an install command in modprobe's config).
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,9 @@ class HostFacts:
     modules: dict[str, ModuleFact] = field(default_factory=dict)
     # CPUs that have cpufreq, each with its scaling_available_governors; empty: no cpufreq.
     cpufreq: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    # cpufreq policies by number (policyN), each with its CPUs (related_cpus): CPUs of one
+    # policy share one governor. A CPU in none of them is a policy of its own.
+    cpufreq_policies: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # The firewall backend `network.firewall: auto` means here (nftables or iptables).
     firewall: str = "nftables"
     # Extra facts contributed by resource families (cgroup layout, GPUs, firewall, …).

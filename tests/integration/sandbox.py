@@ -28,8 +28,12 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 class Sandbox:
-    def __init__(self, root: Path, *, config_dir: Path | None = None):
+    def __init__(self, root: Path, *, config_dir: Path | None = None,
+                 netns_mounted: bool = True):
+        """`netns_mounted=False`: /run/netns is a plain directory on a private tmpfs /run (a
+        host where nothing has mounted it yet), and the residue check includes mounts there."""
         self.root = root
+        self.netns_mounted = netns_mounted
         self.state = root / "state"
         self.run_dir = root / "run"
         self.config_dir = config_dir or root / "configs"
@@ -38,6 +42,8 @@ class Sandbox:
         fakes.mkdir(exist_ok=True)
         script = ["set -e", "mkdir -p /run/netns", "mount -t tmpfs envctl-test /run/netns",
                   "ip link set lo up"]
+        if not netns_mounted:
+            script[1:3] = ["mount -t tmpfs envctl-test-run /run", "mkdir /run/netns"]
         for rel in FAKED_SYSCTLS:
             real = Path("/proc/sys") / rel
             if real.exists():
@@ -128,6 +134,14 @@ class Sandbox:
         points = [line.split()[4] for line in text.splitlines()]
         return [p for p in points if any(p.startswith(x) for x in prefixes)]
 
+    def is_mount_point(self, path: str) -> bool:
+        text = Path(f"/proc/{self.pid}/mountinfo").read_text()
+        return any(line.split()[4] == path for line in text.splitlines())
+
+    def ip_tables_names(self) -> list[str]:
+        """The legacy xtables tables that exist in the sandbox's network namespace."""
+        return self.run("cat", "/proc/net/ip_tables_names", check=True).stdout.split()
+
     def journals(self) -> list[str]:
         d = self.state / "journal"
         files = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
@@ -150,6 +164,8 @@ class Sandbox:
             "state_dir": sorted(os.listdir(self.state)) if self.state.is_dir() else [],
             "cgroups": self.cgroups(),
         }
+        if not self.netns_mounted:
+            found["netns_dir"] = self.mounts_under("/run/netns")
         return {k: v for k, v in found.items() if v}
 
     def cgroups(self) -> list[str]:
@@ -190,15 +206,25 @@ class Sandbox:
 # ---------------------------------------------------------------- fake host trees (host tuning)
 
 # A stand-in for modprobe and rmmod over a fake tree (ENVCTL_KMOD_ROOT): proc/modules,
-# sys/module/NAME and lib/modules/RELEASE/modules.dep, logging each call to kmod.log.
+# sys/module/NAME, lib/modules/RELEASE/modules.dep and etc/modprobe.d/*.conf (softdep and install
+# lines), logging each call that may change something to kmod.log. Like kmod's modprobe: the
+# probe list is the module's dependencies (each with its soft dependencies), then its own `pre:`
+# softdeps, itself and its `post:` softdeps; -i/--ignore-install leaves out the named module's
+# own softdeps (and install command); -D/--show-depends prints the list and loads nothing; a
+# softdep that fails to load is skipped. Modules named in a `broken` file fail to load.
 FAKE_KMOD = r'''
 import os, shutil, sys
 from pathlib import Path
 
 root = Path(__file__).resolve().parent
 tool, args = sys.argv[1], sys.argv[2:]
-with open(root / "kmod.log", "a") as log:
-    log.write(" ".join([tool, *args]) + "\n")
+flags = {a for a in args if a.startswith("-")}
+args = [a for a in args if not a.startswith("-")]
+show = bool(flags & {"-D", "--show-depends"})
+alone = bool(flags & {"-i", "--ignore-install"})
+if not show:  # a dry run changes nothing: not logged
+    with open(root / "kmod.log", "a") as log:
+        log.write(" ".join([tool, *sorted(flags), *args]) + "\n")
 proc = root / "proc" / "modules"
 tree = root / "lib" / "modules" / os.uname().release
 
@@ -222,35 +248,99 @@ def norm(p):
 
 
 def deps_of(name):
+    # modules.dep order (nearest first), or None when the module is not installed.
     for line in (tree / "modules.dep").read_text().splitlines():
         path, _, deps = line.partition(":")
         if norm(path) == name:
             return [norm(d) for d in deps.split()]
-    sys.exit(print(f"modprobe: FATAL: Module {name} not found in directory {tree}",
-                   file=sys.stderr) or 1)
+    return None
 
 
-def insert(t, name, holder=None, options=()):
-    if name not in t:
-        for dep in reversed(deps_of(name)):
-            insert(t, dep, holder=name)
-        t[name] = [0, []]
-        d = root / "sys" / "module" / name
-        (d / "parameters").mkdir(parents=True, exist_ok=True)
-        (d / "initstate").write_text("live\n")
-        for opt in options:
-            k, _, v = opt.partition("=")
-            (d / "parameters" / k).write_text(v + "\n")
-    if holder is not None and holder not in t[name][1]:
-        t[name][0] += 1
-        t[name][1].append(holder)
+def config():
+    softdeps, install = {}, {}
+    conf = root / "etc" / "modprobe.d"
+    for f in sorted(conf.glob("*.conf")) if conf.is_dir() else ():
+        for line in f.read_text().splitlines():
+            words = line.split()
+            if words[:1] == ["softdep"]:
+                pre, post, into = [], [], None
+                for w in words[2:]:
+                    into = pre if w == "pre:" else post if w == "post:" else into
+                    if w not in ("pre:", "post:"):
+                        into.append(w.replace("-", "_"))
+                softdeps.setdefault(words[1].replace("-", "_"), (pre, post))
+            elif words[:1] == ["install"]:
+                install.setdefault(words[1].replace("-", "_"), " ".join(words[2:]))
+    return softdeps, install
+
+
+SOFTDEPS, INSTALL = config()
+
+
+def probe_list(name, out, visited, ignorecmd=False):
+    if name in visited:
+        return
+    visited.add(name)
+    for dep in reversed(deps_of(name) or []):
+        fill_softdep(dep, out, visited)
+    if ignorecmd:
+        out.append((name, True))
+    else:
+        fill_softdep(name, out, visited)
+
+
+def fill_softdep(name, out, visited):
+    pre, post = SOFTDEPS.get(name, ([], []))
+    for m in pre:
+        if deps_of(m) is not None:  # kmod skips a softdep it cannot find
+            probe_list(m, out, visited)
+    out.append((name, bool(pre or post)))
+    for m in post:
+        if deps_of(m) is not None:
+            probe_list(m, out, visited)
+
+
+def insert(t, name, options=()):
+    broken = root / "broken"
+    if broken.exists() and name in broken.read_text().split():
+        return f"could not insert '{name}': No such device"
+    t[name] = [0, []]
+    for dep in deps_of(name):  # the kernel counts each module that uses a dependency
+        t[dep][0] += 1
+        t[dep][1].append(name)
+    d = root / "sys" / "module" / name
+    (d / "parameters").mkdir(parents=True, exist_ok=True)
+    (d / "initstate").write_text("live\n")
+    for opt in options:
+        k, _, v = opt.partition("=")
+        (d / "parameters" / k).write_text(v + "\n")
+    return ""
 
 
 t = table()
 name = args[0].replace("-", "_")
 if tool == "modprobe":
-    insert(t, name, options=args[1:])
-    save(t)
+    if deps_of(name) is None:
+        sys.exit(print(f"modprobe: FATAL: Module {name} not found in directory {tree}",
+                       file=sys.stderr) or 1)
+    if name in t and not show:
+        sys.exit(0)
+    order = []
+    probe_list(name, order, set(), ignorecmd=alone)
+    required = {name, *(deps_of(name) or [])}
+    for m, ignorecmd in order:
+        opts = args[1:] if m == name else []
+        cmd = INSTALL.get(m) if not ignorecmd else None
+        if show:
+            print(f"install {cmd} {' '.join(opts)}" if cmd else
+                  f"insmod {tree}/kernel/drivers/{m}.ko.xz {' '.join(opts)}")
+        elif m not in t:
+            err = insert(t, m, opts)  # an install command here stands for plain loading
+            if err and m in required:
+                save(t)
+                sys.exit(print(f"modprobe: ERROR: {err}", file=sys.stderr) or 1)
+    if not show:
+        save(t)
 elif tool == "rmmod":
     if name not in t:
         sys.exit(print(f"rmmod: ERROR: Module {name} is not currently loaded",
@@ -269,11 +359,15 @@ elif tool == "rmmod":
 
 class FakeKmod:
     """A fake module tree and tools; `modules` maps each installable module to its
-    dependencies as modules.dep lists them (nearest first)."""
+    dependencies as modules.dep lists them (nearest first); `softdeps` maps a module to its
+    (pre, post) soft dependencies and `install` to an install command, both written to
+    etc/modprobe.d under the root; modules in `broken` fail to load."""
 
     def __init__(self, root: Path, modules: dict[str, list[str]], *,
                  loaded: dict[str, tuple[int, list[str]]] | None = None,
-                 builtin: tuple[str, ...] = ()):
+                 builtin: tuple[str, ...] = (),
+                 softdeps: dict[str, tuple[list[str], list[str]]] | None = None,
+                 install: dict[str, str] | None = None, broken: tuple[str, ...] = ()):
         self.root = root
         tree = root / "lib" / "modules" / os.uname().release
         tree.mkdir(parents=True, exist_ok=True)
@@ -281,6 +375,13 @@ class FakeKmod:
             f"kernel/drivers/{m}.ko.xz:{''.join(f' kernel/drivers/{d}.ko.xz' for d in deps)}\n"
             for m, deps in modules.items()))
         (tree / "modules.builtin").write_text("".join(f"kernel/{b}.ko\n" for b in builtin))
+        conf = root / "etc" / "modprobe.d"
+        conf.mkdir(parents=True, exist_ok=True)
+        (conf / "envctl-test.conf").write_text("".join(
+            [f"softdep {m} pre: {' '.join(pre)} post: {' '.join(post)}\n"
+             for m, (pre, post) in (softdeps or {}).items()]
+            + [f"install {m} {cmd}\n" for m, cmd in (install or {}).items()]))
+        (root / "broken").write_text(" ".join(broken))
         (root / "proc").mkdir(exist_ok=True)
         (root / "sys" / "module").mkdir(parents=True, exist_ok=True)
         self.script = root / "fake-kmod.py"
@@ -323,30 +424,50 @@ class FakeKmod:
 
 class FakeCpufreq:
     """A fake sysfs tree (ENVCTL_SYS_ROOT) with online CPUs and, per CPU that has cpufreq,
-    its governor and the governors it offers."""
+    its governor and the governors it offers. `policies` maps a policy number to its CPUs:
+    as in the kernel, devices/system/cpu/cpufreq/policyN holds the files (and related_cpus)
+    and each of its CPUs' cpufreq is a link to it; the policy's governor is governors[N]. A
+    CPU in no policy has its own cpufreq directory without related_cpus."""
 
     DEFAULT = ("performance", "powersave", "ondemand", "schedutil")
 
     def __init__(self, root: Path, governors: dict[int, str | None], *,
-                 available: dict[int, tuple[str, ...]] | None = None):
+                 available: dict[int, tuple[str, ...]] | None = None,
+                 policies: dict[int, tuple[int, ...]] | None = None):
         self.root = root
         cpu_dir = root / "devices" / "system" / "cpu"
         cpu_dir.mkdir(parents=True, exist_ok=True)
         (cpu_dir / "online").write_text(",".join(str(c) for c in sorted(governors)) + "\n")
+        in_policy = {c: n for n, cpus in (policies or {}).items() for c in cpus}
+        for n, cpus in (policies or {}).items():
+            d = cpu_dir / "cpufreq" / f"policy{n}"
+            self._files(d, governors[n], (available or {}).get(n, self.DEFAULT))
+            (d / "related_cpus").write_text(" ".join(map(str, cpus)) + "\n")
+            (d / "affected_cpus").write_text(" ".join(map(str, cpus)) + "\n")
         for cpu, gov in governors.items():
-            if gov is None:
-                (cpu_dir / f"cpu{cpu}").mkdir(exist_ok=True)  # no cpufreq on this one
-                continue
-            d = cpu_dir / f"cpu{cpu}" / "cpufreq"
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "scaling_governor").write_text(gov + "\n")
-            offered = (available or {}).get(cpu, self.DEFAULT)
-            (d / "scaling_available_governors").write_text(" ".join(offered) + " \n")
+            (cpu_dir / f"cpu{cpu}").mkdir(exist_ok=True)
+            if cpu in in_policy:
+                (cpu_dir / f"cpu{cpu}" / "cpufreq").symlink_to(
+                    f"../cpufreq/policy{in_policy[cpu]}")
+            elif gov is not None:  # None: no cpufreq on this one
+                self._files(cpu_dir / f"cpu{cpu}" / "cpufreq", gov,
+                            (available or {}).get(cpu, self.DEFAULT))
+
+    @staticmethod
+    def _files(d: Path, gov: str | None, offered: tuple[str, ...]) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "scaling_governor").write_text(f"{gov}\n")
+        (d / "scaling_available_governors").write_text(" ".join(offered) + " \n")
 
     def env(self) -> dict[str, str]:
         return {"ENVCTL_SYS_ROOT": str(self.root)}
 
     def governors(self) -> dict[int, str]:
+        """Each CPU's governor, read through its cpufreq (a link for CPUs of a policy)."""
         cpu_dir = self.root / "devices" / "system" / "cpu"
-        return {int(p.parent.parent.name[3:]): p.read_text().strip()
-                for p in sorted(cpu_dir.glob("cpu*/cpufreq/scaling_governor"))}
+        out = {}
+        for d in sorted(cpu_dir.glob("cpu[0-9]*")):
+            f = d / "cpufreq" / "scaling_governor"
+            if f.exists():
+                out[int(d.name[3:])] = f.read_text().strip()
+        return out

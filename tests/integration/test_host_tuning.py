@@ -96,14 +96,16 @@ def test_governor_per_cpu_saved_shared_and_restored(clean, cpufreq):
     sb.write_spec("a", spec("a", "  governor: performance\n"))
     sb.write_spec("b", spec("b", "  governor: {name: performance, cpus: all}\n"))
     plan = sb.envctl("plan", "a", env=env, check=True).stdout
-    assert "~ cpu governor cpu0 = performance  (governor: powersave -> performance)" in plan
-    assert "= cpu governor cpu3 = performance" in plan
+    # No related_cpus in this fake tree: each CPU is a cpufreq policy of its own.
+    assert ("~ cpu governor policy0 (cpu 0) = performance  (governor: powersave -> "
+            "performance)") in plan
+    assert "= cpu governor policy3 (cpu 3) = performance" in plan
     sb.envctl("up", "a", env=env, check=True)
     assert cpufreq.governors() == {c: "performance" for c in range(4)}
     sb.envctl("up", "b", env=env, check=True)
     steps, _ = steps_by_key(sb, "a", extra=env)
     assert "at down: restored performance -> schedutil (held with b" in \
-        steps["governor:cpu1"]["note"]
+        steps["governor:policy1"]["note"]
     sb.envctl("down", "a", env=env, check=True)
     assert cpufreq.governors() == {c: "performance" for c in range(4)}  # b holds them
     sb.envctl("down", "b", env=env, check=True)
@@ -248,6 +250,113 @@ def test_modules_with_different_options_refused(clean, kmod):
     assert kmod.log() == []
 
 
+def test_softdeps_envctl_loaded_go_the_hosts_stay_one_in_use_stays(clean, tmp_path):
+    sb = clean
+    # `softdep nvidia pre: ecc drm post: nvidia_uvm i2c`; the host had i2c loaded already.
+    kmod = FakeKmod(tmp_path / "kmod", {"nvidia": [], "ecc": [], "drm": [],
+                                        "nvidia_uvm": ["nvidia"], "i2c": []},
+                    loaded={"i2c": (0, [])},
+                    softdeps={"nvidia": (["ecc", "drm"], ["nvidia_uvm", "i2c"])})
+    env = kmod.env()
+    sb.write_spec("a", spec("a", "  modules: [nvidia]\n"))
+    plan = sb.envctl("plan", "a", env=env, check=True).stdout
+    assert "+ kernel module ecc (soft dependency)  (state: not loaded -> loaded)" in plan
+    assert "+ kernel module nvidia_uvm (soft dependency)" in plan
+    assert "= kernel module i2c (soft dependency)" in plan
+    sb.envctl("up", "a", env=env, check=True)
+    assert kmod.loaded() == ["drm", "ecc", "i2c", "nvidia", "nvidia_uvm"]
+    # Each alone, in modprobe's own order, so each snapshot precedes its own load.
+    assert kmod.log() == ["modprobe --ignore-install ecc", "modprobe --ignore-install drm",
+                          "modprobe --ignore-install nvidia",
+                          "modprobe --ignore-install nvidia_uvm"]
+    steps, _ = steps_by_key(sb, "a", extra=env)
+    assert "at down: unloaded: envctl loaded it" in steps["kmod:nvidia_uvm"]["note"]
+    assert "stays loaded: it was loaded before envctl" in steps["kmod:i2c"]["note"]
+    # Safe to re-run: with nvidia loaded the plan is the same chain, nothing is unloaded.
+    res = sb.envctl("up", "a", env=env, check=True)
+    assert len(kmod.log()) == 4, (kmod.log(), res.stdout)
+    kmod.use("ecc")  # a process opened it meanwhile
+    sb.envctl("down", "a", env=env, check=True)
+    assert kmod.loaded() == ["ecc", "i2c"]
+    assert kmod.log()[4:] == ["rmmod nvidia_uvm", "rmmod nvidia", "rmmod drm"]
+    assert sb.residue() == {}
+
+
+# ---------------------------------------------------------------- cpufreq policies
+
+
+def dedicated(name: str, cpu: int, governor: str) -> str:
+    return spec(name, f"  governor: {{name: {governor}, cpus: dedicated}}\n",
+                f"resources:\n  cpu: {{dedicated: [{cpu}]}}\n")
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs for two cpusets")
+def test_cpus_of_one_cpufreq_policy_share_one_governor_restored_once(clean, tmp_path):
+    sb = clean
+    fake = FakeCpufreq(tmp_path / "sysfs", {0: "powersave", 1: "powersave"},
+                       policies={0: (0, 1)})
+    env = fake.env()
+    sb.write_spec("a", dedicated("a", 1, "performance"))
+    sb.write_spec("b", dedicated("b", 0, "performance"))
+    res = sb.envctl("up", "a", env=env, check=True)
+    assert "cpu 0" in res.stderr and "policy0" in res.stderr  # a also changes cpu 0
+    assert fake.governors() == {0: "performance", 1: "performance"}
+    sb.envctl("up", "b", env=env, check=True)
+    steps, _ = steps_by_key(sb, "b", extra=env)
+    assert "at down: restored performance -> powersave (held with a" in \
+        steps["governor:policy0"]["note"]
+    sb.envctl("down", "a", env=env, check=True)
+    assert fake.governors() == {0: "performance", 1: "performance"}  # b runs on policy0
+    sb.envctl("down", "b", env=env, check=True)
+    assert fake.governors() == {0: "powersave", 1: "powersave"}
+    assert sb.residue() == {}
+
+
+def test_different_governors_on_cpus_of_one_policy_refused_before_any_change(clean, tmp_path):
+    sb = clean
+    fake = FakeCpufreq(tmp_path / "sysfs", {0: "powersave", 1: "powersave"},
+                       policies={0: (0, 1)})
+    env = fake.env()
+    sb.write_spec("a", dedicated("a", 1, "performance"))
+    sb.write_spec("b", dedicated("b", 0, "schedutil"))
+    res = sb.envctl("up", "a", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "b.yaml" in res.stderr and "policy0" in res.stderr
+    assert fake.governors() == {0: "powersave", 1: "powersave"}
+    assert sb.residue() == {}
+
+
+# ---------------------------------------------------------------- sysctl aliases (real kernel)
+
+
+def test_two_spellings_of_ip_forward_are_one_value_restored_once(clean):
+    sb = clean
+    sb.set_sysctl("net.ipv4.ip_forward", "0")
+    sb.write_spec("a", spec("a", "  sysctls:\n    net.ipv4.conf.all.forwarding: 1\n"))
+    sb.write_spec("b", spec("b", "  sysctls:\n    net.ipv4.ip_forward: 1\n"))
+    sb.envctl("up", "a", check=True)
+    sb.envctl("up", "b", check=True)
+    steps, _ = steps_by_key(sb, "b")
+    assert "at down: restored 1 -> 0 (held with a" in steps["sysctl:net.ipv4.ip_forward"]["note"]
+    sb.envctl("down", "a", check=True)
+    assert sb.sysctl("net.ipv4.ip_forward") == "1"  # b still holds it
+    sb.envctl("down", "b", check=True)
+    assert (sb.sysctl("net.ipv4.ip_forward"), sb.sysctl("net.ipv4.conf.all.forwarding")) == \
+        ("0", "0")
+    assert sb.residue() == {}
+
+
+def test_two_spellings_of_ip_forward_with_different_values_refused(clean):
+    sb = clean
+    sb.set_sysctl("net.ipv4.ip_forward", "0")
+    sb.write_spec("a", spec("a", "  sysctls:\n    net.ipv4.conf.all.forwarding: 0\n"))
+    sb.write_spec("b", spec("b", "  sysctls:\n    net.ipv4.ip_forward: 1\n"))
+    res = sb.envctl("up", "b")
+    assert res.returncode == 2, res.stderr
+    assert "net.ipv4.conf.all.forwarding=0" in res.stderr and "a.yaml" in res.stderr
+    assert sb.sysctl("net.ipv4.ip_forward") == "0" and sb.residue() == {}
+
+
 # ---------------------------------------------------------------- kill -9 mid-change
 
 ALL = """\
@@ -260,7 +369,7 @@ ALL = """\
 
 
 @pytest.mark.parametrize("key", ["sysctl:vm.zone_reclaim_mode", "kmod:nvidia", "kmod:nvidia_uvm",
-                                 "governor:cpu0", "governor:cpu2"])
+                                 "governor:policy0", "governor:policy2"])
 def test_kill_9_after_a_host_change_then_down_restores_everything(clean, kmod, cpufreq, key):
     sb = clean
     env = {**kmod.env(), **cpufreq.env()}

@@ -1,7 +1,10 @@
-"""CPU frequency governors under <sys>/devices/system/cpu/cpuN/cpufreq: read and write."""
+"""CPU frequency governors under <sys>/devices/system/cpu/cpuN/cpufreq: read and write, and
+which CPUs share one cpufreq policy (one governor for all of them)."""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 from envctl.errors import HostError
@@ -20,6 +23,23 @@ def read_available(sys_root: Path, cpu: int) -> tuple[str, ...] | None:
         return tuple((d / "scaling_available_governors").read_text().split())
     except OSError:
         return ()  # a driver without the list (intel_pstate active mode lists two): unknown
+
+
+def read_policy(sys_root: Path, cpu: int) -> tuple[int, tuple[int, ...]]:
+    """The cpufreq policy of `cpu` (which has cpufreq) and the CPUs it covers. The kernel keeps
+    one governor per policy: cpuN/cpufreq links to ../cpufreq/policyM, whose related_cpus
+    lists every CPU it covers (online or not). A CPU without related_cpus (an old kernel, a
+    driver with per-CPU policies) is a policy of its own."""
+    d = cpufreq_dir(sys_root, cpu)
+    try:
+        related = tuple(sorted(int(c) for c in (d / "related_cpus").read_text().split()))
+    except (OSError, ValueError):
+        return cpu, (cpu,)
+    if cpu not in related:
+        return cpu, (cpu,)  # not a list this CPU belongs to: trust nothing of it
+    found = re.fullmatch(r"policy(\d+)", os.path.basename(os.path.realpath(d)))
+    # Before policyN directories (kernels < 4.3) the first CPU of the policy named it.
+    return (int(found.group(1)) if found else related[0]), related
 
 
 class CpuFreq:

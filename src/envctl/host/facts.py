@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from envctl.facts import HostFacts, ModuleFact
 from envctl.host.cgroups import read_cgroup_facts
 from envctl.host.procfs import sysctl_path
+from envctl.spec.sysctls import canonical
 from envctl.spec.units import parse_cpu_list
 
 if TYPE_CHECKING:
@@ -50,13 +51,20 @@ def _firewall_backend() -> str:
 
 
 def read_module(kmod: KernelModules, name: str) -> ModuleFact:
-    from envctl.host.kmod import ABSENT
+    from envctl.host.kmod import BUILTIN, LOADED
 
     state = kmod.state(name)
-    if state != ABSENT:
+    if state == BUILTIN:
         return ModuleFact(state)
     found = kmod.availability(name)
-    return ModuleFact("available" if found.ok else "missing", found.deps, found.reason)
+    if state == LOADED:
+        # Its chain still, so that `up` re-run with the module loaded plans the same steps
+        # (and does not drop the dependencies an earlier run loaded); nothing when modules.dep
+        # does not know it.
+        return ModuleFact(state, found.deps, post=found.post, soft=found.soft) if found.ok \
+            else ModuleFact(state)
+    return ModuleFact("available" if found.ok else "missing", found.deps, found.reason,
+                      post=found.post, soft=found.soft, note=found.note)
 
 
 def read_cpufreq(sys_root: Path, cpus: tuple[int, ...]) -> dict[int, tuple[str, ...]]:
@@ -66,20 +74,29 @@ def read_cpufreq(sys_root: Path, cpus: tuple[int, ...]) -> dict[int, tuple[str, 
     return {cpu: avail for cpu, avail in found.items() if avail is not None}
 
 
+def read_cpufreq_policies(sys_root: Path, cpus: list[int]) -> dict[int, tuple[int, ...]]:
+    """The cpufreq policy of each of `cpus` (those with cpufreq), by policy number."""
+    from envctl.host.cpufreq import read_policy
+
+    return dict(read_policy(sys_root, cpu) for cpu in cpus)
+
+
 def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
            sysctls: frozenset[str] = frozenset(), modules: frozenset[str] = frozenset(),
            kmod: KernelModules | None = None, cpufreq: bool = False) -> HostFacts:
     """Read the facts once; cheap enough (a handful of small files) for every command.
     Modules (through `kmod`) and cpufreq are read only when a spec asks about them."""
     cpus = read_cpus(sys_root)
+    freq = read_cpufreq(sys_root, cpus) if cpufreq else {}
     return HostFacts(
         cpus=cpus,
         memory_bytes=read_memory(proc_root),
         numa_nodes=read_numa_nodes(sys_root),
         kernel=os.uname().release,
         firewall=_firewall_backend(),
-        sysctls=frozenset(n for n in sysctls if sysctl_path(proc_root, n).exists()),
+        sysctls=frozenset(canonical(n) for n in sysctls if sysctl_path(proc_root, n).exists()),
         modules={n.replace("-", "_"): read_module(kmod, n) for n in modules} if kmod else {},
-        cpufreq=read_cpufreq(sys_root, cpus) if cpufreq else {},
+        cpufreq=freq,
+        cpufreq_policies=read_cpufreq_policies(sys_root, sorted(freq)),
         cgroup=read_cgroup_facts(proc_root=proc_root, sys_root=sys_root),
     )

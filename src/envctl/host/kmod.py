@@ -41,11 +41,17 @@ class Usage:
 
 @dataclass(frozen=True)
 class Availability:
-    """Whether the module can be loaded on this kernel; `reason` says why not."""
+    """Whether the module can be loaded on this kernel; `reason` says why not. `deps` and
+    `post` are what `modprobe NAME` loads before and after it, in its order: the modules.dep
+    dependencies and soft dependencies (`soft` names the latter); `note` says what envctl
+    cannot follow (an install command)."""
 
     ok: bool
-    deps: tuple[str, ...] = ()  # from modules.dep, in the order modprobe loads them
+    deps: tuple[str, ...] = ()
     reason: str = ""
+    post: tuple[str, ...] = ()
+    soft: tuple[str, ...] = ()
+    note: str = ""
 
 
 def parse_proc_modules(text: str) -> dict[str, Usage]:
@@ -71,6 +77,20 @@ def parse_modules_dep(text: str, name: str) -> tuple[str, ...] | None:
             # one first.
             return tuple(reversed([_module_of(d) for d in deps.split()]))
     return None
+
+
+def parse_show_depends(text: str) -> tuple[str | None, ...]:
+    """What `modprobe --show-depends` prints, in load order: one module per `insmod PATH
+    [OPTIONS]` line, None per `install COMMAND` line (modprobe would run a command, which may
+    load anything); `builtin NAME` lines are left out (in the kernel image: nothing to load)."""
+    out: list[str | None] = []
+    for line in text.splitlines():
+        word, _, rest = line.partition(" ")
+        if word == "insmod" and rest.split():
+            out.append(_module_of(rest.split()[0]))
+        elif word == "install":
+            out.append(None)
+    return tuple(out)
 
 
 class KernelModules:
@@ -129,7 +149,8 @@ class KernelModules:
         return {_module_of(line.strip()) for line in text.splitlines() if line.strip()}
 
     def availability(self, name: str) -> Availability:
-        """Whether modprobe could load `name` here, from modules.dep (read, never run)."""
+        """Whether modprobe could load `name` here (modules.dep), and what else it would load
+        (its soft dependencies: `modprobe --show-depends`, a dry run that changes nothing)."""
         if not self.tree.is_dir():
             return Availability(False, reason=f"{self.tree} does not exist (no modules are "
                                               "installed for this kernel)")
@@ -147,7 +168,49 @@ class KernelModules:
         if not self.loadable():
             return Availability(False, reason=f"kernel {self.release} has no loadable-module "
                                               f"support ({self.proc_modules} is missing)")
-        return Availability(True, deps)
+        return self._with_softdeps(name, deps)
+
+    def _with_softdeps(self, name: str, deps: tuple[str, ...]) -> Availability:
+        """Split modprobe's own load order around `name`. modprobe loads a module's `pre:`
+        softdeps before it and its `post:` ones after it, for it and for each of its
+        dependencies (kmod's probe list, libkmod-module.c), so envctl plans each module of
+        that order as a resource of its own, in that order: each is snapshotted just before
+        it is loaded, and teardown (the reverse) unloads a post softdep before the module it
+        follows. Without softdeps it is modules.dep alone, as before."""
+        try:
+            order = self.show_depends(name)
+        except HostError as exc:
+            return Availability(True, deps, note=f"its soft dependencies are unknown ({exc})")
+        if None in order:
+            # An install command runs instead of a plain load: it may load anything.
+            return Availability(True, deps, note=(
+                f"modprobe's configuration runs an install command when loading it or a "
+                f"module it needs (modprobe --show-depends {name}); what that command loads "
+                "is not tracked"))
+        seen = list(dict.fromkeys(m for m in order if m is not None))  # first place wins
+        want = canonical(name)
+        soft = tuple(m for m in seen if m != want and m not in deps)
+        if want not in seen or not soft:
+            return Availability(True, deps)
+        at = seen.index(want)
+        return Availability(True, tuple(seen[:at]), post=tuple(seen[at + 1:]), soft=soft)
+
+    def show_depends(self, name: str) -> tuple[str | None, ...]:
+        """`modprobe --show-depends NAME`: what loading `name` would load, in order (see
+        parse_show_depends). Read-only: modprobe prints and changes nothing."""
+        argv = [*self.modprobe, "--show-depends", name]
+        what = f"read kernel module '{name}': modprobe --show-depends"
+        try:
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        except FileNotFoundError as exc:
+            raise HostError(f"{what}: not installed (Debian package kmod)") from exc
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise HostError(f"{what}: {exc}") from exc
+        if res.returncode != 0:
+            cause = (res.stderr or res.stdout).strip().splitlines()
+            raise HostError(f"{what}: "
+                            f"{cause[-1] if cause else f'exit status {res.returncode}'}")
+        return parse_show_depends(res.stdout)
 
     def _scan(self, name: str) -> Availability:
         # No modules.dep (depmod never ran): look for the file itself; dependencies unknown.
@@ -159,9 +222,13 @@ class KernelModules:
 
     # ------------------------------------------------------------------ changes
 
-    def load(self, name: str, options: Sequence[str] = ()) -> None:
-        """modprobe NAME [OPT=VAL …]: dependencies first, as kmod resolves them."""
-        self._run("load", name, "modprobe", [*self.modprobe, name, *options])
+    def load(self, name: str, options: Sequence[str] = (), *, alone: bool = False) -> None:
+        """modprobe NAME [OPT=VAL …]: dependencies first, as kmod resolves them. `alone`: not
+        its own soft dependencies (they are loaded as resources of their own): kmod's
+        --ignore-install leaves out the named module's softdeps and its install command, and
+        kmod ignores the install command of a module that has softdeps anyway."""
+        flags = ["--ignore-install"] if alone else []
+        self._run("load", name, "modprobe", [*self.modprobe, *flags, name, *options])
 
     def unload(self, name: str) -> None:
         """rmmod NAME: this module only. `modprobe -r` would also drop unused dependencies,

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from envctl.errors import HostError
+from envctl.spec.sysctls import proc_path
 
 
 def sysctl_path(proc_root: Path, name: str) -> Path:
-    return proc_root / "sys" / name.replace(".", "/")
+    """The file of sysctl `name` (either of sysctl(8)'s spellings, or a known alias)."""
+    return proc_root / "sys" / proc_path(name)
 
 
 def normalize(value: str) -> str:

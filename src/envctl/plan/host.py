@@ -7,6 +7,7 @@ Each item the host cannot honour is decided here, before any change, by its poli
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from envctl.facts import ModuleFact
@@ -15,6 +16,7 @@ from envctl.resources.governor import CpuGovernor
 from envctl.resources.kmod import KernelModule
 from envctl.resources.sysctl import Sysctl
 from envctl.spec.resolve import dedicated_cpus
+from envctl.spec.sysctls import canonical
 from envctl.spec.units import format_cpu_list
 
 if TYPE_CHECKING:
@@ -43,11 +45,13 @@ def _missing(plan: Plan, policy: str, loc: Loc, msg: str) -> None:
 
 def _plan_sysctls(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     for name, item in spec.host.sysctls.items():
-        if name not in facts.sysctls:
+        if name not in facts.sysctls and canonical(name) not in facts.sysctls:
             _missing(plan, item.policy, ("host", "sysctls", name),
                      f"this kernel ({facts.kernel}) has no sysctl {name}")
             continue
-        plan.add(Sysctl(name, item.value), ("host", "sysctls", name))
+        # Canonical: two spellings of one value (in this spec or another) are one resource,
+        # so one memo is taken and restored once; differing values are a plan error here.
+        plan.add(Sysctl(canonical(name), item.value), ("host", "sysctls", name))
 
 
 def module_name(name: str) -> str:
@@ -61,6 +65,20 @@ def module_options(mod: Module) -> tuple[str, ...]:
 
 def _plan_modules(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     listed = {module_name(m.name): m for m in spec.host.modules}
+    # Every module to load, by name, in the order of the first chain that needs it.
+    chain: dict[str, tuple[KernelModule, Loc]] = {}
+
+    def need(name: str, fact: ModuleFact, loc: Loc) -> None:
+        spec_mod = listed.get(name)
+        res = KernelModule(name, module_options(spec_mod) if spec_mod else (),
+                           alone=bool(fact.soft), soft=name in fact.soft and spec_mod is None)
+        if name in chain:
+            # One module in two chains: loaded alone if either loads it so (that chain has
+            # its softdeps as resources), soft only if soft in both.
+            old = chain[name][0]
+            res = replace(old, alone=old.alone or res.alone, soft=old.soft and res.soft)
+        chain[name] = (res, chain[name][1] if name in chain else loc)
+
     for i, mod in enumerate(spec.host.modules):
         name = module_name(mod.name)
         loc: Loc = ("host", "modules", i)
@@ -74,12 +92,19 @@ def _plan_modules(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
             how = "loaded" if fact.state == "loaded" else "built into the kernel"
             plan.warn(f"kernel module {mod.name} is already {how}: its options "
                       f"({' '.join(module_options(mod))}) are not applied")
-        # Dependencies are resources of their own, before the module: teardown unloads each
-        # only when envctl loaded it and nothing (another environment included) holds it.
+        if fact.note:
+            plan.warn(f"kernel module {mod.name}: {fact.note}")
+        # What modprobe loads with it are resources of their own, in modprobe's order: its
+        # dependencies and `pre:` softdeps before it, `post:` softdeps after it. Teardown (the
+        # reverse) unloads each only when envctl loaded it and nothing (another environment
+        # included) holds it.
         for dep in fact.deps:
-            dep_spec = listed.get(dep)
-            plan.add(KernelModule(dep, module_options(dep_spec) if dep_spec else ()), loc)
-        plan.add(KernelModule(name, module_options(mod)), loc)
+            need(dep, fact, loc)
+        need(name, fact, loc)
+        for dep in fact.post:
+            need(dep, fact, loc)
+    for res, loc in chain.values():
+        plan.add(res, loc)
 
 
 def governor_cpus(spec: EnvSpec, facts: HostFacts) -> tuple[int, ...]:
@@ -115,27 +140,52 @@ def _plan_governor(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         _missing(plan, gov.policy, loc + ("name",),
                  f"governor {gov.name} is not offered by cpu {format_cpu_list(lacking)} "
                  f"(scaling_available_governors: {offered})")
-    for cpu in cpus:
-        if cpu not in no_freq and cpu not in lacking:
-            plan.add(CpuGovernor(cpu, gov.name), loc)
+    # One resource per cpufreq policy: the kernel has one governor for all its CPUs.
+    usable = [c for c in cpus if c not in no_freq and c not in lacking]
+    policies: dict[int, tuple[int, ...]] = {}
+    for cpu in usable:
+        number, members = cpufreq_policy(cpu, facts)
+        policies.setdefault(number, members)
+    for number, members in policies.items():
+        # A policy reaching past the environment's CPUs changes the others' governor too.
+        others = [c for c in members if c not in cpus and c in facts.cpus]
+        if others:
+            plan.warn(f"governor {gov.name} on cpu "
+                      f"{format_cpu_list([c for c in members if c in cpus])} also applies to "
+                      f"cpu {format_cpu_list(others)}: they share cpufreq policy{number}, "
+                      "which has one governor")
+        plan.add(CpuGovernor(number, members, gov.name), loc)
+
+
+def cpufreq_policy(cpu: int, facts: HostFacts) -> tuple[int, tuple[int, ...]]:
+    """The cpufreq policy of `cpu` (its number and CPUs); a CPU in none is its own."""
+    for number, members in facts.cpufreq_policies.items():
+        if cpu in members:
+            return number, members
+    return cpu, (cpu,)
 
 
 def find_host_conflicts(specs: list[LoadedSpec], facts: HostFacts) -> list[Problem]:
-    """Host tuning two environments want differently: a governor on a CPU both set, or one
-    module with different options. (Differing sysctl values are found in spec.conflicts.)"""
+    """Host tuning two environments want differently: a governor on a cpufreq policy both
+    set (on one CPU, or on two CPUs of one policy), or one module with different options.
+    (Differing sysctl values are found in spec.conflicts.)"""
     problems: list[Problem] = []
-    governors: dict[int, tuple[LoadedSpec, str]] = {}
+    governors: dict[int, tuple[LoadedSpec, str, int]] = {}
     modules: dict[str, tuple[LoadedSpec, tuple[str, ...]]] = {}
     for ls in specs:
         gov = ls.spec.host.governor
         for cpu in governor_cpus(ls.spec, facts) if gov else ():
-            first = governors.setdefault(cpu, (ls, gov.name))
+            number, members = cpufreq_policy(cpu, facts)
+            first = governors.setdefault(number, (ls, gov.name, cpu))
             if first[1] != gov.name:
+                why = "one cpu has one governor" if first[2] == cpu else \
+                    f"cpu {format_cpu_list(members)} share cpufreq policy{number}, which " \
+                    "has one governor"
                 problems.append(ls.problem(
                     ("host", "governor", "name"),
                     f"wants governor {gov.name} on cpu {cpu} but environment "
-                    f"'{first[0].spec.name}' ({first[0].path}) wants {first[1]}; one cpu has "
-                    "one governor"))
+                    f"'{first[0].spec.name}' ({first[0].path}) wants {first[1]} on cpu "
+                    f"{first[2]}; {why}"))
                 break
         for i, mod in enumerate(ls.spec.host.modules):
             opts = module_options(mod)

@@ -20,19 +20,26 @@ class KernelModule(Resource):
     the first of them decides whether the last one unloads it.
 
     Options apply only when envctl loads the module: one the host already had keeps its own.
+
+    Soft dependencies (modprobe's `softdep`) are resources of their own around the module that
+    wants them, like its modules.dep dependencies; then each module of the chain is loaded
+    `alone` (its own softdeps left to their resources), so each snapshot is taken before its
+    own load, and `soft` marks one modprobe would go on without.
     """
 
     kind = "kmod"
     shared = True
     name: str
     options: tuple[str, ...] = ()
+    alone: bool = False
+    soft: bool = False
 
     def ident(self) -> str:
         return self.name
 
     def describe(self) -> str:
         opts = f" {' '.join(self.options)}" if self.options else ""
-        return f"kernel module {self.name}{opts}"
+        return f"kernel module {self.name}{opts}{' (soft dependency)' if self.soft else ''}"
 
     def check(self, host: Host) -> Check:
         state = host.kmod.state(self.name)
@@ -48,9 +55,16 @@ class KernelModule(Resource):
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         if host.kmod.state(self.name) != ABSENT:
             return  # already loaded (or built in): nothing to do
-        host.kmod.load(self.name, self.options)
+        try:
+            host.kmod.load(self.name, self.options, alone=self.alone)
+        except HostError:
+            if self.soft:
+                # modprobe goes on without a soft dependency that fails to load (it is
+                # optional by definition); so does envctl: `status` shows it missing.
+                return
+            raise
         # modprobe exits 0 for a name its config maps elsewhere: verify, never assume.
-        if host.kmod.state(self.name) == ABSENT:
+        if host.kmod.state(self.name) == ABSENT and not self.soft:
             raise HostError(f"load kernel module '{self.name}': modprobe succeeded but "
                             f"{self.name} is not in {host.kmod.proc_modules}")
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from envctl.errors import HostError
 from envctl.host.procfs import normalize
 from envctl.resources.base import Check, Resource
+from envctl.spec.sysctls import canonical
 
 if TYPE_CHECKING:
     from envctl.host.context import Host
@@ -16,12 +17,20 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Sysctl(Resource):
     """`name` = `value`. Shared: environments wanting the same value hold it together and the
-    value found before the first of them is restored when the last one goes."""
+    value found before the first of them is restored when the last one goes.
+
+    The name is canonical (envctl.spec.sysctls): two spellings of one kernel value, such as
+    net.ipv4.conf.all.forwarding and net.ipv4.ip_forward, are one resource and one ledger key,
+    so the value found is remembered once and restored once.
+    """
 
     kind = "sysctl"
     shared = True
     name: str
     value: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", canonical(self.name))
 
     def ident(self) -> str:
         return self.name

@@ -1,6 +1,7 @@
 """What an environment holds that no other may have while it is up (its address, host ports,
-dedicated CPUs, GPUs, derived interface name), and the conflicts of specs with environments that
-are up but not among the specs read now (a renamed spec, another config directory). Pure.
+dedicated CPUs, GPUs, derived interface name, the value of each sysctl), and the conflicts of
+specs with environments that are up but not among the specs read now (a renamed spec, another
+config directory). Pure.
 
 `up` records an environment's claims in its journal; commands that change the host read them
 back for every environment that is up, so a spec elsewhere cannot take what it holds."""
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from envctl.spec.naming import host_veth
 from envctl.spec.resolve import dedicated_cpus
+from envctl.spec.sysctls import canonical
 
 if TYPE_CHECKING:
     from envctl.errors import Problem
@@ -40,6 +42,11 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
             cpus = ()
     if cpus:
         out["cpus"] = list(cpus)
+    sysctls = {canonical(name): item.value for name, item in spec.host.sysctls.items()}
+    if net is not None and (net.nat or net.ports):
+        sysctls.setdefault("net.ipv4.ip_forward", "1")  # the network plan turns it on
+    if sysctls:
+        out["sysctls"] = sysctls
     gpus = spec.gpus
     if gpus.wanted:
         out["gpus"] = {"all": gpus.all, "indices": list(gpus.indices),
@@ -89,6 +96,11 @@ def _clashes(mine: dict[str, Any], theirs: dict[str, Any]) -> list[tuple[tuple, 
         out.append((("resources", "cpu", "dedicated"),
                     f"dedicated CPU{'s' if len(shared) > 1 else ''} "
                     f"{', '.join(map(str, shared))}"))
+    for name, value in sorted(mine.get("sysctls", {}).items()):
+        have = theirs.get("sysctls", {}).get(name)
+        if have is not None and " ".join(have.split()) != " ".join(value.split()):
+            out.append((("host", "sysctls", name), f"{name} (set to {have}; this spec wants "
+                                                   f"{value}, and one host value serves both)"))
     mg, tg = mine.get("gpus"), theirs.get("gpus")
     if mg and tg:
         if mg["all"] or tg["all"]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from envctl.errors import Problem
 from envctl.spec.naming import host_veth
 from envctl.spec.resolve import dedicated_cpus
+from envctl.spec.sysctls import canonical
 
 if TYPE_CHECKING:
     from envctl.facts import HostFacts
@@ -75,19 +76,27 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
                 claim(ports, (pf.host, pf.protocol), ls, ("network", "ports", i),
                       f"host port {pf.host}/{pf.protocol}")
 
-        wanted_sysctls = {name: item.value for name, item in s.host.sysctls.items()}
+        # By canonical name: two spellings of one kernel value (net.ipv4.conf.all.forwarding and
+        # net.ipv4.ip_forward) are one value; `spelled` keeps the name each spec used.
+        wanted_sysctls = {canonical(name): item.value for name, item in s.host.sysctls.items()}
+        spelled = {canonical(name): name for name in s.host.sysctls}
         if net is not None and (net.nat or net.ports):
             # The network plan needs forwarding on; another environment must not want it off.
             wanted_sysctls.setdefault("net.ipv4.ip_forward", "1")
-        for name, value in wanted_sysctls.items():
-            seen_sysctl = sysctls.get(name)
+        for key, value in wanted_sysctls.items():
+            name = spelled.get(key, key)
+            seen_sysctl = sysctls.get(key)
             if seen_sysctl and seen_sysctl[1] != value:
                 loc = ("host", "sysctls", name) if name in s.host.sysctls else ("network",)
+                other = next((n for n in seen_sysctl[0].spec.host.sysctls if canonical(n) == key),
+                             key)
+                theirs = seen_sysctl[1] if other == name else \
+                    f"{other}={seen_sysctl[1]} (the same kernel value)"
                 problems.append(ls.problem(
                     loc,
                     f"wants {name}={value} but environment '{seen_sysctl[0].spec.name}' "
-                    f"({seen_sysctl[0].path}) wants {seen_sysctl[1]}; one host value serves both"))
-            sysctls.setdefault(name, (ls, value))
+                    f"({seen_sysctl[0].path}) wants {theirs}; one host value serves both"))
+            sysctls.setdefault(key, (ls, value))
 
         mx = s.resources.memory.max
         if mx is not None and facts is not None:
