@@ -77,8 +77,8 @@ class Workspace:
         elif facts is None:
             facts = _facts_for([ls.spec for ls in specs], host)
         problems += find_conflicts(specs, facts)
+        problems += find_host_conflicts(specs, facts)  # governors, module options
         if facts is not None:
-            problems += find_host_conflicts(specs, facts)  # governors, module options
             problems += held_conflicts(specs, _held(host, {ls.spec.name for ls in specs}),
                                        facts)
         if problems:

@@ -299,3 +299,17 @@ def test_specs_others_can_write_are_refused_for_up_but_fine_to_plan(capsys, monk
     code, _, err = run(capsys, "--config-dir", str(d), "up", "a")
     assert code == 2 and f"{d} is owned by uid 1000, not root" in err
     assert not (tmp_path / "state").exists()
+
+
+def test_validate_without_a_host_still_finds_what_the_specs_alone_decide(capsys, tmp_path):
+    d = tmp_path / "specs"
+    d.mkdir()
+    (d / "a.yaml").write_text("name: a\nkind: cpu\nhost:\n  governor: performance\n"
+                              "  modules: [{name: dummy, options: {numdummies: 2}}]\n")
+    (d / "b.yaml").write_text("name: b\nkind: cpu\nresources: {cpu: {dedicated: [1]}}\n"
+                              "host:\n  governor: {name: powersave, cpus: dedicated}\n"
+                              "  modules: [{name: dummy, options: {numdummies: 3}}]\n")
+    code, _, err = run(capsys, "validate", str(d))
+    assert code == 2
+    assert "wants governor powersave on cpu 1 but environment 'a'" in err
+    assert "loads dummy with options 'numdummies=3'" in err

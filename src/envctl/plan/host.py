@@ -165,16 +165,20 @@ def cpufreq_policy(cpu: int, facts: HostFacts) -> tuple[int, tuple[int, ...]]:
     return cpu, (cpu,)
 
 
-def find_host_conflicts(specs: list[LoadedSpec], facts: HostFacts) -> list[Problem]:
+def find_host_conflicts(specs: list[LoadedSpec], facts: HostFacts | None) -> list[Problem]:
     """Host tuning two environments want differently: a governor on a cpufreq policy both
     set (on one CPU, or on two CPUs of one policy), or one module with different options.
-    (Differing sysctl values are found in spec.conflicts.)"""
+    (Differing sysctl values are found in spec.conflicts.) Without `facts` (`validate`, the
+    same on any machine) governors are compared only where the specs alone decide: all CPUs,
+    or listed dedicated CPUs."""
     problems: list[Problem] = []
     governors: dict[int, tuple[LoadedSpec, str, int]] = {}
     modules: dict[str, tuple[LoadedSpec, tuple[str, ...]]] = {}
+    if facts is None:
+        problems += _pure_governor_conflicts(specs)
     for ls in specs:
         gov = ls.spec.host.governor
-        for cpu in governor_cpus(ls.spec, facts) if gov else ():
+        for cpu in governor_cpus(ls.spec, facts) if gov and facts is not None else ():
             number, members = cpufreq_policy(cpu, facts)
             first = governors.setdefault(number, (ls, gov.name, cpu))
             if first[1] != gov.name:
@@ -196,4 +200,36 @@ def find_host_conflicts(specs: list[LoadedSpec], facts: HostFacts) -> list[Probl
                     f"loads {mod.name} with options '{' '.join(opts)}' but environment "
                     f"'{first_mod[0].spec.name}' ({first_mod[0].path}) uses "
                     f"'{' '.join(first_mod[1])}'; a module is loaded once for all"))
+    return problems
+
+
+def _pure_governor_conflicts(specs: list[LoadedSpec]) -> list[Problem]:
+    """Governor conflicts the specs decide without a host: `cpus: all` meets every other
+    environment's governor; listed dedicated CPUs meet where the lists overlap. (CPUs reserved
+    by count, and cpufreq policies, depend on the host: `validate --host` checks those.)"""
+    problems: list[Problem] = []
+    seen: list[tuple[LoadedSpec, str, set[int] | None]] = []  # None: every CPU
+    for ls in specs:
+        gov = ls.spec.host.governor
+        if gov is None:
+            continue
+        ded = ls.spec.resources.cpu.dedicated
+        if gov.cpus == "all":
+            cpus: set[int] | None = None
+        elif isinstance(ded, tuple):
+            cpus = set(ded)
+        else:
+            continue
+        for other, name, theirs in seen:
+            both = None if cpus is None and theirs is None else \
+                (cpus if theirs is None else theirs if cpus is None else cpus & theirs)
+            if name != gov.name and (both is None or both):
+                where = "every cpu" if both is None else f"cpu {format_cpu_list(sorted(both))}"
+                problems.append(ls.problem(
+                    ("host", "governor", "name"),
+                    f"wants governor {gov.name} on {where} but environment "
+                    f"'{other.spec.name}' ({other.path}) wants {name} there; one cpu has one "
+                    "governor"))
+                break
+        seen.append((ls, gov.name, cpus))
     return problems
