@@ -105,3 +105,14 @@ def test_implicit_ip_forward_of_nat_conflicts_with_an_explicit_zero(tmp_path):
         "b.yaml": spec("b", extra="host:\n  sysctls: {net.ipv4.ip_forward: 0}\n"),
     })
     assert "net.ipv4.ip_forward=0" in str(found[0]) and "a.yaml" in str(found[0])
+
+
+def test_shares_of_memory_over_100_percent_are_refused_on_any_machine(tmp_path):
+    from envctl.spec.conflicts import find_conflicts
+    from envctl.spec.loader import parse_spec
+
+    specs = [parse_spec(f"name: {n}\nkind: cpu\nresources: {{memory: {{max: {pct}%}}}}\n",
+                        f"{n}.yaml") for n, pct in (("a", 90), ("b", 70))]
+    found = [str(p) for p in find_conflicts(specs, None)]
+    assert found == ["b.yaml:3:22: resources.memory.max: memory limits add up to 160% of host "
+                     "memory (a 90%, b 70%), more than all of it"]

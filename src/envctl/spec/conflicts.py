@@ -102,6 +102,16 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
         if mx is not None and facts is not None:
             memory.append((ls, mx.resolve(facts.memory_bytes)))
 
+    shares = [(ls, ls.spec.resources.memory.max.percent) for ls in specs
+              if ls.spec.resources.memory.max is not None
+              and ls.spec.resources.memory.max.percent is not None]
+    if facts is None and sum(p for _, p in shares) > 100:
+        # Shares of host memory add up the same on every host.
+        parts = ", ".join(f"{ls.spec.name} {p:g}%" for ls, p in shares)
+        problems.append(shares[-1][0].problem(
+            ("resources", "memory", "max"),
+            f"memory limits add up to {sum(p for _, p in shares):g}% of host memory "
+            f"({parts}), more than all of it"))
     if facts is not None and memory:
         total = sum(b for _, b in memory)
         if total > facts.memory_bytes:
