@@ -47,6 +47,19 @@ def _nearest_mark(marks: dict[Loc, tuple[int, int]], loc: Loc) -> tuple[int | No
     return None, None
 
 
+# A spec is a few hundred values. YAML aliases repeat a node without repeating its text, so
+# ten levels of ten aliases each make ten billion values from a few hundred bytes.
+MAX_VALUES = 100_000
+
+
+class _Unbuildable(Exception):
+    """The YAML cannot become plain data: it refers to itself or expands past MAX_VALUES."""
+
+    def __init__(self, message: str, node: yaml.Node):
+        super().__init__(message)
+        self.at = (node.start_mark.line + 1, node.start_mark.column + 1)
+
+
 class _Builder:
     """Turns a composed YAML node tree into plain data, remembering each value's position."""
 
@@ -56,9 +69,26 @@ class _Builder:
         self.key_marks: dict[Loc, tuple[int, int]] = {}
         self.problems: list[Problem] = []
         self._constructor = yaml.SafeLoader("")
+        self._budget = MAX_VALUES
+        self._open: set[int] = set()  # collections being built: an alias to one is a cycle
 
     def build(self, node: yaml.Node, loc: Loc = ()) -> Any:
         self.marks[loc] = (node.start_mark.line + 1, node.start_mark.column + 1)
+        self._budget -= 1
+        if self._budget < 0:
+            raise _Unbuildable(f"the spec expands to more than {MAX_VALUES} values (YAML "
+                               "aliases repeat what they refer to); write the values out", node)
+        if isinstance(node, yaml.MappingNode | yaml.SequenceNode):
+            if id(node) in self._open:
+                raise _Unbuildable("a YAML alias refers to a value that contains itself", node)
+            self._open.add(id(node))
+            try:
+                return self._build_collection(node, loc)
+            finally:
+                self._open.discard(id(node))
+        return self._constructor.construct_object(node, deep=True)
+
+    def _build_collection(self, node: yaml.Node, loc: Loc) -> Any:
         if isinstance(node, yaml.MappingNode):
             out: dict[Any, Any] = {}
             for key_node, value_node in node.value:
@@ -73,9 +103,7 @@ class _Builder:
                                                 key_node.start_mark.column + 1)
                 out[key] = self.build(value_node, loc + (key,))
             return out
-        if isinstance(node, yaml.SequenceNode):
-            return [self.build(item, loc + (i,)) for i, item in enumerate(node.value)]
-        return self._constructor.construct_object(node, deep=True)
+        return [self.build(item, loc + (i,)) for i, item in enumerate(node.value)]
 
     def _problem(self, node: yaml.Node, loc: Loc, message: str) -> None:
         self.problems.append(Problem(self.path, node.start_mark.line + 1,
@@ -159,7 +187,10 @@ def parse_spec(text: str, path: str) -> LoadedSpec:
         what = "is empty" if not nodes else "holds several YAML documents"
         raise SpecError([Problem(path, 1, 1, "", f"file {what}: one environment per file")])
     builder = _Builder(path)
-    data = builder.build(nodes[0])
+    try:
+        data = builder.build(nodes[0])
+    except _Unbuildable as exc:
+        raise SpecError([Problem(path, *exc.at, "", str(exc))]) from None
     if not isinstance(data, dict):
         raise SpecError([Problem(path, 1, 1, "", "a spec is a mapping with name, kind, …")])
     marks = {**builder.marks, **{k: v for k, v in builder.key_marks.items()}}

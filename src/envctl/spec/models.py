@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 import shlex
 from typing import Annotated, Any, Literal
@@ -10,14 +11,105 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
-    Field,
+    Discriminator,
     StringConstraints,
+    Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from envctl.spec.units import parse_cpu_list, parse_percent, parse_size
+
+# ---------------------------------------------------------------- what the kernel takes
+# Each bound is what the kernel (or systemd) accepts; past it a write fails half-way through
+# `up` or, worse, wraps around to a small number.
+
+PAGE = 4096
+# CPU and memory-node numbers: above any kernel's NR_CPUS (8192) and MAX_NUMNODES (1024), and
+# small enough that a range like 0-65535 expands cheaply.
+CPU_MAX = 65_535
+# Memory limits are parsed as unsigned 64-bit and wrap past it; 2^62 (4096P) leaves room for
+# v1's memory+swap sum (memory.memsw.limit_in_bytes = max + swap_max).
+BYTES_MAX = 1 << 62
+# The kernel refuses a CFS quota below 1 ms per period.
+QUOTA_MIN_US = 1000
+# Percent of one CPU: 100 for each of CPU_MAX + 1 CPUs, well inside cpu.max (2^44 µs per
+# period) and systemd's CPUQuota= (2^31 / 100 %).
+QUOTA_MAX = 100 * (CPU_MAX + 1)
+# PID_MAX_LIMIT on 64-bit: pids.max refuses anything larger.
+PIDS_MAX = 4 * 1024 * 1024
+# /dev/nvidiaN is char 195:N, and minors 254 and 255 are nvidia-modeset and nvidiactl.
+GPU_INDEX_MAX = 253
+# systemd takes far longer; a day between restarts is a service that is down, or a typo.
+RESTART_SEC_MAX = 86_400
+# sysctl integers are read as 64-bit (signed or not, per sysctl); longer is always EINVAL.
+SYSCTL_INT = (-(1 << 63), (1 << 64) - 1)
+
+
+def _shown(v: Any) -> str:
+    """A value as the spec's YAML spells it, short, for one-line errors."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, float) and not math.isfinite(v):
+        return ".nan" if math.isnan(v) else ("-.inf" if v < 0 else ".inf")
+    if isinstance(v, list | tuple):
+        return "a list"
+    if isinstance(v, dict):
+        return "a mapping"
+    text = repr(v) if isinstance(v, str) else str(v)  # repr: control characters stay visible
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _whole(lo: int, hi: int, unit: str = "") -> BeforeValidator:
+    """An integer field from `lo` to `hi`, checked before pydantic's own coercion, which
+    would take YAML's `true` as 1, `1.0` as 1 and a quoted '5' as 5."""
+
+    def check(v: Any) -> Any:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                              or not lo <= v <= hi):
+            raise ValueError(f"must be a whole number from {lo} to {hi}{unit}, not {_shown(v)}")
+        return v
+
+    return BeforeValidator(check)
+
+
+def _flag(v: Any) -> Any:
+    # YAML's own true/false (and yes/no, on/off): pydantic would also take 1, 0 and 'y'.
+    if not isinstance(v, bool):
+        raise ValueError(f"must be true or false, not {_shown(v)}")
+    return v
+
+
+def _pattern(regex: str, rule: str) -> AfterValidator:
+    """A string matching `regex`; `rule` says in words what is allowed."""
+    compiled = re.compile(regex)
+
+    def check(v: str) -> str:
+        if not compiled.fullmatch(v):
+            raise ValueError(f"{rule}, not {_shown(v)}")
+        return v
+
+    return AfterValidator(check)
+
+
+def _no_nul(v: str) -> str:
+    # Paths and argv go to the kernel as C strings: a NUL would cut them short (Python refuses).
+    if "\0" in v:
+        raise ValueError(f"cannot hold a NUL byte, not {_shown(v)}")
+    return v
+
+
+def _no_control(v: str) -> str:
+    if any(c < " " or c == "\x7f" for c in v):
+        raise ValueError(f"must not contain control characters (newlines, NUL, escapes), "
+                         f"not {_shown(v)}")
+    return v
+
 
 # Lowercase hostname label, at most 32 characters: valid as a netns name, a cgroup
 # directory, a systemd unit name (after escaping '-') and a UTS hostname.
@@ -37,16 +129,24 @@ def _ifname(v: str) -> str:
 IfName = Annotated[
     str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,15}$"), AfterValidator(_ifname)
 ]
-EnvVarName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-SysctlName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]+(?:\.[A-Za-z0-9_-]+)+$")]
-# A leading '-' would make modprobe read the name as an option.
-ModuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,54}$")]
-# Module parameters: modprobe parses `key=value` after the name as options too, so keys are
-# plain identifiers and values carry no whitespace control characters.
-ModuleOptionKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")]
-ModuleOptionValue = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f]*$")]
+EnvVarName = Annotated[str, _pattern(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name "
+                                     "is letters, digits and '_', not starting with a digit")]
+SysctlName = Annotated[str, _pattern(
+    r"[a-z0-9_]+(?:\.[A-Za-z0-9_-]+)+", "a sysctl name is dotted, like net.ipv4.ip_forward: "
+    "a-z, 0-9 and '_' before the first dot, then letters, digits, '_' and '-'")]
+# A leading '-' would make modprobe read the name as an option; MODULE_NAME_LEN is 56 with NUL.
+ModuleName = Annotated[str, _pattern(
+    r"[A-Za-z0-9][A-Za-z0-9_-]{0,54}", "a module name is 1-55 letters, digits, '_' and '-', "
+    "starting with a letter or digit (not '-': modprobe would read an option)")]
+ModuleOptionKey = Annotated[str, _pattern(
+    r"[A-Za-z_][A-Za-z0-9_.]*", "a module option's name is letters, digits, '_' and '.', "
+    "starting with a letter or '_'")]
 Policy = Literal["required", "best-effort"]
-Port = Annotated[int, Field(ge=1, le=65535)]
+Port = Annotated[int, _whole(1, 65535)]
+Weight = Annotated[int | None, _whole(1, 10_000)]
+Flag = Annotated[bool, BeforeValidator(_flag)]
+# Something the kernel takes as a path or a name: one line, no NUL.
+PathText = Annotated[str, AfterValidator(_no_control)]
 
 
 class Strict(BaseModel):
@@ -54,6 +154,7 @@ class Strict(BaseModel):
 
 
 def _abs_path(value: str, what: str) -> str:
+    _no_control(value)
     if not value.startswith("/"):
         raise ValueError(f"{what} must be an absolute path, got '{value}'")
     if any(part == ".." for part in value.split("/")):
@@ -76,14 +177,25 @@ class PortForward(Strict):
     def _shorthand(cls, data: Any) -> Any:
         # `8888` or "8888" means host 8888 -> env 8888/tcp; "8080:80/udp" the long form.
         if isinstance(data, int) and not isinstance(data, bool):
-            return {"host": data, "port": data}
+            return {"host": _port(data), "port": _port(data)}
         if isinstance(data, str):
-            m = re.fullmatch(r"(\d+)(?::(\d+))?(?:/(tcp|udp))?", data.strip())
+            m = re.fullmatch(r"([0-9]+)(?::([0-9]+))?(?:/(tcp|udp))?", data.strip())
             if not m:
                 raise ValueError("a port forward is HOST[:ENV][/tcp|udp], e.g. 8080:80/tcp")
             host, env, proto = m.groups()
-            return {"host": int(host), "port": int(env or host), "protocol": proto or "tcp"}
+            return {"host": _port(int(host)), "port": _port(int(env or host)),
+                    "protocol": proto or "tcp"}
+        if not isinstance(data, dict | PortForward):
+            raise ValueError(f"a port forward is HOST[:ENV][/tcp|udp], e.g. 8080:80/tcp, or "
+                             f"{{host: H, port: P, protocol: tcp}}, not {_shown(data)}")
         return data
+
+
+def _port(n: int) -> int:
+    # Checked here so that the shorthand `0` is one error, not one each for host and port.
+    if not 1 <= n <= 65535:
+        raise ValueError(f"ports run from 1 to 65535, not {_shown(n)}")
+    return n
 
 
 class Network(Strict):
@@ -92,8 +204,8 @@ class Network(Strict):
     address: ipaddress.IPv4Address
     gateway: ipaddress.IPv4Address | None = None
     interface: IfName = "eth0"
-    nat: bool = True
-    isolate: bool = True
+    nat: Flag = True
+    isolate: Flag = True
     ports: list[PortForward] = []
     firewall: Literal["auto", "nftables", "iptables"] = "auto"
 
@@ -138,11 +250,21 @@ class Network(Strict):
 # ---------------------------------------------------------------- rootfs
 
 
+def _mode(v: Any) -> Any:
+    # YAML 1.1 reads an unquoted 0644 as octal already; a quoted '0644' is octal too.
+    if isinstance(v, str) and re.fullmatch(r"[0-7]{1,5}", v.strip()):
+        v = int(v.strip(), 8)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 0o7777:
+        raise ValueError(f"mode must be an octal file mode from 0 to 07777, like 0644, "
+                         f"not {_shown(v)}")
+    return v
+
+
 class FileEntry(Strict):
     path: str
     content: str | None = None
-    source: str | None = None
-    mode: int = 0o644
+    source: PathText | None = None
+    mode: Annotated[int, BeforeValidator(_mode)] = 0o644
 
     @field_validator("path")
     @classmethod
@@ -156,26 +278,30 @@ class FileEntry(Strict):
         return self
 
 
+def _env_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int) or isinstance(v, float) and math.isfinite(v):
+        return str(v)
+    if not isinstance(v, str):
+        raise ValueError(f"an environment variable's value is text, a number or true/false, "
+                         f"not {_shown(v)}")
+    return _no_nul(v)
+
+
 class Rootfs(Strict):
     path: str | None = None
-    binaries: list[str] = []
-    libraries: list[str] = []
-    python: bool = False
+    binaries: list[PathText] = []
+    libraries: list[PathText] = []
+    python: Flag = False
     files: list[FileEntry] = []
-    env: dict[EnvVarName, str] = {}
+    env: dict[EnvVarName, Annotated[str, BeforeValidator(_env_value)]] = {}
     thread_env: list[EnvVarName] = []
 
     @field_validator("path")
     @classmethod
     def _path(cls, v: str | None) -> str | None:
         return None if v is None else _abs_path(v, "rootfs.path")
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _stringify(cls, v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: (str(x).lower() if isinstance(x, bool) else str(x)) for k, x in v.items()}
-        return v
 
 
 # ---------------------------------------------------------------- resources
@@ -184,24 +310,43 @@ class Rootfs(Strict):
 class Quantity(Strict):
     """Bytes, or a percentage of the host's memory resolved at plan time."""
 
-    bytes: int | None = None
+    bytes: Annotated[int | None, _whole(0, BYTES_MAX)] = None
     percent: float | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _parse(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return data
+            return data  # the long form: each field holds the shorthand's range
         pct = parse_percent(data) if isinstance(data, str) else None
         if pct is not None:
             if not 0 < pct <= 100:
-                raise ValueError(f"{data} is not a share of host memory: use more than 0% and at "
-                                 "most 100%")
+                raise ValueError(f"{_shown(data)} is not a share of host memory: use more than "
+                                 "0% and at most 100%")
             return {"percent": pct}
         try:
-            return {"bytes": parse_size(data)}
+            n = parse_size(data)
         except ValueError as exc:
             raise ValueError(f"{exc}, or a percentage of host memory like 70%") from None
+        if n > BYTES_MAX:
+            raise ValueError(f"{_shown(data)} is more than the kernel takes: a size is at most "
+                             "4096P")
+        return {"bytes": n}
+
+    @field_validator("percent", mode="before")
+    @classmethod
+    def _percent(cls, v: Any) -> Any:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)
+                              or not (math.isfinite(v) and 0 < v <= 100)):
+            raise ValueError(f"percent must be a finite share of host memory above 0 and at "
+                             f"most 100, like 70, not {_shown(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _one(self) -> Quantity:
+        if (self.bytes is None) == (self.percent is None):
+            raise ValueError("give one of bytes or percent, like {bytes: 4096} or {percent: 70}")
+        return self
 
     def resolve(self, total: int) -> int:
         if self.bytes is not None:
@@ -216,30 +361,47 @@ class Quantity(Strict):
 class ReservedCpus(Strict):
     """Dedicated CPUs as "all online CPUs but the first N and the last M"."""
 
-    reserve_first: int = Field(0, ge=0)
-    reserve_last: int = Field(0, ge=0)
+    reserve_first: Annotated[int, _whole(0, CPU_MAX)] = 0
+    reserve_last: Annotated[int, _whole(0, CPU_MAX)] = 0
     # What to do on a host too small to leave any CPU after the reservation:
     # `share` runs the environment on all online CPUs (a warning in plan), `error` refuses.
     small_host: Literal["share", "error"] = "error"
 
 
+def _cpus_or_reserved(v: Any) -> str:
+    # Picks the union's branch, so a bad mapping is one error rather than one per branch. The
+    # tags are names the loader already leaves out of field paths.
+    return "ReservedCpus" if isinstance(v, dict | ReservedCpus) else "tuple[int, ...]"
+
+
 class Cpu(Strict):
+    # period_us comes before quota: the quota's check needs the period.
+    period_us: Annotated[int, _whole(1_000, 1_000_000, " µs")] = 100_000
     quota: float | None = None
-    period_us: int = Field(100_000, ge=1_000, le=1_000_000)
-    weight: int | None = Field(None, ge=1, le=10_000)
-    dedicated: tuple[int, ...] | ReservedCpus | None = None
+    weight: Weight = None
+    dedicated: Annotated[
+        Annotated[tuple[int, ...], Tag("tuple[int, ...]")]
+        | Annotated[ReservedCpus, Tag("ReservedCpus")],
+        Discriminator(_cpus_or_reserved),
+    ] | None = None
 
     @field_validator("quota", mode="before")
     @classmethod
-    def _quota(cls, v: Any) -> Any:
+    def _quota(cls, v: Any, info: ValidationInfo) -> Any:
         if v is None:
             return v
         pct = parse_percent(v) if isinstance(v, str) else None
         value = pct if pct is not None else v
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError("quota is a percentage of one CPU, like 150% (as systemd's CPUQuota)")
-        if value <= 0:
-            raise ValueError("quota must be above 0%")
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not (math.isfinite(value) and 0 < value <= QUOTA_MAX)):
+            raise ValueError(f"quota must be a finite percentage of one CPU above 0% and at most "
+                             f"{QUOTA_MAX}% ({CPU_MAX + 1} CPUs), like 150%, not {_shown(v)}")
+        period = info.data.get("period_us")
+        # The same rounding as the planner: a spec valid here is valid on every host.
+        if period is not None and round(value / 100 * period) < QUOTA_MIN_US:
+            raise ValueError(f"quota {value:g}% of a {period} µs period is "
+                             f"{round(value / 100 * period)} µs, below the kernel's "
+                             f"{QUOTA_MIN_US} µs minimum; raise the quota or period_us")
         return float(value)
 
     @field_validator("dedicated", mode="before")
@@ -247,7 +409,7 @@ class Cpu(Strict):
     def _dedicated(cls, v: Any) -> Any:
         if v is None or isinstance(v, dict):
             return v
-        cpus = parse_cpu_list(v)
+        cpus = parse_cpu_list(v, most=CPU_MAX)
         if not cpus:
             raise ValueError("an empty CPU list: leave 'dedicated' out to share all CPUs")
         return cpus
@@ -262,7 +424,18 @@ class Memory(Strict):
     @field_validator("nodes", mode="before")
     @classmethod
     def _nodes(cls, v: Any) -> Any:
-        return None if v is None else parse_cpu_list(v)
+        return None if v is None else parse_cpu_list(v, most=CPU_MAX, what="memory node")
+
+    @field_validator("max", "high")
+    @classmethod
+    def _a_page_at_least(cls, v: Quantity | None, info: ValidationInfo) -> Quantity | None:
+        # Limits are kept in pages: below one page is 0, and everything is OOM-killed at once.
+        # (swap_max: 0 is fine: no swap.) A percentage is checked against the host's memory.
+        if v is not None and v.bytes is not None and v.bytes < PAGE:
+            raise ValueError(f"memory.{info.field_name} {v.bytes} is below one 4K page: the "
+                             "kernel would OOM-kill at once; use at least 4K, like 512M, or "
+                             "leave it out for no limit")
+        return v
 
     @model_validator(mode="after")
     def _high_below_max(self) -> Memory:
@@ -276,11 +449,11 @@ class Memory(Strict):
 
 
 class Io(Strict):
-    weight: int | None = Field(None, ge=1, le=10_000)
+    weight: Weight = None
 
 
 class Pids(Strict):
-    max: int | None = Field(None, ge=1)
+    max: Annotated[int | None, _whole(1, PIDS_MAX)] = None
 
 
 class Resources(Strict):
@@ -294,13 +467,26 @@ class Resources(Strict):
 # ---------------------------------------------------------------- gpus
 
 
+# As nvidia-smi -L prints them: GPU-<uuid>, MIG-<uuid> or the older MIG-GPU-<uuid>/<gi>/<ci>.
+# No ',': the list ends up in NVIDIA_VISIBLE_DEVICES, where a comma would name another device.
+GpuUuid = Annotated[str, _pattern(r"(?:GPU|MIG)-[A-Za-z0-9/-]{1,100}",
+                                  "a GPU UUID is GPU-… or MIG-… (letters, digits, '-' and '/'), "
+                                  "as nvidia-smi -L prints it")]
+
+
+def _unique(items: tuple[Any, ...], what: str) -> tuple[Any, ...]:
+    if len(set(items)) != len(items):
+        raise ValueError(f"a {what} is listed twice")
+    return items
+
+
 class Gpus(Strict):
     """Which GPUs the environment gets: none, all, a count, indices or UUIDs."""
 
-    count: int | None = Field(None, ge=0)
-    indices: tuple[int, ...] = ()
-    uuids: tuple[str, ...] = ()
-    all: bool = False
+    count: Annotated[int | None, _whole(0, GPU_INDEX_MAX + 1)] = None
+    indices: tuple[Annotated[int, _whole(0, GPU_INDEX_MAX)], ...] = ()
+    uuids: tuple[GpuUuid, ...] = ()
+    all: Flag = False
 
     @model_validator(mode="before")
     @classmethod
@@ -325,6 +511,24 @@ class Gpus(Strict):
             return data
         raise ValueError("gpus is none, all, a count, a list of indices or a list of UUIDs")
 
+    @field_validator("indices")
+    @classmethod
+    def _unique_indices(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        return _unique(v, "GPU index")
+
+    @field_validator("uuids")
+    @classmethod
+    def _unique_uuids(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return _unique(v, "GPU UUID")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> Gpus:
+        # The long form can say two things at once; the shorthand never does.
+        given = [self.all, self.count is not None, bool(self.indices), bool(self.uuids)]
+        if sum(given) > 1:
+            raise ValueError("give one of all, count, indices or uuids")
+        return self
+
     @property
     def wanted(self) -> bool:
         return self.all or bool(self.count) or bool(self.indices) or bool(self.uuids)
@@ -334,10 +538,10 @@ class Gpus(Strict):
 
 
 class Mount(Strict):
-    source: str
+    source: PathText
     target: str
-    read_only: bool = False
-    create: bool = True
+    read_only: Flag = False
+    create: Flag = True
 
     @field_validator("target")
     @classmethod
@@ -359,45 +563,77 @@ class Mount(Strict):
 # ---------------------------------------------------------------- host tuning
 
 
+def _scalar_text(v: Any, rule: str) -> str:
+    """A YAML scalar as the kernel reads it: true/false as 1/0, numbers as written."""
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, int | str) or isinstance(v, float) and math.isfinite(v):
+        return str(v)
+    raise ValueError(f"{rule}, not {_shown(v)}")
+
+
+SYSCTL_RULE = ("a sysctl value is one line of text, a finite number, true/false or a list of "
+               "those, without control characters")
+
+
+def _sysctl_value(v: Any) -> str:
+    """The text written to /proc/sys: a list becomes tab-separated fields, as the kernel prints
+    them. One write is one value: a newline would be cut or read as a second field."""
+    items = v if isinstance(v, list) else [v]
+    if not items:
+        raise ValueError("a sysctl value cannot be an empty list")
+    for x in items:
+        if isinstance(x, int) and not isinstance(x, bool) and not (
+                SYSCTL_INT[0] <= x <= SYSCTL_INT[1]):
+            raise ValueError(f"a sysctl number must fit in 64 bits, not {_shown(x)}")
+    text = "\t".join(_scalar_text(x, SYSCTL_RULE) for x in items)
+    if any((c < " " and c != "\t") or c == "\x7f" for c in text):
+        raise ValueError(f"{SYSCTL_RULE}, not {_shown(text)}")
+    if not text.strip():
+        raise ValueError("a sysctl value cannot be empty: writing nothing changes nothing")
+    return text
+
+
 class SysctlItem(Strict):
-    value: str
+    value: Annotated[str, BeforeValidator(_sysctl_value)]
     policy: Policy = "required"
 
     @model_validator(mode="before")
     @classmethod
     def _scalar(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {**data, "value": _sysctl_value(data.get("value"))}
-        return {"value": _sysctl_value(data)}
+        # The shorthand is checked here, so that its errors point at the sysctl itself.
+        return data if isinstance(data, dict) else {"value": _sysctl_value(data)}
 
 
-def _sysctl_value(v: Any) -> Any:
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, int | float):
-        return str(v)
-    if isinstance(v, list):
-        return "\t".join(str(x) for x in v)
-    return v
+def _option_value(v: Any) -> str:
+    """A module option's value: a list is an array parameter (`a=1,2`). modprobe hands all
+    options to the kernel as one string, which the kernel splits at whitespace (by its own
+    isspace(), which also takes byte 0xa0, inside many UTF-8 characters), with quotes grouping
+    words: so printable ASCII only, without spaces or quotes."""
+    rule = "a module option's value is text, a number, true/false or a list of those"
+    text = ",".join(_scalar_text(x, rule) for x in v) if isinstance(v, list) and v else \
+        _scalar_text(v, rule)
+    if not all("!" <= c <= "~" and c not in "\"'" for c in text):
+        raise ValueError("a module option's value is printable ASCII without spaces or quotes "
+                         f"(modprobe would split it into more options), not {_shown(text)}")
+    return text
 
 
 class Module(Strict):
     name: ModuleName
-    options: dict[ModuleOptionKey, ModuleOptionValue] = {}
+    options: dict[ModuleOptionKey, Annotated[str, BeforeValidator(_option_value)]] = {}
     policy: Policy = "required"
 
     @model_validator(mode="before")
     @classmethod
     def _scalar(cls, data: Any) -> Any:
-        if isinstance(data, str):
-            return {"name": data}
-        if isinstance(data, dict) and isinstance(data.get("options"), dict):
-            return {**data, "options": {k: str(v) for k, v in data["options"].items()}}
-        return data
+        return {"name": data} if isinstance(data, str) else data
 
 
 class Governor(Strict):
-    name: Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]+$")]
+    # CPUFREQ_NAME_LEN is 16 with the NUL.
+    name: Annotated[str, _pattern(r"[a-z0-9_]{1,15}", "a governor name is 1-15 characters of "
+                                  "a-z, 0-9 and '_', like performance")]
     cpus: Literal["all", "dedicated"] = "all"
     policy: Policy = "best-effort"
 
@@ -424,10 +660,24 @@ class HostTuning(Strict):
 # ---------------------------------------------------------------- service
 
 
+def _restart_sec(v: Any) -> Any:
+    if (isinstance(v, bool) or not isinstance(v, int | float)
+            or not (math.isfinite(v) and 0 <= v <= RESTART_SEC_MAX)):
+        raise ValueError(f"restart_sec must be a finite number of seconds from 0 to "
+                         f"{RESTART_SEC_MAX}, like 1.5, not {_shown(v)}")
+    return v
+
+
 class Service(Strict):
-    command: tuple[str, ...]
+    command: tuple[Annotated[str, AfterValidator(_no_nul)], ...]
     restart: Literal["no", "on-failure", "always"] = "on-failure"
-    restart_sec: float = Field(1.0, ge=0)
+    restart_sec: Annotated[float, BeforeValidator(_restart_sec)] = 1.0
+
+    @field_validator("restart", mode="before")
+    @classmethod
+    def _yaml_no(cls, v: Any) -> Any:
+        # YAML 1.1 reads an unquoted `restart: no` as false.
+        return "no" if v is False else v
 
     @field_validator("command", mode="before")
     @classmethod

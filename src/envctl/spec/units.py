@@ -3,25 +3,32 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?)B?\s*$", re.IGNORECASE)
-_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+# ASCII digits only: `\d` would also take digits of other scripts ('²'), which int() refuses.
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTP]?)(i?)B?\s*$", re.IGNORECASE)
+_PERCENT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$")
 _MULT = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int | float) -> int:
     """Bytes from `1073741824`, `512M`, `16GiB` or `1.5G` (binary units, like systemd)."""
     if isinstance(text, bool):
         raise ValueError("expected a size such as 512M or 16G, got a boolean")
-    if isinstance(text, int):
+    if isinstance(text, float) and not text.is_integer():  # .nan and .inf included
+        raise ValueError(f"'{text}' is not a whole number of bytes: add a unit, like 1.5G")
+    if isinstance(text, int | float):
         if text < 0:
             raise ValueError("a size cannot be negative")
-        return text
+        return int(text)
     m = _SIZE_RE.match(str(text))
     if not m:
         raise ValueError(f"'{text}' is not a size: use bytes or a number with K, M, G, T or P")
     number, unit, _ = m.groups()
-    return int(float(number) * 1024 ** _MULT[unit.upper()])
+    if not unit and "." in number:
+        raise ValueError(f"'{text}' is not a whole number of bytes: add a unit, like 1.5G")
+    # Exact arithmetic: a float would round large sizes and overflow on long digit strings.
+    return int(Fraction(number) * 1024 ** _MULT[unit.upper()])
 
 
 def parse_percent(text: str) -> float | None:
@@ -30,39 +37,51 @@ def parse_percent(text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def parse_cpu_list(text: str | int | list[int]) -> tuple[int, ...]:
-    """CPU numbers from the kernel's list syntax (`0-3,8,10-11`), an int or a list of ints."""
+def parse_cpu_list(text: str | int | list[int], *, most: int | None = None,
+                   what: str = "CPU") -> tuple[int, ...]:
+    """CPU numbers from the kernel's list syntax (`0-3,8,10-11`), an int or a list of ints.
+
+    `most` bounds each number, checked before a range is expanded (a spec's `0-999999999`
+    would otherwise build a billion-item list); `what` names the numbers in errors."""
     if isinstance(text, bool):
-        raise ValueError("expected CPU numbers, got a boolean")
+        raise ValueError(f"expected {what} numbers, got a boolean")
+    spans: list[tuple[int, int]] = []
     if isinstance(text, int):
-        items = [text]
+        spans.append((text, text))
     elif isinstance(text, list):
-        items = []
         for x in text:
-            items.extend(parse_cpu_list(x))
+            spans.extend((n, n) for n in parse_cpu_list(x, most=most, what=what))
     else:
-        items = []
         for part in str(text).replace(" ", "").split(","):
             if not part:
                 continue
-            if "-" in part:
-                lo_s, _, hi_s = part.partition("-")
-                if not (lo_s.isdigit() and hi_s.isdigit()):
-                    raise ValueError(f"'{part}' is not a CPU range like 2-5")
-                lo, hi = int(lo_s), int(hi_s)
-                if lo > hi:
-                    raise ValueError(f"CPU range '{part}' runs backwards")
-                items.extend(range(lo, hi + 1))
-            elif part.isdigit():
-                items.append(int(part))
-            else:
-                raise ValueError(f"'{part}' is not a CPU number")
-    for cpu in items:
-        if cpu < 0:
-            raise ValueError("CPU numbers cannot be negative")
+            lo_s, dash, hi_s = part.partition("-")
+            if dash and not (_digits(lo_s) and _digits(hi_s)):
+                raise ValueError(f"'{part}' is not a {what} range like 2-5")
+            if not dash and not _digits(part):
+                raise ValueError(f"'{part}' is not a {what} number")
+            lo, hi = int(lo_s), int(hi_s or lo_s)
+            if lo > hi:
+                raise ValueError(f"{what} range '{part}' runs backwards")
+            spans.append((lo, hi))
+    for lo, hi in spans:
+        if lo < 0:
+            raise ValueError(f"{what} numbers cannot be negative")
+        if most is not None and hi > most:
+            raise ValueError(f"{what} numbers run from 0 to {most}, not {_short(hi)}")
+    items = [n for lo, hi in spans for n in range(lo, hi + 1)]
     if len(set(items)) != len(items):
-        raise ValueError("a CPU is listed twice")
+        raise ValueError(f"a {what} is listed twice")
     return tuple(sorted(items))
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _short(n: int) -> str:
+    text = str(n)
+    return text if len(text) <= 20 else text[:17] + "..."
 
 
 def format_cpu_list(cpus: tuple[int, ...] | list[int]) -> str:
