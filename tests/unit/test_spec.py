@@ -195,3 +195,21 @@ def test_format_size():
 def test_module_names_and_options_cannot_smuggle_modprobe_options(modules):
     problems = errors(f"name: demo\nkind: gpu\nhost:\n  modules: {modules}\n")
     assert problems and all(p.field.startswith("host.modules") for p in problems)
+
+
+@pytest.mark.parametrize(("name", "dotted"), [
+    ("net/ipv4/ip_forward", "net.ipv4.ip_forward"),
+    ("net.ipv4.conf.eth0/100.rp_filter", "net.ipv4.conf.eth0/100.rp_filter"),
+    ("net/ipv4/conf/eth0.100/rp_filter", "net.ipv4.conf.eth0/100.rp_filter"),
+])
+def test_sysctl_names_take_both_of_sysctls_spellings(name, dotted):
+    from envctl.spec.sysctls import canonical
+
+    spec = parse_spec(f"name: a\nkind: cpu\nhost:\n  sysctls:\n    {name}: 1\n", "a.yaml").spec
+    assert [canonical(n) for n in spec.host.sysctls] == [dotted]
+
+
+@pytest.mark.parametrize("name", ["net/../etc", "net..x", "net//x", "net/ipv4/./x", "net./x"])
+def test_sysctl_names_never_leave_proc_sys(name):
+    with pytest.raises(SpecError, match="a sysctl name is"):
+        parse_spec(f"name: a\nkind: cpu\nhost:\n  sysctls:\n    {name}: 1\n", "a.yaml")

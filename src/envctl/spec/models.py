@@ -131,9 +131,16 @@ IfName = Annotated[
 ]
 EnvVarName = Annotated[str, _pattern(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name "
                                      "is letters, digits and '_', not starting with a digit")]
+# Either of sysctl(8)'s spellings: dotted (a '/' inside a part stands for a dot in an interface
+# name: net.ipv4.conf.eth0/100.rp_filter) or with slashes (net/ipv4/conf/eth0.100/rp_filter).
+# No part is empty, '.' or '..': the name becomes a path under /proc/sys.
+_SYSCTL_PART = r"[A-Za-z0-9_@:-]+"
 SysctlName = Annotated[str, _pattern(
-    r"[a-z0-9_]+(?:\.[A-Za-z0-9_-]+)+", "a sysctl name is dotted, like net.ipv4.ip_forward: "
-    "a-z, 0-9 and '_' before the first dot, then letters, digits, '_' and '-'")]
+    rf"[a-z0-9_]+(?:\.{_SYSCTL_PART}(?:/{_SYSCTL_PART})*)+"
+    rf"|[a-z0-9_]+(?:/{_SYSCTL_PART}(?:\.{_SYSCTL_PART})*)+",
+    "a sysctl name is net.ipv4.ip_forward or net/ipv4/ip_forward: a-z, 0-9 and '_' first, "
+    "then parts of letters, digits, '_', '-', '@' and ':' (a '/' in a dotted name, or a '.' in "
+    "a slashed one, stands for the dot in an interface name like eth0.100)")]
 # A leading '-' would make modprobe read the name as an option; MODULE_NAME_LEN is 56 with NUL.
 ModuleName = Annotated[str, _pattern(
     r"[A-Za-z0-9][A-Za-z0-9_-]{0,54}", "a module name is 1-55 letters, digits, '_' and '-', "
