@@ -123,6 +123,7 @@ class Sandbox:
         return sorted(link["ifname"] for link in json.loads(out) if link["ifname"] != "lo")
 
     def nft_tables(self) -> list[str]:
+        """Every nftables table, of every family ("inet envctl", "bridge envctl", anybody's)."""
         if shutil.which("nft") is None:
             return []
         out = self.run("nft", "-j", "list", "tables", check=True).stdout

@@ -120,7 +120,9 @@ def comments(sb, backend):
 
 
 def status(sb, env):
-    return {s["kind"]: s for s in sb.envctl_json("status", env)[0]["steps"]}
+    """An environment's status steps by kind (a kind planned once) and by key."""
+    steps = sb.envctl_json("status", env)[0]["steps"]
+    return {**{s["kind"]: s for s in steps}, **{s["key"]: s for s in steps}}
 
 
 @pytest.fixture
@@ -310,9 +312,10 @@ def test_fault_at_every_network_step_rolls_back(net, backend):
     net.write_spec("alpha", spec("alpha", "10.231.0.2", backend=backend))
     keys = [s["key"] for s in net.envctl_json("plan", "alpha")[0]["steps"]]
     network = [i for i, k in enumerate(keys)
-               if k.split(":")[0] in ("netns", "bridge", "veth", "ipconfig", "firewall")
-               or k == "sysctl:net.ipv4.ip_forward"]
-    assert len(network) == 6
+               if k.split(":")[0] in ("netns-dir", "netns", "bridge", "firewall-base",
+                                      "antispoof", "veth", "ipconfig", "firewall")
+               or k in ("sysctl:net.ipv4.ip_forward", "base-dir:run")]
+    assert len(network) == 11
     for i in network:
         for point in ("before", "apply", "after"):
             res = net.envctl("up", "alpha", env={"ENVCTL_FAULT": f"fail@{point}:#{i}"})
@@ -423,18 +426,25 @@ def test_a_missing_hook_is_reported_and_repaired(net, backend):
     _break_hook(net, backend)
     assert not _isolated(net)  # the hole the check must see
 
-    fw = status(net, "alpha")["firewall"]
-    assert fw["status"] == "drifted"
+    # The hook is the shared table's (or chains'): reported by the step every environment
+    # holds; the rules that went with an nft chain by each environment's own step.
+    base = f"firewall-base:{backend}"
+    hooks = status(net, "alpha")[base]
+    assert hooks["status"] == "drifted"
     field = "chain forward" if backend == "nftables" else "jump FORWARD -> ENVCTL-FORWARD"
-    assert fw["diffs"][0] == {"field": field, "have": "missing", "want": fw["diffs"][0]["want"]}
-    if backend == "iptables":
-        # Exactly the jump: the chain and its rules are still there.
-        assert fw["diffs"] == [{"field": field, "have": "missing", "want": "present"}]
-    else:
-        assert fw["diffs"][0]["want"] == "type filter hook forward priority 0 policy accept"
-        assert {(d["have"], d["want"].split()[1]) for d in fw["diffs"][1:]} == {
-            ("missing", "isolate")}
-    assert status(net, "beta")["firewall"]["status"] == "drifted"  # shared by both
+    want = "type filter hook forward priority 0 policy accept" if backend == "nftables" \
+        else "present"
+    # Exactly the hook: for iptables the chain and its rules are still there.
+    assert hooks["diffs"] == [{"field": field, "have": "missing", "want": want}]
+    assert status(net, "beta")[base]["diffs"] == hooks["diffs"]  # shared by both
+    for env in ("alpha", "beta"):
+        fw = status(net, env)["firewall"]
+        if backend == "iptables":
+            assert fw["status"] == "ok"
+        else:
+            assert fw["status"] == "drifted"
+            assert {(d["have"], d["want"].split()[1]) for d in fw["diffs"]} == {
+                ("missing", "isolate")}
 
     net.envctl("up", "alpha", "beta", check=True)
     assert {s["status"] for e in ("alpha", "beta") for s in status(net, e).values()} == {"ok"}
@@ -448,11 +458,11 @@ def test_a_missing_hook_is_reported_and_repaired(net, backend):
         # One jump deleted: reported alone, repaired alone.
         net.run("iptables-legacy", "-t", "nat", "-D", "POSTROUTING", "-m", "comment",
                 "--comment", "envctl: jump", "-j", "ENVCTL-POSTROUTING", check=True)
-        fw = status(net, "alpha")["firewall"]
-        assert fw["diffs"] == [{"field": "jump POSTROUTING -> ENVCTL-POSTROUTING",
-                                "have": "missing", "want": "present"}]
+        hooks = status(net, "alpha")[base]
+        assert hooks["diffs"] == [{"field": "jump POSTROUTING -> ENVCTL-POSTROUTING",
+                                   "have": "missing", "want": "present"}]
         net.envctl("up", "alpha", check=True)
-        assert status(net, "alpha")["firewall"]["status"] == "ok"
+        assert status(net, "alpha")[base]["status"] == "ok"
 
     # Gone by hand before `down`: the hook (and, for iptables, a whole chain). Still succeeds.
     _break_hook(net, backend)

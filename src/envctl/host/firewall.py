@@ -1,4 +1,6 @@
-"""The choice of firewall backend (nftables or iptables) and one adapter per host and backend."""
+"""The choice of firewall backend (nftables or iptables) and one adapter per host and backend
+(plus `nftables-bridge`, envctl's bridge-family table, which every backend uses for
+anti-spoofing where nft is installed)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,16 @@ def detect_backend(environ: dict[str, str] | os._Environ[str] = os.environ) -> s
     forced = environ.get("ENVCTL_FIREWALL", "")
     if forced in BACKENDS:
         return forced
-    if shutil.which("nft") or any(os.path.exists(f"{d}/libnftables.so.1") for d in LIB_DIRS):
+    if nft_installed():
         return "nftables"
     return "iptables"
+
+
+def nft_installed() -> bool:
+    """Whether nftables can be driven here: the `nft` command or libnftables is installed.
+    (The fact anti-spoofing planning needs, `HostFacts.extra["nft"]`, whatever the backend.)"""
+    return bool(shutil.which("nft")) or any(os.path.exists(f"{d}/libnftables.so.1")
+                                            for d in LIB_DIRS)
 
 
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
@@ -29,10 +38,15 @@ def adapter(host: object, backend: str):  # noqa: ANN201 - the backends import l
     """One adapter per host handle and backend."""
     key = (id(host), backend)
     if key not in _ADAPTERS:
-        if backend == "nftables":
-            from envctl.host.nft import Nftables
+        if backend in ("nftables", "nftables-bridge"):
+            from envctl.host.nft import BridgeNftables, Nftables, NftTable
 
-            _ADAPTERS[key] = Nftables()
+            table = Nftables() if backend == "nftables" else BridgeNftables()
+            other = _ADAPTERS.get((id(host), "nftables-bridge" if backend == "nftables"
+                                   else "nftables"))
+            if isinstance(other, NftTable):
+                table.link(other)  # one ruleset generation counts both tables' transactions
+            _ADAPTERS[key] = table
         elif backend == "iptables":
             from envctl.host.iptables import Iptables
 

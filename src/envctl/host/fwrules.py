@@ -1,9 +1,11 @@
-"""The backend-neutral firewall rule model: the rules of one environment, what a backend
-found in envctl's chains, and what differs. Pure: no backend, no I/O."""
+"""The backend-neutral firewall rule model: the rules of one environment (and the
+anti-spoofing rules on its bridge port), what a backend found in envctl's chains, and what
+differs. Pure: no backend, no I/O."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from envctl.spec.naming import env_of_comment, rule_tag
 
@@ -72,6 +74,43 @@ def env_rules(env: str, *, bridge: str, address: str, nat: bool, isolate: bool,
 
 
 @dataclass(frozen=True)
+class PortRule:
+    """One anti-spoofing rule on environment `env`'s bridge port `port`: a frame coming in
+    from the port whose `field` ("ether saddr", "ip saddr", "arp saddr ip", "arp saddr
+    ether") is not `value`, the environment's own (for "ether type": not one of the
+    comma-separated `value`), is dropped."""
+
+    env: str
+    name: str
+    chain: str
+    port: str
+    field: str
+    value: str
+
+    @property
+    def comment(self) -> str:
+        return f"{rule_tag(self.env)} {self.name}"
+
+
+# The only protocols an environment's port carries: anything else (a VLAN tag, which would
+# carry IPv4 and ARP past the checks below) is dropped. IPv6 is let through, pinned by MAC only:
+# envctl gives environments no IPv6 address, and no host traffic goes to one.
+PORT_ETHER_TYPES = "ip,arp,ip6"
+
+
+def port_rules(env: str, *, port: str, mac: str, address: str) -> list[PortRule]:
+    """Pin environment `env` to its bridge port: frames from it must carry its MAC and one of
+    PORT_ETHER_TYPES, IPv4 from it its address, ARP from it both (so it cannot answer for, or
+    announce, another's address and take its traffic). The comment names the values, so it
+    changes with them."""
+    return [PortRule(env, f"antispoof {field} {value} on {port}", "prerouting", port, field,
+                     value)
+            for field, value in (("ether saddr", mac), ("ether type", PORT_ETHER_TYPES),
+                                 ("arp saddr ether", mac), ("ip saddr", address),
+                                 ("arp saddr ip", address))]
+
+
+@dataclass(frozen=True)
 class Row:
     """One rule found in envctl's chains: where, its comment, and its content as the backend
     reads it back, normalised (a tuple of parts, each one match or the statement), so that
@@ -96,11 +135,12 @@ class Listing:
         return [r.comment for r in self.rows if env_of_comment(r.comment) == env]
 
 
-def compare_rules(rows: list[Row], env: str, want: list[tuple[Rule, tuple[str, ...]]]
-                  ) -> tuple[list[Row], list[Rule]]:
+def compare_rules(rows: list[Row], env: str, want: list[tuple[Any, tuple[str, ...]]]
+                  ) -> tuple[list[Row], list[Any]]:
     """`env`'s rows to delete and the rules to add so that `env` has exactly `want` (each
     rule with its expected content): a row is kept only when chain, comment and content
-    all match a wanted rule (each row matches at most one)."""
+    all match a wanted rule (each row matches at most one). A wanted rule is a `Rule` or a
+    `PortRule`: anything with a chain and a comment."""
     pending = [r for r in rows if env_of_comment(r.comment) == env]
     add = []
     for rule, content in want:
@@ -113,7 +153,7 @@ def compare_rules(rows: list[Row], env: str, want: list[tuple[Rule, tuple[str, .
     return pending, add
 
 
-def rule_drift(rows: list[Row], env: str, want: list[tuple[Rule, tuple[str, ...]]]
+def rule_drift(rows: list[Row], env: str, want: list[tuple[Any, tuple[str, ...]]]
                ) -> list[tuple[str, str, str]]:
     """(field, want, have) for each of `env`'s rules that is missing, extra, or there under
     its comment with other content (a rule edited by hand): then only the differing parts."""

@@ -2,8 +2,20 @@
 
 Chains ENVCTL-PREROUTING / -OUTPUT / -POSTROUTING (nat) and ENVCTL-FORWARD (filter) hold every
 environment's rules, each tagged with a comment `envctl:ENV …`; the built-in chains get one
-jump each. Nothing else is read or changed: other chains are never flushed or deleted. When the
-last environment's rules go, the jumps and the chains go too.
+jump each. Nothing else is read or changed: other chains are never flushed or deleted. An
+environment's rules go with it; the chains and jumps are shared by every environment and go
+with the last one (`release_base`), and only those envctl made: a chain or an unconditional
+jump that was there before, a chain that holds a rule envctl did not make or that something
+else still jumps to, and every jump envctl did not add (an operator's conditional one) stay.
+
+Every change holds the xtables lock (/run/xtables.lock, or $XTABLES_LOCKFILE) from its read to
+its commit, as `iptables -w` does: libiptc replaces a whole table per commit, so an `iptables`
+run between the two would otherwise be undone.
+
+Reading never makes a table or loads a module: python-iptables' import runs `modprobe
+ip_tables` and opening a table creates it in the namespace, so neither happens before
+/proc/net/ip_tables_names shows that the table exists already (otherwise nothing of envctl's
+can be in it).
 
 python-iptables drives libiptc, i.e. the *legacy* xtables tables: on a host whose `iptables`
 is the nft-based one, these rules work in the kernel but `iptables -L` does not show them
@@ -12,11 +24,24 @@ is the nft-based one, these rules work in the kernel but `iptables -L` does not 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from envctl.errors import HostError
 from envctl.host.fwrules import Listing, Row, Rule, compare_rules
 from envctl.spec.naming import env_of_comment
+
+XTABLES_LOCK = "/run/xtables.lock"
+# How long a change waits for another program's hold on the xtables lock (iptables -w waits
+# forever by default; envctl holds its own global lock meanwhile, so it gives up in time).
+LOCK_WAIT = 60.0
+TABLES_NAMES = Path("/proc/net/ip_tables_names")
 
 # envctl chain -> (table, built-in chain that jumps to it)
 CHAINS = {
@@ -46,15 +71,65 @@ def _errors() -> tuple[type[Exception], ...]:
     return (iptc.IPTCError, iptc.errors.XTablesError)
 
 
+def existing_tables(path: Path = TABLES_NAMES) -> set[str]:
+    """The legacy xtables tables that exist in this network namespace (none when ip_tables
+    is not even loaded), read without making any."""
+    try:
+        return set(path.read_text().split())
+    except OSError:
+        return set()
+
+
+@contextlib.contextmanager
+def xtables_lock(*, wait: float = LOCK_WAIT) -> Iterator[None]:
+    """Hold the xtables lock (flock on $XTABLES_LOCKFILE or /run/xtables.lock, as `iptables
+    -w`), waiting up to `wait` seconds for another program to let go."""
+    path = os.environ.get("XTABLES_LOCKFILE") or XTABLES_LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise HostError(f"lock iptables '{path}': open: {exc.strerror}") from exc
+    try:
+        deadline, said = time.monotonic() + wait, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # EWOULDBLOCK: somebody holds it; anything else raises
+                if not said:
+                    sys.stderr.write(f"envctl: waiting for the xtables lock {path} (held by "
+                                     "another iptables)\n")
+                    sys.stderr.flush()
+                    said = True
+                if time.monotonic() >= deadline:
+                    raise HostError(f"lock iptables '{path}': flock: still held by another "
+                                    f"program after {wait:g} s") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 class Iptables:
     """Reads and changes only envctl's chains and the jumps to them."""
 
     name = "iptables"
 
-    def _tables(self) -> dict[str, Any]:
+    def __init__(self, *, tables_names: Path = TABLES_NAMES) -> None:
+        self.tables_names = tables_names
+
+    def _tables(self, *, create: bool = True) -> dict[str, Any]:
+        """nat and filter, freshly read; with `create` False only those that exist already
+        (opening a table makes it)."""
+        names = ("nat", "filter")
+        if not create:
+            present = existing_tables(self.tables_names)
+            names = tuple(n for n in names if n in present)
+            if not names:
+                return {}
         iptc = _iptc()
         out = {}
-        for name in ("nat", "filter"):
+        for name in names:
             t = iptc.Table(name)
             t.autocommit = False
             t.refresh()
@@ -73,12 +148,16 @@ class Iptables:
     def listing(self) -> Listing | None:
         """envctl's chains, the jumps to them, and every rule in them (chain, comment,
         content); None when none of the chains exists."""
+        if not existing_tables(self.tables_names) & {"nat", "filter"}:
+            return None  # no table, so none of envctl's chains: nothing opened, nothing made
         iptc = _iptc()
         try:
-            tables = self._tables()
+            tables = self._tables(create=False)
             found = Listing(base=dict.fromkeys(self.base(), "missing"))
             any_chain = False
             for chain, (tname, builtin) in CHAINS.items():
+                if tname not in tables:
+                    continue
                 table, name = tables[tname], chain_name(chain)
                 jump = _jump_state(iptc.Chain(table, builtin), name)
                 found.base[f"jump {builtin} -> {name}"] = jump
@@ -110,49 +189,104 @@ class Iptables:
         is committed, each once (libiptc replaces a whole table per commit)."""
         iptc = _iptc()
         try:
-            tables = self._tables()
-            changed: set[str] = set()
-            for chain, (tname, builtin) in CHAINS.items():
-                if self._ensure_chain(tables[tname], chain, builtin):
-                    changed.add(tname)
-            rows = []
-            for chain, (tname, _) in CHAINS.items():
-                for r in iptc.Chain(tables[tname], chain_name(chain)).rules:
-                    rows.append(Row(chain, None, _comment(r), _content(r)))
-            drop, add = compare_rules(rows, env, [(r, _content(_rule(r))) for r in rules])
-            for row in drop:
-                tname = CHAINS[row.chain][0]
-                ch = iptc.Chain(tables[tname], chain_name(row.chain))
-                ch.delete_rule(next(r for r in ch.rules if (_comment(r), _content(r))
-                                    == (row.comment, row.content)))
-                changed.add(tname)
-            for rule in add:
-                tname = CHAINS[rule.chain][0]
-                iptc.Chain(tables[tname], chain_name(rule.chain)).append_rule(_rule(rule))
-                changed.add(tname)
-            for tname in sorted(changed):
-                tables[tname].commit()
+            with xtables_lock():
+                self._replace(iptc, env, rules)
         except (*_errors(), ValueError) as exc:
             raise HostError(f"apply iptables rules '{env}': {exc}") from exc
 
+    def _replace(self, iptc: Any, env: str, rules: list[Rule]) -> None:
+        """Under the xtables lock, from the read to the commit."""
+        tables = self._tables()
+        changed: set[str] = set()
+        for chain, (tname, builtin) in CHAINS.items():
+            if self._ensure_chain(tables[tname], chain, builtin):
+                changed.add(tname)
+        rows = []
+        for chain, (tname, _) in CHAINS.items():
+            for r in iptc.Chain(tables[tname], chain_name(chain)).rules:
+                rows.append(Row(chain, None, _comment(r), _content(r)))
+        drop, add = compare_rules(rows, env, [(r, _content(_rule(r))) for r in rules])
+        for row in drop:
+            tname = CHAINS[row.chain][0]
+            ch = iptc.Chain(tables[tname], chain_name(row.chain))
+            ch.delete_rule(next(r for r in ch.rules if (_comment(r), _content(r))
+                                == (row.comment, row.content)))
+            changed.add(tname)
+        for rule in add:
+            tname = CHAINS[rule.chain][0]
+            iptc.Chain(tables[tname], chain_name(rule.chain)).append_rule(_rule(rule))
+            changed.add(tname)
+        for tname in sorted(changed):
+            tables[tname].commit()
+
     def remove(self, env: str) -> None:
-        """Delete `env`'s rules; with no rules left, the jumps and envctl's chains too."""
+        """Delete `env`'s rules, and nothing else (the chains and jumps are the shared
+        `release_base`'s); success when they are already gone."""
         if self.listing() is None:
             return  # already gone
-        iptc = _iptc()
         try:
-            tables = self._tables()
-            self._delete_env_rules(tables, env)
-            left = [c for c in CHAINS
-                    if tables[CHAINS[c][0]].is_chain(chain_name(c))
-                    and iptc.Chain(tables[CHAINS[c][0]], chain_name(c)).rules]
-            if not left:
-                for chain, (tname, builtin) in CHAINS.items():
-                    self._drop_chain(tables[tname], chain, builtin)
-            for t in tables.values():
-                t.commit()
+            with xtables_lock():
+                tables = self._tables(create=False)
+                for tname in self._delete_env_rules(tables, env):
+                    tables[tname].commit()
         except _errors() as exc:
             raise HostError(f"remove iptables rules '{env}': {exc}") from exc
+
+    # ------------------------------------------------------------------ chains and jumps
+
+    def base_memo(self) -> dict[str, Any]:
+        """What existed before envctl: which of its chains, and which unconditional jumps."""
+        listing = self.listing()
+        base = listing.base if listing is not None else {}
+        return {"chains": sorted(k.split()[1] for k, v in base.items()
+                                 if k.startswith("chain ") and v == "present"),
+                "jumps": sorted(k.split(" ", 1)[1] for k, v in base.items()
+                                if k.startswith("jump ") and v == "present")}
+
+    def ensure_base(self) -> None:
+        """Make envctl's chains and the unconditional jumps to them where missing."""
+        try:
+            with xtables_lock():
+                tables = self._tables()
+                changed = {tname for chain, (tname, builtin) in CHAINS.items()
+                           if self._ensure_chain(tables[tname], chain, builtin)}
+                for tname in sorted(changed):
+                    tables[tname].commit()
+        except _errors() as exc:
+            raise HostError(f"create iptables chains 'ENVCTL-*': {exc}") from exc
+
+    def release_base(self, memo: dict[str, Any]) -> None:
+        """The last holder's removal: the jumps envctl added, and the chains it made that hold
+        no rule of anybody else's and that nothing else jumps to."""
+        if self.listing() is None:
+            return  # already gone
+        try:
+            with xtables_lock():
+                tables = self._tables(create=False)
+                changed = set()
+                for chain, (tname, builtin) in CHAINS.items():
+                    if tname in tables and self._release(tables[tname], chain, builtin, memo):
+                        changed.add(tname)
+                for tname in sorted(changed):
+                    tables[tname].commit()
+        except _errors() as exc:
+            raise HostError(f"remove iptables chains 'ENVCTL-*': {exc}") from exc
+
+    def release_note(self, memo: dict[str, Any]) -> str:
+        """What `release_base` will leave, for `down` and `status`; "" when everything goes."""
+        if not existing_tables(self.tables_names) & {"nat", "filter"}:
+            return ""
+        try:
+            tables = self._tables(create=False)
+            kept = []
+            for chain, (tname, builtin) in CHAINS.items():
+                if tname in tables:
+                    why = self._kept_because(tables[tname], chain, builtin, memo)
+                    if why:
+                        kept.append(f"chain {chain_name(chain)} {why}")
+        except _errors() as exc:
+            raise HostError(f"read iptables chains 'ENVCTL-*': list: {exc}") from exc
+        return "kept: " + "; ".join(kept) if kept else ""
 
     # ------------------------------------------------------------------ helpers
 
@@ -173,26 +307,73 @@ class Iptables:
             changed = True
         return changed
 
-    def _drop_chain(self, table: Any, chain: str, builtin: str) -> None:
+    @staticmethod
+    def _is_our_jump(parent: str, rule: Any, chain: str, builtin: str,
+                     memo: dict[str, Any]) -> bool:
+        """Whether `rule` of chain `parent` is a jump to `chain` envctl added: in `builtin`,
+        unconditional, with envctl's comment, and only when no unconditional jump was there
+        before envctl (then that one serves, and envctl added none)."""
+        name = chain_name(chain)
+        return (parent == builtin and f"{builtin} -> {name}" not in memo.get("jumps", [])
+                and bool(rule.target) and rule.target.name == name
+                and _content(rule) == (f"-j {name}",) and _comment(rule) == JUMP_COMMENT)
+
+    def _our_jumps(self, table: Any, chain: str, builtin: str,
+                   memo: dict[str, Any]) -> list[Any]:
+        iptc = _iptc()
+        return [r for r in iptc.Chain(table, builtin).rules
+                if self._is_our_jump(builtin, r, chain, builtin, memo)]
+
+    def _kept_because(self, table: Any, chain: str, builtin: str,
+                      memo: dict[str, Any]) -> str:
+        """Why chain `chain` stays at the last holder's removal ("" when it goes)."""
+        iptc = _iptc()
+        name = chain_name(chain)
+        if not table.is_chain(name):
+            return ""
+        if name in memo.get("chains", []):
+            return "existed before envctl"
+        theirs = [r for r in iptc.Chain(table, name).rules if env_of_comment(_comment(r)) is None]
+        if theirs:
+            return f"holds {len(theirs)} rule(s) envctl did not make"
+        refs = {c.name for c in table.chains for r in c.rules
+                if r.target and r.target.name == name
+                and not self._is_our_jump(c.name, r, chain, builtin, memo)}
+        if refs:
+            return f"is still jumped to from {', '.join(sorted(refs))}"
+        return ""
+
+    def _release(self, table: Any, chain: str, builtin: str, memo: dict[str, Any]) -> bool:
+        """Delete what envctl made of `chain` and its jump; True if anything changed."""
         iptc = _iptc()
         name = chain_name(chain)
         parent = iptc.Chain(table, builtin)
-        for r in list(parent.rules):
-            if r.target.name == name:
-                parent.delete_rule(r)
-        if table.is_chain(name):
+        changed = False
+        for r in self._our_jumps(table, chain, builtin, memo):
+            parent.delete_rule(r)
+            changed = True
+        if table.is_chain(name) and not self._kept_because(table, chain, builtin, memo):
+            ch = iptc.Chain(table, name)
+            for r in list(ch.rules):  # all tagged (checked above): envctl's own
+                ch.delete_rule(r)
             table.delete_chain(name)
+            changed = True
+        return changed
 
-    def _delete_env_rules(self, tables: dict[str, Any], env: str) -> None:
+    def _delete_env_rules(self, tables: dict[str, Any], env: str) -> set[str]:
+        """Delete `env`'s rules; the names of the tables that changed."""
         iptc = _iptc()
+        changed = set()
         for chain, (tname, _) in CHAINS.items():
-            table = tables[tname]
-            if not table.is_chain(chain_name(chain)):
+            table = tables.get(tname)
+            if table is None or not table.is_chain(chain_name(chain)):
                 continue
             ch = iptc.Chain(table, chain_name(chain))
             for r in list(ch.rules):
                 if env_of_comment(_comment(r)) == env:
                     ch.delete_rule(r)
+                    changed.add(tname)
+        return changed
 
 
 def _comment(rule: Any) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from envctl.plan.builder import Plan
-from envctl.resources.dirs import Directory
+from envctl.resources.dirs import BaseDirectory, Directory
 from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.units import format_cpu_list
 
@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 def plan_dirs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     plan.add(Directory("state", f"envs/{spec.name}", 0o755))
+    # The run base (/run/envctl) is every environment's: a shared step, so whichever goes
+    # down last removes it if envctl made it. (The state base is the global lock's to tidy.)
+    plan.add(BaseDirectory("run"))
     plan.add(Directory("run", spec.name, 0o755))
     _resolve(spec, facts, plan)
     _not_yet(spec, plan)

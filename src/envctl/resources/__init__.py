@@ -7,6 +7,8 @@ the classes each module defines.
 """
 
 MODULES = {
+    "antispoof": "firewall",
+    "base-dir": "dirs",
     "bridge": "bridge",
     "cgroup-parent": "cgroup",
     "cgroup": "cgroup",
@@ -15,9 +17,11 @@ MODULES = {
     "cgroup-slice": "cgroup_systemd",
     "dir": "dirs",
     "firewall": "firewall",
+    "firewall-base": "firewall",
     "governor": "governor",
     "kmod": "kmod",
     "netns": "netns",
+    "netns-dir": "netns",
     "sysctl": "sysctl",
     "veth": "veth",
     "ipconfig": "veth",

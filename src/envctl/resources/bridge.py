@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Bridge(Resource):
     """Bridge `name` with `address` (CIDR, the environments' gateway). Shared: every environment
-    on it holds it, and it is removed with the last one, and only if envctl created it."""
+    on it holds it, and it is removed with the last one, and only if envctl created it; a bridge
+    that existed is adopted and gets back its address list and its down state."""
 
     kind = "bridge"
     shared = True
@@ -42,11 +43,35 @@ class Bridge(Resource):
              "state": "up" if link.up else "down"})
 
     def snapshot(self, host: Host) -> dict[str, Any]:
-        # An operator's bridge is adopted: only what envctl adds to it is taken back.
+        # An operator's bridge is adopted: only what envctl adds to it is taken back (its
+        # address, and its state when it was down).
         link = host.netlink.link(self.name)
         return {"existed": link is not None,
                 "had_address": link is not None
-                and self.address in host.netlink.ipv4_addresses(self.name)}
+                and self.address in host.netlink.ipv4_addresses(self.name),
+                "was_up": link is not None and link.up}
+
+    def _restore(self, host: Host, memo: dict[str, Any], *, act: bool) -> list[str]:
+        """What envctl gives back to an adopted bridge, done when `act`."""
+        nl, done = host.netlink, []
+        link = nl.link(self.name)
+        if link is None:
+            return []
+        if not memo.get("had_address") and self.address in nl.ipv4_addresses(self.name):
+            if act:
+                nl.del_address(self.name, self.address)
+            done.append(f"address {self.address} removed")
+        # Only a memo that recorded the state says it was down (older ones said nothing).
+        if memo.get("was_up") is False and link.up:
+            if act:
+                nl.set_link(self.name, up=False)
+            done.append("set down again as found")
+        return done
+
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        if not memo.get("existed"):
+            return ""
+        return "; ".join(["kept: it existed before envctl", *self._restore(host, memo, act=False)])
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         nl = host.netlink
@@ -64,5 +89,5 @@ class Bridge(Resource):
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
         if not memo.get("existed"):
             host.netlink.delete_link(self.name)  # success when already gone
-        elif not memo.get("had_address"):
-            host.netlink.del_address(self.name, self.address)
+        else:
+            self._restore(host, memo, act=True)

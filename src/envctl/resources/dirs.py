@@ -54,7 +54,27 @@ class Directory(Resource):
         while not q.exists():
             made.append(str(q))
             q = q.parent
-        return {"existed": p.is_dir(), "made": made}
+        memo: dict[str, Any] = {"existed": p.is_dir(), "made": made}
+        if memo["existed"]:
+            memo["mode"] = stat.S_IMODE(p.stat().st_mode)  # apply may change it: given back
+        return memo
+
+    def _mode_back(self, host: Host, memo: dict[str, Any]) -> tuple[int, int] | None:
+        """(now, before) when a directory that existed has another mode than it had."""
+        if not memo.get("existed") or memo.get("mode") is None:
+            return None
+        try:
+            now = stat.S_IMODE(self._path(host).stat().st_mode)
+        except FileNotFoundError:
+            return None
+        return None if now == memo["mode"] else (now, memo["mode"])
+
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        if not memo.get("existed"):
+            return ""
+        back = self._mode_back(host, memo)
+        return "kept: it existed before envctl" + (
+            f"; mode {back[0]:04o} -> {back[1]:04o}" if back else "")
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         p = self._path(host)
@@ -68,9 +88,16 @@ class Directory(Resource):
             raise HostError(f"create directory '{p}': {exc.strerror}") from exc
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
-        if memo.get("existed"):
-            return  # it was there before envctl: leave it
         p = self._path(host)
+        if memo.get("existed"):
+            # It was there before envctl: leave it, with the mode it had.
+            back = self._mode_back(host, memo)
+            if back:
+                try:
+                    os.chmod(p, back[1])
+                except OSError as exc:
+                    raise HostError(f"restore directory '{p}': chmod: {exc.strerror}") from exc
+            return
         try:
             if self.keep:
                 os.rmdir(p)
@@ -88,3 +115,65 @@ class Directory(Resource):
                 os.rmdir(parent)
             except OSError:
                 break  # not empty (another environment's) or already gone
+
+
+@dataclass(frozen=True)
+class BaseDirectory(Resource):
+    """The base directory itself (`run`: /run/envctl) that every environment's directories sit
+    in. Shared: the ledger's memo, taken by the first environment, says whether envctl made it
+    (and which missing parents), so it goes with the last environment whatever the order they
+    go down in, and only when empty; one that existed before envctl stays."""
+
+    kind = "base-dir"
+    shared = True
+    volatile = False  # on disk or not, an old boot's ledger still names what `down` removes
+    base: str
+    mode: int = 0o755
+
+    def ident(self) -> str:
+        return self.base
+
+    def describe(self) -> str:
+        return f"directory <{self.base}>"
+
+    def check(self, host: Host) -> Check:
+        p = host.base(self.base)
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            return Check.absent()
+        if not stat.S_ISDIR(st.st_mode):
+            return Check.wrong_kind(f"{p} exists and is not a directory")
+        return Check.present()  # its mode is whatever it had or was made with
+
+    def snapshot(self, host: Host) -> dict[str, Any]:
+        made, q = [], host.base(self.base)
+        while not q.exists():
+            made.append(str(q))
+            q = q.parent
+        return {"existed": host.base(self.base).is_dir(), "made": made}
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        p = host.base(self.base)
+        try:
+            p.mkdir(parents=True, exist_ok=True, mode=self.mode)
+        except FileExistsError as exc:
+            raise HostError(f"create directory '{p}': exists and is not a directory") from exc
+        except OSError as exc:
+            raise HostError(f"create directory '{p}': {exc.strerror}") from exc
+
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        # Whether it will be empty cannot be told before the environment's own directory in it
+        # goes: only what is certain is said.
+        return "kept: it existed before envctl" if memo.get("existed") else ""
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        if memo.get("existed"):
+            return  # it was there before envctl: leave it
+        for made in memo.get("made", []):
+            try:
+                os.rmdir(made)
+            except FileNotFoundError:
+                continue  # already gone
+            except OSError:
+                break  # not empty: somebody else's files are in it, so it stays

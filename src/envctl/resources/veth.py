@@ -16,8 +16,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Veth(Resource):
     """Host side `name` (no address) attached to `bridge`, up, with bridge-port isolation set to
-    `isolated`; peer `interface` in netns `netns`, up. Deleting either end deletes both, which
-    also takes the peer's address and routes with it."""
+    `isolated`; peer `interface` in netns `netns`, up, with hardware address `mac` (derived from
+    the environment's name, so that anti-spoofing can pin it before the pair exists; "" in
+    journals from before: any). Deleting either end deletes both, which also takes the peer's
+    address and routes with it.
+
+    The host name carries a hash of the environment's name, so anything already there under it
+    was not made by envctl (what envctl makes is journalled before it exists): refused, never
+    adopted, never deleted."""
 
     kind = "veth"
     batch_remove = True
@@ -26,6 +32,7 @@ class Veth(Resource):
     netns: str
     interface: str
     isolated: bool
+    mac: str = ""
 
     def ident(self) -> str:
         return self.name
@@ -58,7 +65,12 @@ class Veth(Resource):
                 "isolated": bool(link.isolated),
                 "peer": "missing" if peer is None else
                 f"{self.netns}:{self.interface} {'up' if peer.up else 'down'}"}
+        if self.mac and peer is not None:
+            want["peer mac"], have["peer mac"] = self.mac, peer.address or "unknown"
         return Check.compare(want, have)
+
+    def _wrong_mac(self, peer: Link | None) -> bool:
+        return bool(self.mac) and peer is not None and peer.address != self.mac
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         nl = host.netlink
@@ -66,13 +78,16 @@ class Veth(Resource):
         if link is not None and link.kind != "veth":
             raise HostError(f"create veth '{self.name}': it exists but is a "
                             f"{link.kind or 'device'}")
-        if link is not None and peer is None:
+        if link is not None and (peer is None or self._wrong_mac(peer)):
             # Host side without its peer in the namespace (peer moved or renamed by hand, or the
-            # namespace was replaced): the pair is useless, make it again.
+            # namespace was replaced), or a peer whose MAC was changed (anti-spoofing drops all
+            # it sends): the pair is useless, make it again. Its address and route go with it;
+            # the ipconfig step after this one puts them back.
             nl.delete_link(self.name)
             link = None
         if link is None:
-            nl.add_veth(self.name, peer=self.interface, peer_netns=self.netns)
+            nl.add_veth(self.name, peer=self.interface, peer_netns=self.netns,
+                        peer_address=self.mac or None)
             link, peer = self._state(host)
             if link is None or peer is None:
                 raise HostError(f"create veth '{self.name}': made, but "
@@ -92,18 +107,20 @@ class Veth(Resource):
 
     def snapshot(self, host: Host) -> dict[str, Any]:
         link = host.netlink.link(self.name)
-        # Anything already there under this name is not envctl's to delete (apply refuses a
-        # non-veth; a veth already present was made by someone else or by a lost run).
         return {"existed": link is not None, "kind": link.kind if link else None}
 
-    def _not_ours(self, host: Host, memo: dict[str, Any]) -> bool:
-        """Somebody else's device under this name, which apply refused to touch."""
-        if memo.get("existed") and memo.get("kind") != "veth":
-            return True
-        if memo.get("existed"):
-            link = host.netlink.link(self.name)
-            return link is not None and link.kind != "veth"
-        return False
+    def refuses(self, memo: dict[str, Any]) -> str:
+        if not memo.get("existed"):
+            return ""
+        return (f"'{self.name}' already exists (a {memo.get('kind') or 'device'}) and envctl "
+                "did not make it; envctl neither takes it over nor deletes it: remove or "
+                "rename it, or give the environment another name")
+
+    @staticmethod
+    def _not_ours(host: Host, memo: dict[str, Any]) -> bool:
+        """Somebody else's device under this name (a journal from before refusals recorded
+        one as found): never deleted."""
+        return bool(memo.get("existed"))
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
         if not self._not_ours(host, memo):
@@ -132,7 +149,10 @@ class Veth(Resource):
 class IpConfig(Resource):
     """Inside netns `netns`: loopback up, `address` (CIDR) on `interface`, default route via
     `gateway`. These live on the veth peer and the namespace, so `remove` leaves them to the
-    Veth and NetNamespace steps that come after it in teardown (and always do)."""
+    Veth and NetNamespace steps that come after it in teardown (and always do): the address
+    and the route go with the peer, and a namespace that existed before envctl gets its `lo`
+    state and default route back from NetNamespace, which recorded them before this changed
+    them."""
 
     kind = "ipconfig"
     netns: str
