@@ -16,7 +16,6 @@ from envctl.engine.engine import Engine, Outcome, Step
 from envctl.engine.journal import Entry, Journal, Ledger
 from envctl.errors import EnvctlError, HostError, NeedsRootError, SpecError, StateCorrupt
 from envctl.host.context import Host
-from envctl.host.files import read_json, write_json
 from envctl.resources.base import Status
 
 if TYPE_CHECKING:
@@ -40,32 +39,19 @@ class UpResult:
 def up(plans: list[Plan], engine: Engine, claims: dict[str, dict]) -> UpResult:
     """Each environment in turn, under one lock hold. A failing one is rolled back (by the
     engine) and the others still come up: at boot, one broken partition must not keep the
-    rest down. A signal (Ctrl-C, SIGTERM) stops everything after the rollback."""
+    rest down. A signal (Ctrl-C, SIGTERM) stops everything after the rollback. Each journal
+    records the environment's `claims` and its plan's warnings (for `status`)."""
     result = UpResult()
     with engine.locked():
         for p in plans:
             try:
-                result.outcomes.append(engine.up(p.env, p.resources, locked=True,
-                                                 claims=claims.get(p.env)))
+                meta = {"claims": claims.get(p.env, {}), "warnings": p.warnings}
+                result.outcomes.append(engine.up(p.env, p.resources, locked=True, meta=meta))
             except EnvctlError as exc:
                 if isinstance(exc, KeyboardInterrupt) or exc.exit_code > 128:
                     raise
                 result.failed[p.env] = str(exc)
-                continue
-            _record_warnings(engine.host, p)
     return result
-
-
-def _warnings_file(host: Host, env: str) -> Path:
-    # In the environment's own state directory: `down` removes it with the directory.
-    return host.state_dir / "envs" / env / "warnings.json"
-
-
-def _record_warnings(host: Host, plan: Plan) -> None:
-    """Keep what `up` skipped (best-effort host tuning the host lacks) for `status`."""
-    path = _warnings_file(host, plan.env)
-    if path.parent.is_dir():
-        write_json(path, {"warnings": plan.warnings})
 
 
 def down(engine: Engine, names: list[str]) -> list[Outcome]:
@@ -179,11 +165,11 @@ def status_warnings(ws: Workspace | None, host: Host, names: list[str]) -> dict[
     out = {}
     for name in names:
         try:
-            recorded = read_json(_warnings_file(host, name))
-        except (ValueError, OSError):
-            recorded = None
-        if isinstance(recorded, dict):
-            out[name] = list(recorded.get("warnings", []))
+            journal = Journal.open(host.state_dir, name, boot=host.boot_id)
+        except StateCorrupt:
+            journal = None
+        if journal is not None and journal.entries and "warnings" in journal.meta:
+            out[name] = list(journal.meta["warnings"])
         elif ws is not None and name in ws.names():
             try:
                 out[name] = ws.plan(ws.get(name)).warnings

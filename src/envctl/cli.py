@@ -148,7 +148,8 @@ def _emit_json(obj: Any) -> None:
 def _console():
     from rich.console import Console
 
-    console = Console(highlight=False)
+    # No emoji codes: a MAC address holding ":cd:" must not print as a picture.
+    console = Console(highlight=False, emoji=False)
     if not console.is_terminal:
         # Piped to a file or a program: one line per line, never wrapped at 80 columns.
         console.soft_wrap = True

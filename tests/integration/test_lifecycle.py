@@ -231,9 +231,10 @@ def test_a_damaged_ledger_is_named_and_down_force_reports_what_it_cannot_restore
     assert settings(alpha) == CHANGED  # the memos were lost: never guessed
     assert "= sysctl net.ipv4.ip_forward = 1  (left as found: its memo was lost)" in res.stdout
     left = alpha.residue()
-    # What only the ledger knew envctl had made (the bridge, the cgroup parent) is left too,
-    # and the damaged ledger is kept for the operator.
+    # What only the ledger knew envctl had made (the bridge, the firewall tables, the cgroup
+    # parent) is left too, and the damaged ledger is kept for the operator.
     assert left.pop("links") == ["t-br0"]
+    assert left.pop("nft") == ["bridge envctl", "inet envctl"]
     assert left.pop("cgroups")
     assert {n.split(".damaged-")[0] for n in left.pop("state_dir")} == {"lock", "shared.json"}
     assert {n.split(".damaged-")[0] for n in left.pop("journal")} == {"shared.json"}

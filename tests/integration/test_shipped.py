@@ -8,9 +8,13 @@ pytestmark = pytest.mark.root
 
 BAD_SPECS = [
     "name: bad\nkind: cpu\nbogus: 1\n",
+    "name: cpu-compute\nkind: cpu\n",  # a duplicate name in the directory
+    "name: bad\nkind: cpu\nresources:\n  cpu: {quota: 0.5%}\n",  # below the kernel's minimum
+]
+# Valid specs this host cannot serve: `up --all` skips them and brings up the rest.
+UNFIT_SPECS = [
     "name: bad\nkind: cpu\nresources:\n  cpu: {dedicated: 0-63}\n",
     "name: bad\nkind: cpu\nhost:\n  sysctls: {vm.does_not_exist: 1}\n",
-    "name: cpu-compute\nkind: cpu\n",  # a duplicate name in the directory
 ]
 
 
@@ -40,3 +44,18 @@ def test_rejected_spec_exits_2_and_changes_nothing(shipped, bad):
     assert (sb.sysctl("net.ipv4.ip_forward"), sb.sysctl("vm.zone_reclaim_mode")) == before
     assert sb.residue() == {}
     assert not sb.state.exists()
+
+
+@pytest.mark.parametrize("unfit", UNFIT_SPECS)
+def test_up_all_skips_what_this_host_cannot_serve_and_brings_up_the_rest(shipped, unfit):
+    sb = shipped
+    sb.write_spec("bad", unfit)
+    res = sb.envctl("up", "--all")
+    assert res.returncode == 1, res.stderr
+    assert "bad.yaml" in res.stderr and "skipped bad: this host cannot serve it" in res.stderr
+    assert "skipped gpu-compute" in res.stderr  # no NVIDIA modules on this machine kind
+    assert sb.netns() == ["cpu-compute"]
+    status = sb.envctl_json("status", "cpu-compute")[0]
+    assert status["state"] == "up"
+    sb.envctl("down", "--all", check=True)
+    assert sb.residue() == {}

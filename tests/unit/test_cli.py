@@ -313,3 +313,10 @@ def test_validate_without_a_host_still_finds_what_the_specs_alone_decide(capsys,
     assert code == 2
     assert "wants governor powersave on cpu 1 but environment 'a'" in err
     assert "loads dummy with options 'numdummies=3'" in err
+
+
+def test_output_never_turns_a_mac_address_into_an_emoji(capsys):
+    from envctl.cli import _console
+
+    _console().print("peer address 02:ab:cd:ef:01:23")
+    assert "02:ab:cd:ef:01:23" in capsys.readouterr().out

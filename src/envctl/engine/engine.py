@@ -160,15 +160,15 @@ class Engine:
     # ------------------------------------------------------------------ up
 
     def up(self, env: str, resources: Sequence[Resource], *, locked: bool = False,
-           claims: dict[str, Any] | None = None) -> Outcome:
+           meta: dict[str, Any] | None = None) -> Outcome:
         """Make the host match `resources`; on failure undo what this run applied and raise.
-        `claims` (address, ports, CPUs, … the environment holds exclusively) are recorded in
-        its journal, so that no other spec can take them while it is up."""
+        `meta` is recorded in the journal first (Journal.meta: the environment's claims, so
+        that no other spec can take them while it is up, and the plan's warnings)."""
         with nullcontext() if locked else self.locked():
-            return self._up(env, resources, claims)
+            return self._up(env, resources, meta)
 
     def _up(self, env: str, resources: Sequence[Resource],
-            claims: dict[str, Any] | None) -> Outcome:
+            meta: dict[str, Any] | None) -> Outcome:
         journal = self.journal(env)
         ledger = self.ledger()
         outcome = Outcome(env)
@@ -176,8 +176,8 @@ class Engine:
         applied: list[tuple[str, Resource]] = []  # new this run: what rollback takes back
         step_name = "record the environment's claims"
         try:
-            if claims is not None:
-                journal.set_claims(claims)
+            if meta is not None:
+                journal.set_meta(meta)
             # Resources the spec no longer asks for go first, newest first.
             for entry in reversed(list(journal.entries)):
                 if entry.key not in wanted:

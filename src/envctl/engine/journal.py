@@ -240,9 +240,10 @@ class Journal:
     path: Path
     env: str
     entries: list[Entry] = field(default_factory=list)
-    # What the environment holds that no other may have (address, ports, CPUs, …), recorded by
-    # `up` so that a spec elsewhere cannot claim it while the environment is up.
-    claims: dict[str, Any] = field(default_factory=dict)
+    # What `up` records about the environment besides its steps: `claims` (what it holds that no
+    # other may have: address, ports, CPUs, …; so that a spec elsewhere cannot take it while it
+    # is up) and `warnings` (what the plan skipped or warned about, for `status`).
+    meta: dict[str, Any] = field(default_factory=dict)
     # Entries dropped at open because they describe kernel objects of another boot.
     dropped: list[Entry] = field(default_factory=list)
     store: _Store = field(init=False, repr=False)
@@ -280,7 +281,7 @@ class Journal:
             if not isinstance(raw, list):
                 raise _corrupt(self.path, "entries is not a list")
             self.entries = [Entry.parse(e, self.path) for e in raw]
-            self.claims = dict(data.get("claims") or {})
+            self.meta = dict(data.get("meta") or {})
         log = self.store._log(self.store.gen)
         for rec in records:
             try:
@@ -293,10 +294,10 @@ class Journal:
             self._put(Entry.parse(rec["put"], self.store._log(self.store.gen)))
         elif "drop" in rec:
             self._drop(rec["drop"])
-        elif "claims" in rec:
-            self.claims = dict(rec["claims"])
+        elif "meta" in rec:
+            self.meta = dict(rec["meta"])
         else:
-            raise KeyError("put, drop or claims")
+            raise KeyError("put, drop or meta")
 
     def _drop_stale(self, boot: str) -> None:
         keep = []
@@ -320,10 +321,15 @@ class Journal:
         self.store.append({"drop": key})
         self._drop(key)
 
-    def set_claims(self, claims: dict[str, Any]) -> None:
-        if claims != self.claims:
-            self.store.append({"claims": claims})
-            self.claims = dict(claims)
+    @property
+    def claims(self) -> dict[str, Any]:
+        return dict(self.meta.get("claims") or {})
+
+    def set_meta(self, meta: dict[str, Any]) -> None:
+        """Record `meta` (see the field) when it differs from what is recorded."""
+        if meta != self.meta:
+            self.store.append({"meta": meta})
+            self.meta = dict(meta)
 
     def _put(self, entry: Entry) -> None:
         for i, e in enumerate(self.entries):
@@ -341,7 +347,7 @@ class Journal:
         entries left, the file and its logs go."""
         self.store.fold({"version": VERSION, "env": self.env, "updated": time.time(),
                          "entries": [vars(e) for e in self.entries],
-                         "claims": self.claims if self.entries else {}},
+                         "meta": self.meta if self.entries else {}},
                         keep=bool(self.entries), durable=durable)
 
     @staticmethod

@@ -50,6 +50,12 @@ def _firewall_backend() -> str:
     return detect_backend()
 
 
+def _nft_installed() -> bool:
+    from envctl.host.firewall import nft_installed
+
+    return nft_installed()
+
+
 def read_module(kmod: KernelModules, name: str) -> ModuleFact:
     from envctl.host.kmod import BUILTIN, LOADED
 
@@ -99,4 +105,6 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
         cpufreq=freq,
         cpufreq_policies=read_cpufreq_policies(sys_root, sorted(freq)),
         cgroup=read_cgroup_facts(proc_root=proc_root, sys_root=sys_root),
+        # Anti-spoofing uses nft's bridge family whatever the backend of the NAT rules.
+        extra={"nft": _nft_installed()},
     )
