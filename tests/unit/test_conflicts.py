@@ -116,3 +116,39 @@ def test_shares_of_memory_over_100_percent_are_refused_on_any_machine(tmp_path):
     found = [str(p) for p in find_conflicts(specs, None)]
     assert found == ["b.yaml:3:22: resources.memory.max: memory limits add up to 160% of host "
                      "memory (a 90%, b 70%), more than all of it"]
+
+
+def test_one_spec_asking_two_values_of_one_sysctl_is_refused():
+    from envctl.spec.conflicts import find_conflicts
+    from envctl.spec.loader import parse_spec
+
+    both = parse_spec("name: a\nkind: cpu\nhost:\n  sysctls:\n    net.ipv4.ip_forward: 1\n"
+                      "    net/ipv4/conf/all/forwarding: 0\n", "a.yaml")
+    assert [p.message for p in find_conflicts([both], None)] == [
+        "wants net/ipv4/conf/all/forwarding=0 but net.ipv4.ip_forward=1 in the same spec is "
+        "the same kernel value"]
+    nat = parse_spec("name: b\nkind: cpu\nnetwork: {address: 10.200.0.3}\nhost:\n  sysctls:\n"
+                     "    net.ipv4.ip_forward: 0\n", "b.yaml")
+    assert [p.message for p in find_conflicts([nat], None)] == [
+        "wants net.ipv4.ip_forward=0, but network.nat or network.ports need "
+        "net.ipv4.ip_forward=1"]
+
+
+def test_sysctl_values_differing_only_in_white_space_are_one_value():
+    from envctl.spec.conflicts import find_conflicts
+    from envctl.spec.loader import parse_spec
+
+    specs = [parse_spec(f"name: {n}\nkind: cpu\nhost:\n  sysctls:\n"
+                        f"    net.ipv4.ip_local_port_range: {v}\n", f"{n}.yaml")
+             for n, v in (("a", '"1024 65000"'), ("b", "[1024, 65000]"))]
+    assert find_conflicts(specs, None) == []
+
+
+def test_every_gpu_leaves_none_for_another_environment():
+    from envctl.spec.conflicts import find_conflicts
+    from envctl.spec.loader import parse_spec
+
+    specs = [parse_spec("name: a\nkind: gpu\ngpus: all\n", "a.yaml"),
+             parse_spec("name: b\nkind: gpu\ngpus: [0]\n", "b.yaml")]
+    found = [p.message for p in find_conflicts(specs, None)]
+    assert found == ["a GPU is wanted, but environment 'a' (a.yaml) has every GPU"]

@@ -211,8 +211,6 @@ def test_module_options_and_sysctl_values_reach_the_plan_as_single_tokens():
     assert values == {"kernel.printk": "4\t4\t1\t7", "vm.x": "0"}
 
 
-@pytest.mark.xfail(strict=True, reason="planner (plan/base.py, plan/cgroup.py; not spec/): a "
-                   "percentage that resolves below one page is planned as memory.max 0")
 def test_a_percentage_that_rounds_to_no_page_is_a_plan_error():
     # 0.00001% of 8G is 858 bytes: 0 pages. Whether a percentage reaches a page depends on the
     # host, so the model cannot refuse it; the planner must, naming the field.

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from envctl.plan.builder import Plan
+from envctl.plan.limits import PAGE
 from envctl.resources.dirs import BaseDirectory, Directory
 from envctl.spec.resolve import dedicated_cpus
-from envctl.spec.units import format_cpu_list
+from envctl.spec.units import format_cpu_list, format_size
 
 if TYPE_CHECKING:
     from envctl.facts import HostFacts
@@ -62,6 +63,11 @@ def _resolve(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         q = getattr(mem, name)
         if q is not None:
             plan.resolved[f"memory.{name}"] = q.resolve(facts.memory_bytes)
+            if name != "swap_max" and plan.resolved[f"memory.{name}"] < PAGE:
+                # A share of this host's memory that is not one page: a limit of 0.
+                plan.error(("resources", "memory", name), (
+                    f"memory.{name} {q} of this host's {format_size(facts.memory_bytes)} is "
+                    "below one 4K page; give a larger share or a size like 512M"))
     mx, hi = plan.resolved.get("memory.max"), plan.resolved.get("memory.high")
     if mx is not None and hi is not None and hi > mx:
         plan.error(("resources", "memory", "high"), "memory.high resolves above memory.max on "

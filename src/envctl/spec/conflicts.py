@@ -31,6 +31,7 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
     veths: dict = {}
     cpus: dict = {}
     gpus: dict = {}
+    wanting_gpus: list[tuple[LoadedSpec, None]] = []
     addresses: dict = {}
     ports: dict = {}
     bridges: dict[str, tuple[LoadedSpec, object]] = {}
@@ -50,6 +51,18 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
             claim(gpus, ("uuid", uuid), ls, ("gpus", i), f"GPU {uuid}")
         if s.gpus.all:
             claim(gpus, "all", ls, ("gpus",), "every GPU")
+        if s.gpus.wanted:
+            # `all` takes every GPU: nobody else may have one (counts are matched to the GPUs
+            # a host has by `validate --host`, `plan` and `up`).
+            for other, _ in wanting_gpus:
+                if (s.gpus.all or other.spec.gpus.all) and not (s.gpus.all and
+                                                               other.spec.gpus.all):
+                    problems.append(ls.problem(("gpus",), (
+                        f"{'every GPU' if s.gpus.all else 'a GPU'} is wanted, but environment "
+                        f"'{other.spec.name}' ({other.path}) has "
+                        f"{'every GPU' if other.spec.gpus.all else 'GPUs of its own'}")))
+                    break
+            wanting_gpus.append((ls, None))
 
         net = s.network
         if net is not None:
@@ -77,12 +90,26 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
                       f"host port {pf.host}/{pf.protocol}")
 
         # By canonical name: two spellings of one kernel value (net.ipv4.conf.all.forwarding and
-        # net.ipv4.ip_forward) are one value; `spelled` keeps the name each spec used.
-        wanted_sysctls = {canonical(name): item.value for name, item in s.host.sysctls.items()}
-        spelled = {canonical(name): name for name in s.host.sysctls}
+        # net.ipv4.ip_forward) are one value; `spelled` keeps the name each spec used. Values
+        # compare as the kernel prints them (runs of white space are one separator).
+        wanted_sysctls: dict[str, str] = {}
+        spelled: dict[str, str] = {}
+        for name, item in s.host.sysctls.items():
+            key, value = canonical(name), _value(item.value)
+            if key in wanted_sysctls and wanted_sysctls[key] != value:
+                problems.append(ls.problem(("host", "sysctls", name), (
+                    f"wants {name}={value} but {spelled[key]}={wanted_sysctls[key]} in the same "
+                    "spec is the same kernel value")))
+                continue
+            wanted_sysctls[key], spelled[key] = value, name
         if net is not None and (net.nat or net.ports):
             # The network plan needs forwarding on; another environment must not want it off.
-            wanted_sysctls.setdefault("net.ipv4.ip_forward", "1")
+            forward = wanted_sysctls.setdefault("net.ipv4.ip_forward", "1")
+            if forward != "1":
+                problems.append(ls.problem(
+                    ("host", "sysctls", spelled["net.ipv4.ip_forward"]),
+                    f"wants {spelled['net.ipv4.ip_forward']}={forward}, but network.nat or "
+                    "network.ports need net.ipv4.ip_forward=1"))
         for key, value in wanted_sysctls.items():
             name = spelled.get(key, key)
             seen_sysctl = sysctls.get(key)
@@ -136,3 +163,8 @@ def _explicit_or_resolved_cpus(ls: LoadedSpec, facts: HostFacts | None) -> tuple
         return dedicated_cpus(ls.spec, facts).cpus
     except ValueError:
         return ()  # reported by the planner with its own message
+
+
+def _value(text: str) -> str:
+    """A sysctl value as the kernel compares it: runs of white space are one separator."""
+    return " ".join(text.split())

@@ -439,9 +439,9 @@ class Memory(Strict):
         # Limits are kept in pages: below one page is 0, and everything is OOM-killed at once.
         # (swap_max: 0 is fine: no swap.) A percentage is checked against the host's memory.
         if v is not None and v.bytes is not None and v.bytes < PAGE:
-            raise ValueError(f"memory.{info.field_name} {v.bytes} is below one 4K page: the "
-                             "kernel would OOM-kill at once; use at least 4K, like 512M, or "
-                             "leave it out for no limit")
+            raise ValueError(f"memory.{info.field_name} {v.bytes} is below one 4K page (the "
+                             "kernel keeps limits in pages: it would be a limit of 0); use at "
+                             "least 4K, like 512M, or leave it out for no limit")
         return v
 
     @model_validator(mode="after")
