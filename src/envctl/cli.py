@@ -168,7 +168,7 @@ def validate(
     path: Annotated[str | None, typer.Argument(help="A spec file or a directory of specs.",
                                                 show_default=False)] = None,
     host: Annotated[bool, typer.Option("--host", help="Also check that this host can serve "
-                                                      "them (modules, CPUs, GPUs, memory, "
+                                                      "them (modules, CPUs, memory, sysctls, "
                                                       "cgroup controllers).")] = False,
     json_: JsonOpt = False,
 ) -> None:
@@ -389,10 +389,13 @@ def status(
     ws = None
     try:
         ws, env_names = _workspace(names)
-    except EnvctlError:
-        if not names:
-            raise
-        env_names = list(names)  # status still works from the journal when a spec is gone
+    except EnvctlError as exc:
+        # Status works from the journals when a spec is gone or broken: a bad spec elsewhere
+        # must not make `status --check` of what is up fail. The problems are still shown.
+        for line in (exc.problems if isinstance(exc, SpecError) else [exc]):
+            _stderr(f"warning: {line}")
+        _stderr("warning: specs not read: showing what the journals record")
+        env_names = [n for n in names or [] if not n.endswith((".yaml", ".yml"))]
     if env_names:
         _require_known(env_names, host, ws)
     targets = env_names or ops.known_environments(ws, host)

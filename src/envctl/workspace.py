@@ -18,9 +18,9 @@ from envctl.facts import HostFacts
 from envctl.host.context import Host
 from envctl.host.facts import gather
 from envctl.plan.builder import Plan, PlanError
+from envctl.plan.claims import held_conflicts, spec_claims
 from envctl.plan.host import find_host_conflicts
 from envctl.plan.planner import plan_env
-from envctl.spec.claims import held_conflicts, spec_claims
 from envctl.spec.conflicts import find_conflicts
 from envctl.spec.loader import LoadedSpec, load_each, spec_files
 from envctl.spec.models import EnvSpec

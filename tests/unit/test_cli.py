@@ -320,3 +320,13 @@ def test_output_never_turns_a_mac_address_into_an_emoji(capsys):
 
     _console().print("peer address 02:ab:cd:ef:01:23")
     assert "02:ab:cd:ef:01:23" in capsys.readouterr().out
+
+
+def test_status_works_from_the_journals_when_a_spec_is_broken(capsys, monkeypatch, tmp_path):
+    d = tmp_path / "specs"
+    d.mkdir()
+    (d / "a.yaml").write_text("name: a\nkind: cpu\n")
+    (d / "b.yaml").write_text("name: b\nkind: [\n")
+    code, out, err = run(capsys, "--config-dir", str(d), "status", "--check")
+    assert code == 0, err
+    assert "b.yaml" in err and "showing what the journals record" in err

@@ -152,3 +152,21 @@ def test_every_gpu_leaves_none_for_another_environment():
              parse_spec("name: b\nkind: gpu\ngpus: [0]\n", "b.yaml")]
     found = [p.message for p in find_conflicts(specs, None)]
     assert found == ["a GPU is wanted, but environment 'a' (a.yaml) has every GPU"]
+
+
+def test_governors_and_module_options_of_an_environment_that_is_up_are_held():
+    from envctl.plan.claims import held_conflicts, spec_claims
+    from envctl.spec.loader import parse_spec
+
+    facts = HostFacts(cpus=(0, 1), cpufreq_policies={0: (0, 1)})
+    up = parse_spec("name: up1\nkind: cpu\nresources: {cpu: {dedicated: [0]}}\nhost:\n"
+                    "  governor: {name: performance, cpus: dedicated}\n"
+                    "  modules: [{name: dummy, options: {numdummies: 2}}]\n", "up1.yaml")
+    held = {"up1": ("/j/up1.json", spec_claims(up.spec, facts))}
+    new = parse_spec("name: new\nkind: cpu\nresources: {cpu: {dedicated: [1]}}\nhost:\n"
+                     "  governor: {name: powersave, cpus: dedicated}\n"
+                     "  modules: [{name: dummy, options: {numdummies: 3}}]\n", "new.yaml")
+    found = [p.message for p in held_conflicts([new], held, facts)]
+    assert any("cpufreq policy0 (governor performance; this spec wants powersave)" in m
+               for m in found)
+    assert any("kernel module dummy (loaded with options 'numdummies=2'" in m for m in found)

@@ -1,7 +1,7 @@
 """What an environment holds that no other may have while it is up (its address, host ports,
-dedicated CPUs, GPUs, derived interface name, the value of each sysctl), and the conflicts of
-specs with environments that are up but not among the specs read now (a renamed spec, another
-config directory). Pure.
+dedicated CPUs, GPUs, derived interface name, the value of each sysctl, the governor of each
+cpufreq policy, each module's options), and the conflicts of specs with environments that are up
+but not among the specs read now (a renamed spec, another config directory). Pure.
 
 `up` records an environment's claims in its journal; commands that change the host read them
 back for every environment that is up, so a spec elsewhere cannot take what it holds."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 from typing import TYPE_CHECKING, Any
 
+from envctl.plan.host import cpufreq_policy, governor_cpus, module_name, module_options
 from envctl.spec.naming import host_veth
 from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.sysctls import canonical
@@ -47,6 +48,14 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
         sysctls.setdefault("net.ipv4.ip_forward", "1")  # the network plan turns it on
     if sysctls:
         out["sysctls"] = sysctls
+    if facts is not None and spec.host.governor is not None:
+        governors = {f"policy{cpufreq_policy(cpu, facts)[0]}": spec.host.governor.name
+                     for cpu in governor_cpus(spec, facts)}
+        if governors:
+            out["governors"] = governors
+    if spec.host.modules:
+        out["modules"] = {module_name(m.name): list(module_options(m))
+                          for m in spec.host.modules}
     gpus = spec.gpus
     if gpus.wanted:
         out["gpus"] = {"all": gpus.all, "indices": list(gpus.indices),
@@ -101,6 +110,16 @@ def _clashes(mine: dict[str, Any], theirs: dict[str, Any]) -> list[tuple[tuple, 
         if have is not None and " ".join(have.split()) != " ".join(value.split()):
             out.append((("host", "sysctls", name), f"{name} (set to {have}; this spec wants "
                                                    f"{value}, and one host value serves both)"))
+    for policy, name in sorted(mine.get("governors", {}).items()):
+        have = theirs.get("governors", {}).get(policy)
+        if have is not None and have != name:
+            out.append((("host", "governor", "name"),
+                        f"cpufreq {policy} (governor {have}; this spec wants {name})"))
+    for module, options in sorted(mine.get("modules", {}).items()):
+        have = theirs.get("modules", {}).get(module)
+        if have is not None and have != options:
+            out.append((("host", "modules"), f"kernel module {module} (loaded with options "
+                        f"'{' '.join(have)}'; this spec wants '{' '.join(options)}')"))
     mg, tg = mine.get("gpus"), theirs.get("gpus")
     if mg and tg:
         if mg["all"] or tg["all"]:
