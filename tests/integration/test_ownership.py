@@ -115,6 +115,27 @@ def test_an_adopted_namespace_gets_its_lo_and_default_route_back(clean):
     sb.envctl("down", "alpha", check=True)
     assert sb.netns() == ["alpha"]
     assert not lo_up() and routes() == [("192.0.2.1", "t-dummy")]
+    # The operator's network changes while the environment is up: the old gateway's device
+    # goes. `down` cannot give the route back, and must not fail forever trying.
+    sb.envctl("up", "alpha", check=True)
+    in_ns(sb, "alpha", "ip", "link", "del", "t-dummy", check=True)
+    sb.envctl("down", "alpha", check=True)
+    assert sb.netns() == ["alpha"] and routes() == [] and not lo_up()
+    sb.run("ip", "netns", "del", "alpha", check=True)
+
+
+def test_an_adopted_namespace_with_the_peers_name_taken_is_refused(clean):
+    sb = clean
+    sb.run("ip", "netns", "add", "alpha", check=True)
+    in_ns(sb, "alpha", "ip", "link", "add", "eth0", "type", "veth", "peer", "name", "t-x",
+          check=True)
+    sb.write_spec("alpha", spec("alpha", "10.231.0.2", backend="nftables"))
+    plan = steps(sb, "plan", "alpha")
+    veth = next(s for k, s in plan.items() if k.startswith("veth"))
+    assert veth["op"] == "!" and "already has an interface 'eth0'" in veth["note"]
+    res = sb.envctl("up", "alpha")
+    assert res.returncode == 1 and "already has an interface 'eth0'" in res.stderr
+    assert in_ns(sb, "alpha", "ip", "link", "show", "eth0").returncode == 0  # untouched
     sb.run("ip", "netns", "del", "alpha", check=True)
 
 

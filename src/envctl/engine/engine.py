@@ -106,8 +106,9 @@ class Engine:
     def _planned_step(self, res: Resource, journal: Journal, ledger: Ledger) -> Step:
         check = _safe_check(res, self.host)
         known = ledger.get(res.key) if res.shared else journal.get(res.key)
-        if known is None and check.status is not Status.ABSENT:
-            # Something is there that no journal or ledger says envctl made: will `up` take it?
+        if known is None:
+            # A step no journal or ledger knows: would `up` refuse what it finds there (some
+            # object envctl did not make, perhaps next to where this one goes)?
             try:
                 why = res.refuses(res.snapshot(self.host))
             except HostError as exc:

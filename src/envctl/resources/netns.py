@@ -7,7 +7,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from envctl.errors import NamespaceGone
+from envctl.errors import HostError, NamespaceGone
 from envctl.resources.base import Check, Resource
 
 if TYPE_CHECKING:
@@ -119,8 +119,12 @@ class NetNamespace(Resource):
             gateway = memo.get("gateway")
             if gateway and nl.default_gateway(netns=self.name) != gateway:
                 if act:
-                    nl.set_default_route(gateway, netns=self.name)
-                done.append(f"default route via {gateway} restored")
+                    # HostError: the gateway is unreachable now (its device went since `up`):
+                    # the namespace's network changed under envctl and the old route cannot
+                    # come back. Failing here would fail every `down` the same way.
+                    with contextlib.suppress(HostError):
+                        nl.set_default_route(gateway, netns=self.name)
+                done.append(f"default route via {gateway} restored if still reachable")
         except NamespaceGone:
             return []  # deleted by someone else meanwhile: nothing to give back
         return done

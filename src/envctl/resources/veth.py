@@ -107,14 +107,23 @@ class Veth(Resource):
 
     def snapshot(self, host: Host) -> dict[str, Any]:
         link = host.netlink.link(self.name)
-        return {"existed": link is not None, "kind": link.kind if link else None}
+        try:  # an adopted namespace may already have an interface of the peer's name
+            peer = host.netlink.link(self.interface, netns=self.netns)
+        except NamespaceGone:
+            peer = None
+        return {"existed": link is not None, "kind": link.kind if link else None,
+                "peer_existed": peer is not None}
 
     def refuses(self, memo: dict[str, Any]) -> str:
-        if not memo.get("existed"):
-            return ""
-        return (f"'{self.name}' already exists (a {memo.get('kind') or 'device'}) and envctl "
-                "did not make it; envctl neither takes it over nor deletes it: remove or "
-                "rename it, or give the environment another name")
+        if memo.get("existed"):
+            return (f"'{self.name}' already exists (a {memo.get('kind') or 'device'}) and "
+                    "envctl did not make it; envctl neither takes it over nor deletes it: "
+                    "remove or rename it, or give the environment another name")
+        if memo.get("peer_existed"):
+            return (f"namespace {self.netns} already has an interface '{self.interface}', "
+                    "which envctl did not make; rename it, or choose another "
+                    "network.interface for the environment")
+        return ""
 
     @staticmethod
     def _not_ours(host: Host, memo: dict[str, Any]) -> bool:
