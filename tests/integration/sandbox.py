@@ -183,6 +183,11 @@ class Sandbox:
         """Kill what a failed test left in this sandbox's cgroups and remove them."""
         for path in sorted(self.cgroups(), key=len, reverse=True):
             d = Path(path)
+            # A test that failed during teardown may leave a v1 cgroup frozen: its processes
+            # die of SIGKILL only once thawed. v2 kills a whole subtree with cgroup.kill.
+            for name, value in (("freezer.state", "THAWED"), ("cgroup.kill", "1")):
+                with contextlib.suppress(OSError):
+                    (d / name).write_text(value)
             for _ in range(100):
                 pids = (d / "cgroup.procs").read_text().split() if d.is_dir() else []
                 if not pids:

@@ -3,6 +3,8 @@ the device allow-list, dedicated CPUs, stats, teardown with live processes, faul
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,13 +24,12 @@ resources:
 """
 
 # A child that puts itself into the environment's cgroup (as the job system will), says so on
-# stdout, waits for a line on stdin, then runs BODY.
+# stdout, then runs BODY.
 ATTACH = """\
 import os, sys
 from envctl.host.cgroups import Cgroups
 Cgroups.from_env().attach(sys.argv[1], os.getpid())
 print("attached", flush=True)
-sys.stdin.readline()
 """
 
 
@@ -41,14 +42,86 @@ def up(sb, resources: str, name: str = "lim", env: dict | None = None):
     return sb.envctl("up", name, env=env)
 
 
-def start_child(sb, env: str, body: str):
-    return sb.popen(sys.executable, "-c", ATTACH + body, env)
+def start_child(sb, env: str, body: str) -> subprocess.Popen:
+    """BODY in the environment's cgroup, running once it is attached (see `spawn`)."""
+    return spawn(sb, env, body)
 
 
 def run_child(sb, env: str, body: str, timeout: float = 60):
     """Run BODY inside the environment's cgroup; returns the completed process."""
-    return sb.run(sys.executable, "-c", ATTACH.replace("sys.stdin.readline()\n", "") + body,
+    return sb.run(sys.executable, "-c", ATTACH + body,
                   env, timeout=timeout)
+
+
+def spawn(sb, env: str, body: str, extra: dict | None = None) -> subprocess.Popen:
+    """BODY in the environment's cgroup (attached first), its stdin, stdout and stderr piped."""
+    code = ATTACH + body
+    return subprocess.Popen(["nsenter", "-t", str(sb.pid), "-n", "-m", "--", sys.executable,
+                             "-c", code, env], env=sb.env(extra), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def expect(proc: subprocess.Popen, want: str) -> None:
+    """The child's next line is `want`; otherwise fail showing what it said on stderr."""
+    line = proc.stdout.readline().strip()
+    if line != want:
+        proc.kill()
+        raise AssertionError(f"child said {line!r}, not {want!r}; stderr:\n{proc.stderr.read()}")
+
+
+def ask(proc: subprocess.Popen, line: str = "probe") -> str:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+
+
+# Moves itself (and a child it forks) into a sub-cgroup of its own, as podman, `systemd --user`
+# or a job system would: teardown has to find it below the environment's cgroup.
+SUB_CGROUP = """\
+import time
+from pathlib import Path
+from envctl.host.cgroups import Cgroups
+cg = Cgroups.from_env()
+for d in cg.dirs(sys.argv[1], ("pids", "memory", "freezer", "")):
+    if d.is_dir():
+        (d / "job").mkdir()
+        (d / "job" / "cgroup.procs").write_text(str(os.getpid()))
+if os.fork() == 0:
+    time.sleep(1000)
+    os._exit(0)
+print("moved", flush=True)
+time.sleep(1000)
+"""
+
+# Ignores SIGTERM, then on each line of stdin tries to open /dev/kmsg (outside the allow-list).
+KMSG_PROBE = """\
+import errno, signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+for line in sys.stdin:
+    try:
+        os.close(os.open("/dev/kmsg", os.O_RDONLY))
+        print("kmsg ok", flush=True)
+    except OSError as exc:
+        print("kmsg", errno.errorcode[exc.errno], flush=True)
+"""
+
+
+def sleeper() -> subprocess.Popen:
+    """A process of somebody else's, outside every environment."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
+
+
+def rmdirs(*dirs: Path) -> None:
+    for d in dirs:
+        with contextlib.suppress(FileNotFoundError):
+            d.rmdir()
 
 
 def v1_path(sb, controller: str, *rest: str) -> Path:
@@ -99,7 +172,7 @@ def test_cpu_burner_under_half_quota_is_throttled(clean):
     assert up(sb, "  cpu: {quota: 50%}").returncode == 0
     proc = start_child(sb, "lim", "while True: pass\n")
     try:
-        assert proc.stdout.readline().strip() == "attached"
+        expect(proc, "attached")
         deadline = time.monotonic() + 20
         st = cgroups(sb).stats("lim")
         while (st.nr_throttled or 0) < 5 and time.monotonic() < deadline:
@@ -164,7 +237,7 @@ def test_down_kills_live_processes_and_repeats(clean):
     assert up(sb, "  pids: {max: 32}").returncode == 0
     kids = [start_child(sb, "lim", "import time\ntime.sleep(1000)\n") for _ in range(3)]
     for k in kids:
-        assert k.stdout.readline().strip() == "attached"
+        expect(k, "attached")
     assert len(cgroups(sb).procs("lim")) == 3
     assert cgroups(sb).stats("lim").pids_current == 3
     sb.envctl("down", "lim", check=True)
@@ -227,6 +300,83 @@ def test_values_the_host_cannot_honour_are_plan_errors(sandbox):
     assert sb.cgroups() == []
 
 
+def test_down_kills_processes_that_moved_into_their_own_sub_cgroup(clean):
+    sb = clean
+    assert up(sb, "  pids: {max: 32}\n  memory: {max: 64M}").returncode == 0
+    kid = spawn(sb, "lim", SUB_CGROUP)
+    try:
+        expect(kid, "attached")
+        expect(kid, "moved")
+        assert (v1_path(sb, "pids", "lim", "job", "cgroup.procs").read_text().split())
+        for _ in range(2):  # a second down finds nothing left, and succeeds
+            res = sb.envctl("down", "lim", env={"ENVCTL_KILL_GRACE": "1"})
+            assert res.returncode == 0, res.stdout + res.stderr
+        assert kid.wait(timeout=30) != 0
+        assert sb.cgroups() == []
+    finally:
+        stop(kid)
+
+
+def test_sigterm_ignoring_process_never_gets_wider_device_access(clean):
+    sb = clean
+    assert up(sb, "").returncode == 0
+    kid = spawn(sb, "lim", KMSG_PROBE)
+    try:
+        expect(kid, "attached")
+        expect(kid, "ready")
+        assert ask(kid) == "kmsg EPERM"
+        # Down stops at the cgroup step, after the device step (teardown is the plan reversed):
+        # the allow-list must not have been lifted while the process is alive.
+        res = sb.envctl("down", "lim", env={"ENVCTL_FAULT": "fail@remove:cgroup:lim"})
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "a *:* rwm" not in v1_path(sb, "devices", "lim", "devices.list").read_text()
+        assert ask(kid) == "kmsg EPERM"
+        # The next down kills it (SIGTERM is ignored: SIGKILL after the grace period).
+        sb.envctl("down", "lim", env={"ENVCTL_KILL_GRACE": "1"}, check=True)
+        assert kid.wait(timeout=30) == -9
+    finally:
+        stop(kid)
+
+
+def test_cgroup_envctl_did_not_make_is_refused_and_left_alone(clean):
+    sb = clean
+    theirs = v1_path(sb, "pids", "lim")
+    theirs.mkdir(parents=True)
+    owner = sleeper()
+    try:
+        (theirs / "cgroup.procs").write_text(str(owner.pid))
+        sb.write_spec("lim", SPEC.format(name="lim", resources="  pids: {max: 32}"))
+        steps = {s["key"]: s for s in sb.envctl_json("plan", "lim")[0]["steps"]}
+        assert steps["cgroup:lim"]["op"] == "!", steps["cgroup:lim"]
+        res = sb.envctl("up", "lim")
+        assert res.returncode == 1 and str(theirs) in res.stderr, res.stderr
+        sb.envctl("down", "lim", check=True)
+        # Untouched: still there, its limit as it was, its process alive and inside.
+        assert (theirs / "pids.max").read_text().strip() == "max"
+        assert owner.poll() is None
+        assert (theirs / "cgroup.procs").read_text().split() == [str(owner.pid)]
+        assert sb.cgroups() == sorted([str(theirs), str(theirs.parent)])
+    finally:
+        owner.kill()
+        owner.wait()
+        rmdirs(theirs, theirs.parent)
+
+
+def test_parent_that_existed_keeps_its_cpuset(clean):
+    sb = clean
+    theirs = v1_path(sb, "cpuset")
+    theirs.mkdir()  # made by an operator, in one hierarchy only; its cpuset is empty
+    try:
+        assert up(sb, "  pids: {max: 32}").returncode == 0
+        assert (theirs / "cpuset.cpus").read_text().strip()  # envctl filled it to use it
+        sb.envctl("down", "lim", check=True)
+        assert sb.cgroups() == [str(theirs)]  # envctl's own parents are gone, theirs is kept
+        assert (theirs / "cpuset.cpus").read_text().strip() == ""
+        assert (theirs / "cpuset.mems").read_text().strip() == ""
+    finally:
+        rmdirs(theirs)
+
+
 # ---------------------------------------------------------------- v2 paths on this host
 # The hybrid layout here mounts cgroup2 (without resource controllers) at /sys/fs/cgroup/
 # unified. Pointing ENVCTL_CGROUP_ROOT at it makes envctl drive it as a v2 host: the parent,
@@ -263,13 +413,12 @@ for path, mode in (("/dev/null", os.O_RDWR), ("/dev/urandom", os.O_RDONLY),
     except OSError as exc:
         print(path, errno.errorcode[exc.errno])
 """
-    res = sb.run(sys.executable, "-c", ATTACH.replace("sys.stdin.readline()\n", "") + body,
+    res = sb.run(sys.executable, "-c", ATTACH + body,
                  "lim", env=env)
     assert res.stdout.split("\n")[1:4] == ["/dev/null ok", "/dev/urandom ok", "/dev/kmsg EPERM"]
     # Teardown with a live process: cgroup.kill, then rmdir.
-    kid = sb.popen(sys.executable, "-c", ATTACH + "import time\ntime.sleep(1000)\n", "lim",
-                   env=env)
-    assert kid.stdout.readline().strip() == "attached"
+    kid = spawn(sb, "lim", "import time\ntime.sleep(1000)\n", env)
+    expect(kid, "attached")
     sb.envctl("down", "lim", env=env, check=True)
     assert kid.wait(timeout=10) != 0
     sb.envctl("down", "lim", env=env, check=True)
@@ -285,3 +434,41 @@ def test_v2_fault_at_every_step_leaves_no_residue(v2only):
             res = sb.envctl("up", "lim", env={**env, "ENVCTL_FAULT": f"fail@{point}:#{i}"})
             assert res.returncode == 1, res.stderr
             assert sb.residue() == {}, key
+
+
+def test_v2_down_kills_processes_in_their_own_sub_cgroup(v2only):
+    sb = v2only
+    env = {"ENVCTL_CGROUP_ROOT": str(UNIFIED), "ENVCTL_KILL_GRACE": "1"}
+    assert up(sb, "", env=env).returncode == 0
+    kid = spawn(sb, "lim", SUB_CGROUP, env)
+    try:
+        expect(kid, "attached")
+        expect(kid, "moved")
+        assert (UNIFIED / sb.cgroup_parent / "lim/job/cgroup.procs").read_text().split()
+        res = sb.envctl("down", "lim", env=env)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert kid.wait(timeout=30) != 0
+        assert sb.cgroups() == []
+    finally:
+        stop(kid)
+
+
+def test_v2_device_program_stays_until_the_processes_are_gone(v2only):
+    sb = v2only
+    env = {"ENVCTL_CGROUP_ROOT": str(UNIFIED)}
+    assert up(sb, "", env=env).returncode == 0
+    from envctl.host import bpf
+
+    kid = spawn(sb, "lim", KMSG_PROBE, env)
+    try:
+        expect(kid, "attached")
+        expect(kid, "ready")
+        assert ask(kid) == "kmsg EPERM"
+        res = sb.envctl("down", "lim", env={**env, "ENVCTL_FAULT": "fail@remove:cgroup:lim"})
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert bpf.attached_device_programs(UNIFIED / sb.cgroup_parent / "lim")
+        assert ask(kid) == "kmsg EPERM"
+        sb.envctl("down", "lim", env={**env, "ENVCTL_KILL_GRACE": "1"}, check=True)
+        assert kid.wait(timeout=30) == -9
+    finally:
+        stop(kid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 
 import pytest
+from pydantic import ValidationError
 
 from envctl.facts import CgroupFacts, HostFacts
 from envctl.host import bpf
@@ -113,7 +114,8 @@ def test_weight_conversions():
     ({}, CgroupFacts(layout="none", version=0, controllers=()), "no usable cgroup"),
 ])
 def test_values_the_host_cannot_honour(resources, cg, needle):
-    with pytest.raises(PlanError) as exc:
+    # (A quota below the kernel's minimum is refused by the spec itself, before planning.)
+    with pytest.raises((PlanError, ValidationError)) as exc:
         plan_env(spec(resources), facts(cg))
     assert needle in str(exc.value)
 
@@ -214,7 +216,8 @@ def test_v2_parent_removal_disables_only_the_controllers_envctl_enabled(tmp_path
     root, host = _fake_v2(tmp_path, monkeypatch)
     parent = CgroupParent(2, ("cpu", "memory", "pids"), "envctl")
     memo = parent.snapshot(host)
-    assert memo == {"existed": False, "subtree_control": {"root": ["memory"], "parent": []}}
+    assert memo == {"existed": False, "had": [],
+                    "subtree_control": {"root": ["memory"], "parent": []}}
     parent.apply(host, memo)
     assert parent.check(host).ok
     assert set((root / "cgroup.subtree_control").read_text().split()) == {"cpu", "memory",
@@ -263,3 +266,100 @@ def test_cgroup_resources_use_the_parent_they_recorded(tmp_path, monkeypatch):
     cg.remove(host, {})
     parent.remove(host, memo)
     assert sorted(p.name for p in root.iterdir()) == ["cgroup.subtree_control"]
+
+
+# ---------------------------------------------------------------- teardown signals only its own
+
+
+def _sleeper():
+    """A process that belongs to no environment: it must outlive any teardown."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def _swap_on_signal(monkeypatch, listing, pid: int) -> None:
+    """The process `listing` names exits between the read and the signal, and its pid now
+    belongs to `pid`, a process outside the cgroup: whichever of kill() / pidfd_open() gets
+    that pid first sees the swap (the listing empties, the real call reaches `pid`)."""
+    import os
+
+    for name in ("kill", "pidfd_open"):
+        real = getattr(os, name)
+
+        def swapped(target, *args, _real=real):
+            if target == pid and listing.exists():
+                listing.write_text("")
+            return _real(target, *args)
+
+        monkeypatch.setattr(os, name, swapped)
+
+
+def _cgroupfs_rmdir(monkeypatch) -> list[str]:
+    """rmdir as cgroupfs does it for a fake tree (its files go with it); returns the log."""
+    import envctl.host.cgroups as hc
+
+    removed: list[str] = []
+
+    def rmdir(path):
+        removed.append(path.name)
+        for f in path.iterdir():
+            f.unlink()  # a real cgroup's files vanish with it; a sub-cgroup makes this fail
+        path.rmdir()
+
+    monkeypatch.setattr(hc, "_rmdir", rmdir)
+    return removed
+
+
+def test_teardown_never_signals_a_process_outside_the_cgroup(tmp_path, monkeypatch):
+    from envctl.host.cgroups import Cgroups
+
+    innocent = _sleeper()
+    try:
+        env = tmp_path / "cg/envctl/e1"
+        env.mkdir(parents=True)
+        (env / "cgroup.procs").write_text(f"{innocent.pid}\n")
+        _swap_on_signal(monkeypatch, env / "cgroup.procs", innocent.pid)
+        _cgroupfs_rmdir(monkeypatch)
+        cg = Cgroups(CgroupLayout(unified=str(tmp_path / "cg")), "envctl", kill_grace=0.1)
+        cg.remove("e1")
+        assert innocent.poll() is None, "a process outside the environment was signalled"
+        assert not env.exists()
+    finally:
+        innocent.kill()
+        innocent.wait()
+
+
+def test_teardown_walks_the_subtree_deepest_first(tmp_path, monkeypatch):
+    from envctl.host.cgroups import Cgroups
+
+    env = tmp_path / "cg/envctl/e1"
+    (env / "sub/deeper").mkdir(parents=True)
+    (env / "other").mkdir()
+    for d in (env, env / "sub", env / "sub/deeper", env / "other"):
+        (d / "cgroup.procs").write_text("")
+    removed = _cgroupfs_rmdir(monkeypatch)
+    cg = Cgroups(CgroupLayout(unified=str(tmp_path / "cg")), "envctl", kill_grace=0.1)
+    cg.remove("e1")
+    assert not env.exists()
+    assert removed.index("deeper") < removed.index("sub") < removed.index("e1")
+    assert removed.index("other") < removed.index("e1")
+
+
+def test_membership_is_read_from_proc_and_respects_path_boundaries():
+    import os
+    from pathlib import Path
+
+    from envctl.host.cgroups import in_cgroup, lists_cgroup
+
+    v1 = "12:freezer:/envctl/lim/job\n8:pids:/envctl/lim\n1:name=systemd:/user.slice\n"
+    assert lists_cgroup(v1, "/envctl/lim") and lists_cgroup(v1, "/envctl")
+    assert not lists_cgroup(v1, "/envctl/li")  # a name that is a prefix is another cgroup
+    assert not lists_cgroup("0::/envctl/lim2\n", "/envctl/lim")
+    assert lists_cgroup("0::/envctl.slice/envctl-x.slice/run-1.scope\n",
+                        "/envctl.slice/envctl-x.slice")
+    mine = Path("/proc/self/cgroup").read_text().splitlines()[0].split(":", 2)[2]
+    assert in_cgroup(os.getpid(), mine)
+    assert not in_cgroup(os.getpid(), "/envctl-nonexistent/e1")
+    assert not in_cgroup(2**22 + 1, mine)  # no such process

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from envctl.errors import HostError
 from envctl.facts import CgroupFacts, HostFacts
@@ -123,7 +124,8 @@ def test_v1_host_gets_only_what_systemd_sets_on_v1():
     ({"driver": "systemd"}, CgroupFacts(), "PID 1 here is not systemd"),
 ])
 def test_values_systemd_cannot_set_are_plan_errors(resources, cg, needle):
-    with pytest.raises(PlanError) as exc:
+    # (A quota below the kernel's minimum is refused by the spec itself, before planning.)
+    with pytest.raises((PlanError, ValidationError)) as exc:
         plan_env(spec(resources), facts(cg))
     assert needle in str(exc.value)
 
@@ -167,8 +169,8 @@ def test_slices_round_trip_through_the_journal_form():
 # ---------------------------------------------------------------- unit files, devices
 
 
-def test_device_rules_become_device_allow_entries():
-    names = sd.read_proc_devices(_fake_proc())
+def test_device_rules_become_device_allow_entries(tmp_path):
+    names = sd.read_proc_devices(_fake_proc(tmp_path))
     assert sd.device_allow("c 1:3 rwm", names) == "/dev/char/1:3 rwm"
     assert sd.device_allow("c 136:* rwm", names) == "char-pts rwm"
     assert sd.device_allow("c 195:255 rw", names) == "/dev/char/195:255 rw"
@@ -176,12 +178,9 @@ def test_device_rules_become_device_allow_entries():
         sd.device_allow("c 240:* rwm", names)
 
 
-def _fake_proc(tmp: Path | None = None) -> Path:
-    import tempfile
-
-    d = Path(tmp or tempfile.mkdtemp(prefix="envctl-proc-"))
-    (d / "devices").write_text(PROC_DEVICES)
-    return d
+def _fake_proc(tmp: Path) -> Path:
+    (tmp / "devices").write_text(PROC_DEVICES)
+    return tmp
 
 
 def test_unit_text_and_what_systemd_will_report():
@@ -234,9 +233,10 @@ class FakeSystemctl:
     """systemctl over a unit directory: a unit's settings change at daemon-reload (its file)
     or set-property --runtime (a drop-in), as systemd's do; `show` prints them its way."""
 
-    def __init__(self, unit_dir: Path, control_dir: Path):
-        self.unit_dir, self.control_dir = unit_dir, control_dir
+    def __init__(self, unit_dir: Path, control_dir: Path, etc_dir: Path):
+        self.unit_dir, self.control_dir, self.etc_dir = unit_dir, control_dir, etc_dir
         self.loaded: dict[str, list[tuple[str, str]]] = {}
+        self.fragment: dict[str, Path] = {}
         self.runtime: dict[str, list[tuple[str, str]]] = {}
         self.active: set[str] = set()
         self.calls: list[list[str]] = []
@@ -248,11 +248,14 @@ class FakeSystemctl:
         return subprocess.CompletedProcess(argv, rc, out, "" if rc == 0 else "Unit not loaded.")
 
     def do_daemon_reload(self):
-        self.loaded = {}
-        for f in self.unit_dir.glob("*.slice"):
-            self.loaded[f.name] = [tuple(line.split("=", 1)) for line in
-                                   f.read_text().splitlines() if "=" in line
-                                   and not line.startswith("#")]
+        self.loaded, self.fragment = {}, {}
+        # /etc/systemd/system comes before /run/systemd/system, as in systemd's search path.
+        for d in (self.unit_dir, self.etc_dir):
+            for f in d.glob("*.slice"):
+                self.fragment[f.name] = f
+                self.loaded[f.name] = [tuple(line.split("=", 1)) for line in
+                                       f.read_text().splitlines() if "=" in line
+                                       and not line.startswith("#")]
 
     def do_start(self, unit):
         if unit not in self.loaded:
@@ -274,7 +277,9 @@ class FakeSystemctl:
             (d / f"50-{key}.conf").write_text(a + "\n")
 
     def do_revert(self, unit):
+        # As systemctl's: every drop-in goes, the operator's in /etc included.
         shutil.rmtree(self.control_dir / f"{unit}.d", ignore_errors=True)
+        shutil.rmtree(self.etc_dir / f"{unit}.d", ignore_errors=True)
         self.runtime.pop(unit, None)
 
     def settings(self, unit) -> dict[str, list[str]]:
@@ -290,7 +295,7 @@ class FakeSystemctl:
         have = self.settings(unit)
         lines = [f"LoadState={'loaded' if unit in self.loaded else 'not-found'}",
                  f"ActiveState={'active' if unit in self.active else 'inactive'}",
-                 f"FragmentPath={self.unit_dir / unit if unit in self.loaded else ''}"]
+                 f"FragmentPath={self.fragment.get(unit, '')}"]
         for key in keys.split(","):
             if key == "CPUQuotaPerSecUSec":
                 q = (have.get("CPUQuota") or [""])[0]
@@ -310,12 +315,14 @@ def host(tmp_path):
         pass
 
     unit_dir, control = tmp_path / "run/systemd/system", tmp_path / "run/systemd/system.control"
-    fake = FakeSystemctl(unit_dir, control)
+    fake = FakeSystemctl(unit_dir, control, tmp_path / "etc/systemd/system")
     h = FakeHost()
     h.fake = fake
+    (tmp_path / "proc").mkdir()
     h.systemd = sd.Systemd(CgroupLayout(unified=str(tmp_path / "cg")), unit_dir=unit_dir,
-                           control_dir=control, runner=fake, proc=_fake_proc(tmp_path),
-                           dev=tmp_path / "dev")
+                           control_dir=control, runner=fake,
+                           proc=_fake_proc(tmp_path / "proc"), dev=tmp_path / "dev",
+                           kill_grace=0.1)
     (tmp_path / "dev").mkdir()
     h.cgroups = Cgroups(CgroupLayout(unified=str(tmp_path / "cg")))
     return h
@@ -461,3 +468,151 @@ def test_run_and_attach_argv(host, tmp_path):
     assert seen[0][7:] == ["envctl-cpu_compute-42.scope", "fail", "3", "PIDs", "au", "1", "42",
                            "Slice", "s", "envctl-cpu_compute.slice", "CollectMode", "s",
                            "inactive-or-failed", "0"]
+
+
+# ---------------------------------------------------------------- ownership and teardown
+
+
+def test_teardown_of_a_slice_never_signals_a_process_outside_it(host, tmp_path, monkeypatch):
+    from tests.unit.test_cgroup import _sleeper, _swap_on_signal
+
+    res = _slice()
+    res.apply(host, {})
+    scope = tmp_path / "cg/envctl.slice/envctl-cpu_compute.slice/job.scope"
+    scope.mkdir(parents=True)
+    innocent = _sleeper()
+    try:
+        (scope / "cgroup.procs").write_text(f"{innocent.pid}\n")
+        _swap_on_signal(monkeypatch, scope / "cgroup.procs", innocent.pid)
+        res.remove(host, {})
+        assert innocent.poll() is None, "a process outside the slice was signalled"
+    finally:
+        innocent.kill()
+        innocent.wait()
+
+
+def _foreign(host, how: str) -> None:
+    unit = "envctl-cpu_compute.slice"
+    if how == "active":  # started by somebody (systemd-run --slice=...), no unit file at all
+        host.fake.active.add(unit)
+    elif how == "etc":  # defined by an operator's unit file, not started
+        (host.fake.etc_dir).mkdir(parents=True)
+        (host.fake.etc_dir / unit).write_text("[Slice]\nCPUWeight=50\n")
+        host.fake.do_daemon_reload()
+    elif how == "run":  # a unit file in envctl's directory that envctl did not write
+        host.systemd.unit_dir.mkdir(parents=True)
+        (host.systemd.unit_dir / unit).write_text("[Slice]\nCPUWeight=50\n")
+        host.fake.do_daemon_reload()
+
+
+@pytest.mark.parametrize("how", ["active", "etc", "run"])
+def test_slice_envctl_did_not_make_is_refused_and_left_alone(host, tmp_path, how):
+    from envctl.engine.engine import Engine
+    from envctl.errors import StepFailed
+    from envctl.host.context import Host
+
+    _foreign(host, how)
+    res = _slice()
+    why = res.refuses(res.snapshot(host))
+    assert "envctl-cpu_compute.slice" in why and "envctl did not" in why, why
+    real = Host(state_dir=tmp_path / "state", run_dir=tmp_path / "run-envctl")
+    real.systemd, real.cgroups = host.systemd, host.cgroups
+    before = {f: f.read_text() for f in tmp_path.rglob("*.slice")}
+    active = set(host.fake.active)
+    with pytest.raises(StepFailed, match="envctl did not"):
+        Engine(real).up("cpu-compute", [SystemdParentSlice(2), res])
+    Engine(real).down("cpu-compute")
+    assert {f: f.read_text() for f in tmp_path.rglob("*.slice")} == before
+    assert host.fake.active == active
+    assert not [c for c in host.fake.calls if "envctl-cpu_compute.slice" in c
+                and c[0] in ("stop", "revert", "set-property")]
+
+
+def test_a_stopped_slice_with_envctl_s_own_unit_file_is_taken_over(host):
+    res = _slice()
+    res.apply(host, {})
+    host.fake.active.discard("envctl-cpu_compute.slice")  # e.g. after a lost journal
+    assert res.refuses(res.snapshot(host)) == ""
+    assert res.refuses(_slice().snapshot(host)) == ""
+
+
+def test_removal_keeps_drop_ins_envctl_did_not_make(host):
+    unit = "envctl-cpu_compute.slice"
+    res = _slice()
+    memo = res.snapshot(host)
+    res.apply(host, memo)
+    # An operator's persistent drop-in, and a runtime one for a property envctl leaves alone.
+    etc = host.fake.etc_dir / f"{unit}.d"
+    etc.mkdir(parents=True)
+    (etc / "10-ops.conf").write_text("[Slice]\nIOWeight=50\n")
+    host.fake.do_set_property("--runtime", unit, "IOWeight=50")
+    # A runtime override of a property envctl sets: envctl's next up overrides it in turn.
+    host.fake.do_set_property("--runtime", unit, "TasksMax=5")
+    res.apply(host, memo)
+    control = host.systemd.control_dir / f"{unit}.d"
+    assert (control / "50-TasksMax.conf").read_text() == "TasksMax=64\n"
+    res.remove(host, memo)
+    assert (etc / "10-ops.conf").exists()
+    assert sorted(p.name for p in control.iterdir()) == ["50-IOWeight.conf"]
+    assert "revert" not in [c[0] for c in host.fake.calls]
+
+
+def test_undo_notes_say_what_down_will_do(host, tmp_path):
+    res, parent = _slice(), SystemdParentSlice(2)
+    res.apply(host, {})
+    assert res.undo_note(host, {}) == ""
+    scope = tmp_path / "cg/envctl.slice/envctl-cpu_compute.slice/job.scope"
+    scope.mkdir(parents=True)
+    (scope / "cgroup.procs").write_text("4242\n4243\n")
+    assert res.undo_note(host, {}) == "stops 2 processes"
+    assert parent.undo_note(host, {"existed": True}) == "kept: it was active before envctl"
+    assert parent.undo_note(host, {"existed": False}) == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+@pytest.mark.parametrize("first", ["mine", "other"])
+def test_char_links_envctl_made_go_with_the_slice(host, first):
+    dev = host.systemd.dev
+    os.mknod(dev / "nvidia0", 0o666 | 0o020000, os.makedev(195, 0))
+    os.mknod(dev / "nvidiactl", 0o666 | 0o020000, os.makedev(195, 255))
+    os.mknod(dev / "nvidia1", 0o666 | 0o020000, os.makedev(195, 1))
+    (dev / "char").mkdir()
+    (dev / "char/195:255").symlink_to("../nvidiactl")  # udev's, there before envctl
+    mine = _slice(devices=("c 195:0 rw", "c 195:255 rw", "c 195:1 rw"))
+    memo = mine.snapshot(host)
+    assert memo["char_links"] == {str(dev / "char/195:0"): "../nvidia0",
+                                  str(dev / "char/195:1"): "../nvidia1"}
+    mine.apply(host, memo)
+    assert os.readlink(dev / "char/195:0") == "../nvidia0"
+    # Another environment's slice allows 195:1 too (the link is there when it comes up).
+    other = _slice(env="other", devices=("c 195:1 rw",))
+    other_memo = other.snapshot(host)
+    other.apply(host, other_memo)
+    if first == "mine":
+        assert mine.undo_note(host, memo) == f"removes {dev / 'char/195:0'}"
+        mine.remove(host, memo)
+        assert not os.path.lexists(dev / "char/195:0")  # made by envctl for this slice
+        # Still allowed by `other`: removing it would cost `other` the device at the next
+        # daemon-reload. (Its memo says it was there: it stays after `other` goes too.)
+        assert os.readlink(dev / "char/195:1") == "../nvidia1"
+        other.remove(host, other_memo)
+    else:
+        other.remove(host, other_memo)
+        assert os.readlink(dev / "char/195:1") == "../nvidia1"  # envctl's, for `mine`
+        mine.remove(host, memo)
+        assert not os.path.lexists(dev / "char/195:1")
+        assert not os.path.lexists(dev / "char/195:0")
+    assert os.readlink(dev / "char/195:255") == "../nvidiactl"  # udev's: kept
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_a_char_link_repointed_since_is_kept(host):
+    dev = host.systemd.dev
+    os.mknod(dev / "nvidia0", 0o666 | 0o020000, os.makedev(195, 0))
+    res = _slice(devices=("c 195:0 rw",))
+    memo = res.snapshot(host)
+    res.apply(host, memo)
+    (dev / "char/195:0").unlink()
+    (dev / "char/195:0").symlink_to("/dev/null")  # somebody else's now
+    res.remove(host, memo)
+    assert os.readlink(dev / "char/195:0") == "/dev/null"

@@ -1,9 +1,9 @@
 """Run INSIDE the v2 VM (tests/vm/test_vm_cgroup.py boots it): the cgroup tests of
-tests/integration/test_cgroup.py against a real cgroup v2 kernel with every controller."""
+tests/integration/test_cgroup.py against a real cgroup v2 kernel with every controller,
+teardown of sub-cgroups a process made and of processes that ignore SIGTERM included."""
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -11,7 +11,20 @@ import pytest
 
 from envctl.host.cgroups import Cgroups, detect_layout, read_cgroup_facts
 from tests.integration.sandbox import Sandbox
-from tests.integration.test_cgroup import ATTACH, SPEC, run_child, start_child, up
+from tests.integration.test_cgroup import (
+    KMSG_PROBE,
+    SPEC,
+    SUB_CGROUP,
+    ask,
+    expect,
+    rmdirs,
+    run_child,
+    sleeper,
+    spawn,
+    start_child,
+    stop,
+    up,
+)
 
 pytestmark = pytest.mark.root
 ROOT = Path("/sys/fs/cgroup")
@@ -77,7 +90,7 @@ def test_cpu_burner_under_half_quota_is_throttled(clean):
     assert up(sb, "  cpu: {quota: 50%}").returncode == 0
     proc = start_child(sb, "lim", "while True: pass\n")
     try:
-        assert proc.stdout.readline().strip() == "attached"
+        expect(proc, "attached")
         deadline = time.monotonic() + 60
         st = cg(sb).stats("lim")
         while (st.nr_throttled or 0) < 5 and time.monotonic() < deadline:
@@ -132,10 +145,9 @@ def test_dedicated_cpus_show_in_the_process_affinity(clean):
 def test_down_kills_live_processes_with_cgroup_kill(clean):
     sb = clean
     assert up(sb, "  pids: {max: 32}").returncode == 0
-    kids = [sb.popen(sys.executable, "-c", ATTACH + "import time\ntime.sleep(1000)\n", "lim")
-            for _ in range(2)]
+    kids = [spawn(sb, "lim", "import time\ntime.sleep(1000)\n") for _ in range(2)]
     for k in kids:
-        assert k.stdout.readline().strip() == "attached"
+        expect(k, "attached")
     assert cg(sb).stats("lim").pids_current == 2
     sb.envctl("down", "lim", check=True)
     for k in kids:
@@ -153,3 +165,57 @@ def test_fault_at_every_cgroup_step_leaves_no_residue(clean):
         res = sb.envctl("up", "lim", env={"ENVCTL_FAULT": f"fail@after:#{i}"})
         assert res.returncode == 1, res.stderr
         assert sb.residue() == {}, key
+
+
+def test_down_kills_processes_in_their_own_sub_cgroup(clean):
+    sb = clean
+    assert up(sb, "  pids: {max: 32}\n  memory: {max: 64M}").returncode == 0
+    kid = spawn(sb, "lim", SUB_CGROUP)
+    try:
+        expect(kid, "attached")
+        expect(kid, "moved")
+        assert read(sb, "lim", "job", "cgroup.procs")
+        res = sb.envctl("down", "lim", env={"ENVCTL_KILL_GRACE": "1"})
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert kid.wait(timeout=60) != 0
+    finally:
+        stop(kid)
+
+
+def test_device_program_stays_until_the_processes_are_gone(clean):
+    sb = clean
+    assert up(sb, "").returncode == 0
+    from envctl.host import bpf
+
+    kid = spawn(sb, "lim", KMSG_PROBE)
+    try:
+        expect(kid, "attached")
+        expect(kid, "ready")
+        assert ask(kid) == "kmsg EPERM"
+        res = sb.envctl("down", "lim", env={"ENVCTL_FAULT": "fail@remove:cgroup:lim"})
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert bpf.attached_device_programs(path(sb, "lim"))
+        assert ask(kid) == "kmsg EPERM"
+        sb.envctl("down", "lim", env={"ENVCTL_KILL_GRACE": "1"}, check=True)
+        assert kid.wait(timeout=60) == -9
+    finally:
+        stop(kid)
+
+
+def test_cgroup_envctl_did_not_make_is_refused_and_left_alone(clean):
+    sb = clean
+    theirs = path(sb, "lim")
+    theirs.mkdir(parents=True)
+    owner = sleeper()
+    try:
+        (theirs / "cgroup.procs").write_text(str(owner.pid))
+        res = up(sb, "  pids: {max: 32}")
+        assert res.returncode == 1 and str(theirs) in res.stderr, res.stderr
+        sb.envctl("down", "lim", check=True)
+        assert owner.poll() is None
+        assert (theirs / "cgroup.procs").read_text().split() == [str(owner.pid)]
+        assert theirs.parent.is_dir()  # the parent was theirs too: kept
+    finally:
+        owner.kill()
+        owner.wait()
+        rmdirs(theirs, theirs.parent)

@@ -3,11 +3,12 @@ attaching processes, usage stats and teardown, on v1, hybrid and v2 hosts."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
+import select
 import signal
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,8 +17,13 @@ from envctl.facts import DEFAULT_PARENT, V2_CONTROLLERS, CgroupFacts
 from envctl.spec.units import format_cpu_list, parse_cpu_list
 
 DEFAULT_ROOT = Path("/sys/fs/cgroup")
-# v1 hierarchies an environment's cgroup lives in (those mounted; freezer helps nothing yet).
-V1_CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "blkio", "pids", "devices")
+# v1 hierarchies an environment's cgroup lives in (those mounted). The freezer limits nothing:
+# it lets teardown stop every process at once, so that none forks while the others are killed.
+V1_CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "blkio", "pids", "devices", "freezer")
+# How long teardown waits for processes to go after SIGTERM (ENVCTL_KILL_GRACE overrides it),
+# and after SIGKILL before it gives up.
+KILL_GRACE = 5.0
+KILL_DEADLINE = 10.0
 # Values above this read back from a limit file mean "no limit" (v1 prints PAGE_COUNTER_MAX).
 _UNLIMITED_FLOOR = 2**62
 PAGE = 4096
@@ -215,7 +221,7 @@ class Cgroups:
     """envctl's cgroups: `<root>/<parent>/<env>` in each hierarchy the driver uses."""
 
     def __init__(self, layout: CgroupLayout, parent: str = DEFAULT_PARENT, *,
-                 kill_grace: float = 5.0):
+                 kill_grace: float = KILL_GRACE):
         self.lay = layout
         self.parent = parent
         self.kill_grace = kill_grace
@@ -224,7 +230,8 @@ class Cgroups:
     def from_env(cls, *, proc_root: Path = Path("/proc")) -> Cgroups:
         root = Path(os.environ.get("ENVCTL_CGROUP_ROOT", DEFAULT_ROOT))
         return cls(detect_layout(proc_root=proc_root, root=root),
-                   os.environ.get("ENVCTL_CGROUP_PARENT", DEFAULT_PARENT))
+                   os.environ.get("ENVCTL_CGROUP_PARENT", DEFAULT_PARENT),
+                   kill_grace=kill_grace_from_env())
 
     def for_parent(self, parent: str) -> Cgroups:
         """This adapter with another parent: the one a resource recorded ("" = this one)."""
@@ -383,15 +390,52 @@ class Cgroups:
             raise HostError(f"create cgroup '{self.parent}': write {value!r} to {p}: "
                             f"{exc.strerror}") from exc
 
-    def remove_parent(self) -> None:
-        """Remove the parent where it is empty; gone already is success."""
+    def remove_parent(self, *, keep: Iterable[str] = ()) -> None:
+        """Remove the parent in every hierarchy but those in `keep` (paths of directories that
+        were there before envctl); gone already is success."""
+        keep = set(keep)
         for d in self.dirs():
+            if str(d) in keep:
+                continue
             try:
                 _rmdir(d)
             except FileNotFoundError:
                 pass  # already gone
             except OSError as exc:
                 raise HostError(f"remove cgroup '{self.parent}': rmdir {d}: "
+                                f"{exc.strerror}") from exc
+
+    def parent_cpuset(self) -> dict[str, str] | None:
+        """v1: the parent's cpuset.cpus and cpuset.mems as they are (None: no v1 cpuset
+        hierarchy, or no parent in it)."""
+        if self.version != 1 or "cpuset" not in self.lay.v1:
+            return None
+        d = Path(self.lay.v1["cpuset"]) / self.parent
+        try:
+            return {f: (d / f).read_text().strip() for f in ("cpuset.cpus", "cpuset.mems")}
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise HostError(f"check cgroup '{self.parent}': read {d}: {exc.strerror}") from exc
+
+    def restore_parent_cpuset(self, before: dict[str, str]) -> None:
+        """Empty again the cpuset files ensure_parent filled in a parent that was there
+        before envctl (it writes only empty ones); a value someone set since is left alone."""
+        now = self.parent_cpuset()
+        if now is None:
+            return  # the parent is gone
+        d = Path(self.lay.v1["cpuset"]) / self.parent
+        for f in ("cpuset.cpus", "cpuset.mems"):
+            if before.get(f) != "" or not now[f]:
+                continue  # not filled by envctl, or empty already
+            try:
+                _write(d / f, "\n")  # a write of nothing changes nothing: an empty line does
+            except OSError as exc:
+                if exc.errno in (errno.EBUSY, errno.ENOSPC):
+                    # A child cgroup (EBUSY) or a task (ENOSPC) of somebody else's uses these
+                    # CPUs or nodes now: they stay, as for controller delegation.
+                    continue
+                raise HostError(f"remove cgroup '{self.parent}': write '' to {d / f}: "
                                 f"{exc.strerror}") from exc
 
     # -- an environment
@@ -402,61 +446,125 @@ class Cgroups:
             except OSError as exc:
                 raise HostError(f"create cgroup '{env}': mkdir {d}: {exc.strerror}") from exc
 
+    def subtree(self, env: str, controllers: tuple[str, ...] | None = None) -> list[Path]:
+        """The environment's cgroup and every cgroup below it (made by its processes: podman,
+        `systemd --user`, a job that moved itself), in each hierarchy, deepest first."""
+        out: list[Path] = []
+        for top in self.dirs(env, controllers):
+            # os.walk, not rglob: sub-cgroups vanish while we look, and os.walk skips those.
+            out += [Path(d) for d, _, _ in os.walk(top, topdown=False)]
+        return out
+
     def procs(self, env: str, controllers: tuple[str, ...] | None = None) -> set[int]:
-        """Every process in the environment's cgroup, in any of its hierarchies."""
+        """Every process in the environment's cgroup or below it, in any of its hierarchies."""
         pids: set[int] = set()
-        for d in self.dirs(env, controllers):
+        for d in self.subtree(env, controllers):
             pids |= read_procs(d)
         return pids
 
     def attach(self, env: str, pid: int, controllers: tuple[str, ...] | None = None) -> None:
         """Move `pid` (all its threads) into the environment's cgroup in every hierarchy."""
+        freezer = self.lay.v1.get("freezer") if self.version == 1 else None
         for d in self.dirs(env, controllers):
             try:
                 _write(d / "cgroup.procs", str(pid))
+            except FileNotFoundError as exc:
+                if freezer and d.is_relative_to(freezer):
+                    # The freezer limits nothing: an environment made before envctl used it
+                    # has no cgroup there, and teardown signals its processes one by one.
+                    continue
+                raise HostError(f"attach to cgroup '{env}': process {pid} into {d}: "
+                                f"{exc.strerror}") from exc
             except OSError as exc:
                 raise HostError(f"attach to cgroup '{env}': process {pid} into {d}: "
                                 f"{exc.strerror}") from exc
 
     def kill(self, env: str, controllers: tuple[str, ...] | None = None, *,
              grace: float | None = None) -> None:
-        """Stop every process inside: SIGTERM, a grace period, then SIGKILL until empty.
+        """Stop every process in the environment's subtree: SIGTERM, up to `grace` seconds
+        for them to go, then SIGKILL until none is left (an error after KILL_DEADLINE).
 
-        v2 with cgroup.kill kills atomically (forks cannot escape); v1 loops, re-reading the
-        task list, because a process may fork while we signal."""
+        No signal ever reaches a process outside the subtree: v2 kills with cgroup.kill (the
+        kernel, atomically; forks cannot escape); otherwise each process is signalled through
+        a pidfd once /proc says it is inside (`signal_members`), on v1 with the environment's
+        freezer cgroup frozen meanwhile, so that nothing forks or exits while it happens."""
         grace = self.kill_grace if grace is None else grace
         if not self.procs(env, controllers):
             return
-        self._signal(env, controllers, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while self.procs(env, controllers) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        kill_file = self.dirs(env, controllers)[0] / "cgroup.kill"
-        deadline = time.monotonic() + 10.0
-        while self.procs(env, controllers):
-            if self.version == 2 and kill_file.exists():
+        self._signal(env, controllers, (signal.SIGTERM, signal.SIGCONT))
+        if self._wait_empty(env, controllers, grace):
+            return
+        kill_file = self.path(env, "", "cgroup.kill") if self.version == 2 else None
+        deadline = time.monotonic() + KILL_DEADLINE
+        while True:
+            if kill_file is not None and kill_file.exists():
                 try:
-                    _write(kill_file, "1")
+                    _write(kill_file, "1")  # the whole subtree (Linux >= 5.14)
                 except FileNotFoundError:
-                    return  # the cgroup went away meanwhile
+                    return  # ENOENT: the cgroup went away meanwhile
             else:
-                self._signal(env, controllers, signal.SIGKILL)
+                self._signal(env, controllers, (signal.SIGKILL,))
+            if self._wait_empty(env, controllers, min(1.0, deadline - time.monotonic())):
+                return
             if time.monotonic() > deadline:
                 left = sorted(self.procs(env, controllers))
                 raise HostError(f"remove cgroup '{env}': kill processes: {left} still running "
-                                "after SIGKILL")
-            time.sleep(0.02)
+                                f"{KILL_DEADLINE:g} s after SIGKILL")
 
-    def _signal(self, env: str, controllers: tuple[str, ...] | None, sig: int) -> None:
-        for pid in self.procs(env, controllers):
-            # ESRCH: exited between reading the list and the signal.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+    def _signal(self, env: str, controllers: tuple[str, ...] | None,
+                sigs: tuple[int, ...]) -> None:
+        rel = f"/{self.parent}/{env}"
+        frozen = self._freeze(env, controllers)
+        try:
+            signal_members(self.procs(env, controllers), sigs,
+                           lambda pid: in_cgroup(pid, rel))
+        finally:
+            if frozen is not None:
+                self._thaw(env, frozen)
+
+    def _freeze(self, env: str, controllers: tuple[str, ...] | None) -> Path | None:
+        """v1: freeze the environment's freezer cgroup (and everything below it) and wait
+        until it is frozen (a task in uninterruptible sleep may hold that up: then go on after
+        a while, signals are queued all the same); its freezer.state, or None when there is
+        none to freeze."""
+        if self.version != 1 or "freezer" not in (controllers or self.lay.controllers()) \
+                or "freezer" not in self.lay.v1:
+            return None
+        state = self.path(env, "freezer", "freezer.state")
+        try:
+            _write(state, "FROZEN")
+        except FileNotFoundError:
+            return None  # ENOENT: no freezer cgroup (made before envctl used it), or gone
+        except OSError as exc:
+            raise HostError(f"remove cgroup '{env}': freeze {state}: {exc.strerror}") from exc
+        wait_for(lambda: _read_text(state) in ("FROZEN", ""), 5.0)
+        return state
+
+    def _thaw(self, env: str, state: Path) -> None:
+        try:
+            _write(state, "THAWED")
+        except FileNotFoundError:
+            pass  # ENOENT: the cgroup went away meanwhile
+        except OSError as exc:
+            raise HostError(f"remove cgroup '{env}': thaw {state}: {exc.strerror}") from exc
+
+    def _wait_empty(self, env: str, controllers: tuple[str, ...] | None,
+                    timeout: float) -> bool:
+        """Wait up to `timeout` seconds until no process is left in the subtree: on v2 until
+        cgroup.events says `populated 0` (woken by the kernel's notification on that file),
+        elsewhere by reading the subtree's cgroup.procs. True when empty."""
+        if self.version == 2:
+            events = self.path(env, "", "cgroup.events")
+            if events.exists():
+                return wait_unpopulated(events, timeout)
+        return wait_for(lambda: not self.procs(env, controllers), timeout)
 
     def remove(self, env: str, controllers: tuple[str, ...] | None = None) -> None:
-        """Kill what is left inside and remove the directories; already gone is success."""
+        """Kill what is left inside, then remove the environment's cgroup and every cgroup
+        below it, deepest first, in every hierarchy; already gone is success. Its device rules
+        (v1 devices.list, a v2 BPF program) go with it, never widened before."""
         self.kill(env, controllers)
-        for d in self.dirs(env, controllers):
+        for d in self.subtree(env, controllers):
             try:
                 _rmdir(d)
             except FileNotFoundError:
@@ -524,6 +632,103 @@ def _int(text: str | None) -> int | None:
     except (ValueError, IndexError):
         return None
 
+
+
+def kill_grace_from_env() -> float:
+    """ENVCTL_KILL_GRACE (seconds between SIGTERM and SIGKILL at teardown), or the default."""
+    try:
+        return max(0.0, float(os.environ.get("ENVCTL_KILL_GRACE", KILL_GRACE)))
+    except ValueError:
+        return KILL_GRACE
+
+
+def in_cgroup(pid: int, rel: str) -> bool:
+    """Whether process `pid` is in cgroup `rel` ("/envctl/x", as /proc/PID/cgroup names it,
+    in any hierarchy) or below it. False when it has gone. Always the real /proc: the pid is
+    a real one, read from cgroupfs, whatever proc root the host facts come from."""
+    try:
+        text = Path("/proc", str(pid), "cgroup").read_text()
+    except OSError:
+        return False  # ENOENT / ESRCH: exited
+    return lists_cgroup(text, rel)
+
+
+def lists_cgroup(text: str, rel: str) -> bool:
+    """Whether /proc/PID/cgroup `text` puts the process in `rel` or below, in any hierarchy
+    ("/envctl/lim2" is not below "/envctl/lim")."""
+    for line in text.splitlines():
+        path = line.split(":", 2)[-1]
+        if path == rel or path.startswith(rel.rstrip("/") + "/"):
+            return True
+    return False
+
+
+def signal_members(pids: Iterable[int], sigs: tuple[int, ...],
+                   inside: Callable[[int], bool]) -> int:
+    """Send `sigs` to each of `pids` that `inside(pid)` says is in the environment; how many
+    were signalled. PIDs are reused: a pid read from cgroup.procs may name another process by
+    the time it is signalled. So each is pinned first with a pidfd, then checked, then
+    signalled through the pidfd: had the process exited and its pid been reused between the
+    pin and the check, the signal would find the pinned process gone (ESRCH), and nobody else
+    gets it."""
+    sent = 0
+    for pid in sorted(pids):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # ESRCH: exited since the list was read
+        try:
+            if not inside(pid):
+                continue  # not (or no longer) ours: the pid was reused, or it moved out
+            for sig in sigs:
+                signal.pidfd_send_signal(fd, sig)
+            sent += 1
+        except ProcessLookupError:
+            pass  # ESRCH: the pinned process exited meanwhile
+        finally:
+            os.close(fd)
+    return sent
+
+
+def wait_for(done: Callable[[], bool], timeout: float, *, step: float = 0.02) -> bool:
+    """Poll `done` until it holds or `timeout` seconds have passed; whether it holds."""
+    deadline = time.monotonic() + max(0.0, timeout)
+    while True:
+        if done():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(step, left))
+
+
+def wait_unpopulated(events: Path, timeout: float) -> bool:
+    """Wait until cgroup.events says `populated 0` (or the cgroup is gone). The kernel
+    signals a change of the file as POLLPRI; the re-read every 0.1 s only guards against a
+    missed wake-up."""
+    deadline = time.monotonic() + max(0.0, timeout)
+    try:
+        fd = os.open(events, os.O_RDONLY)
+    except FileNotFoundError:
+        return True  # ENOENT: the cgroup is gone, and its processes with it
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLPRI | select.POLLERR)
+        while True:
+            try:
+                text = os.pread(fd, 4096, 0).decode()
+            except OSError as exc:
+                if exc.errno == errno.ENODEV:
+                    return True  # removed while we waited
+                raise
+            if "populated 0" in text:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            poller.poll(min(left, 0.1) * 1000)
+    finally:
+        os.close(fd)
 
 
 def read_procs(cgroup_dir: Path) -> set[int]:

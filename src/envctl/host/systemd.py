@@ -4,13 +4,24 @@ processes, and stopping a slice with the same grace as the cgroupfs driver.
 
 envctl never writes cgroupfs files of a slice (systemd's single-writer rule): limits go through
 the unit file (and `systemctl set-property --runtime` where a drop-in shadows it), processes go
-in as transient scopes, and teardown signals processes and asks systemd to stop the slice.
+in as transient scopes, and teardown signals processes (through pidfds, once /proc says they
+are in the slice) and asks systemd to stop the slice.
+
+Why not `systemctl kill SLICE`: systemd 252 (Debian 12) does kill slices (slice_kill ->
+unit_kill_common -> cg_kill_recursive; checked under systemd-nspawn: SIGTERM and SIGKILL reach
+the processes of the slice's scopes), but it reads cgroup.procs and signals each pid by number,
+as systemd did before its later pidfd (PidRef) rework: the very PID-reuse race pidfds close.
+`systemctl stop` alone would wait each scope's TimeoutStopSec (90 s by default) rather than
+envctl's grace. set-property --runtime keeps each setting in
+/run/systemd/system.control/UNIT.d/50-SETTING.conf (checked on 252: 50-CPUQuota.conf,
+50-DeviceAllow.conf, ...), which is how removal finds envctl's drop-ins and no others.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import os
 import re
 import shlex
@@ -23,7 +34,19 @@ from pathlib import Path
 
 from envctl.errors import HostError
 from envctl.facts import DEFAULT_PARENT
-from envctl.host.cgroups import DEFAULT_ROOT, CgroupLayout, detect_layout, read_procs
+from envctl.host.cgroups import (
+    DEFAULT_ROOT,
+    KILL_DEADLINE,
+    KILL_GRACE,
+    CgroupLayout,
+    detect_layout,
+    in_cgroup,
+    kill_grace_from_env,
+    read_procs,
+    signal_members,
+    wait_for,
+    wait_unpopulated,
+)
 from envctl.spec.naming import env_slice, escape, parent_slice, slice_cgroup  # noqa: F401
 from envctl.spec.units import format_cpu_list, parse_cpu_list
 
@@ -157,7 +180,7 @@ class Systemd:
                  unit_dir: Path = UNIT_DIR, control_dir: Path = CONTROL_DIR,
                  systemctl: Sequence[str] = ("systemctl",), busctl: Sequence[str] = ("busctl",),
                  proc: Path = Path("/proc"), dev: Path = Path("/dev"),
-                 runner: Runner | None = None, kill_grace: float = 5.0):
+                 runner: Runner | None = None, kill_grace: float = KILL_GRACE):
         self.lay = layout
         self.parent = parent
         self.unit_dir = unit_dir
@@ -178,7 +201,7 @@ class Systemd:
                    env.get("ENVCTL_CGROUP_PARENT", DEFAULT_PARENT),
                    unit_dir=Path(env.get("ENVCTL_SYSTEMD_UNIT_DIR", UNIT_DIR)),
                    systemctl=shlex.split(env.get("ENVCTL_SYSTEMCTL", "systemctl")),
-                   proc=proc_root)
+                   proc=proc_root, kill_grace=kill_grace_from_env())
 
     def for_parent(self, parent: str) -> Systemd:
         """This adapter with another parent: the one a resource recorded ("" = this one)."""
@@ -278,29 +301,57 @@ class Systemd:
             self.daemon_reload(unit)
         self.start(unit)
 
-    def remove_slice(self, unit: str, cgroup: str | None = None) -> None:
+    def foreign(self, unit: str) -> str:
+        """Why slice `unit` is not envctl's to take ("" when it is, or is not there): it has
+        a unit file envctl did not write (here, or in /etc, which comes first), or it is
+        running without envctl's unit file (started by somebody, `systemd-run --slice=`).
+        An operator's drop-ins in /etc for an envctl slice are no reason: they are kept."""
+        text = self.read_unit(unit)
+        path = self.unit_path(unit)
+        if text is not None and not text.startswith(HEADER):
+            return f"slice {unit} has a unit file envctl did not write: {path}"
+        state = self.state(unit)
+        fragment = state["FragmentPath"]
+        if fragment not in ("", str(path)):
+            return f"slice {unit} is defined by {fragment}, a unit file envctl did not write"
+        if text is None and state["ActiveState"] not in ("inactive", "failed", ""):
+            return f"slice {unit} is {state['ActiveState']} and envctl did not start it"
+        return ""
+
+    def remove_slice(self, unit: str, cgroup: str | None = None, *,
+                     properties: Iterable[str] = ()) -> None:
         """Stop the slice (its processes first, with the grace period), then delete its unit
-        file and any runtime drop-ins; a slice already gone counts as removed."""
+        file and the runtime drop-ins of `properties` (those envctl's own `set-property
+        --runtime` writes); a slice already gone counts as removed."""
         if cgroup is not None:
             self.kill(unit, cgroup)
         # EXIT_NOT_LOADED: no such unit any more, nothing to stop.
         self._ctl("remove", unit, "stop", "--", unit, ok=(0, EXIT_NOT_LOADED))
-        changed = False
-        path = self.unit_path(unit)
+        changed = self._unlink(unit, self.unit_path(unit))
+        # Not `systemctl revert`: it deletes every drop-in, an operator's in /etc included.
+        # set-property --runtime keeps each property in its own 50-NAME.conf here.
+        dropins = self.control_dir / f"{unit}.d"
+        for name in properties:
+            changed |= self._unlink(unit, dropins / f"50-{name}.conf")
         try:
-            path.unlink()
-            changed = True
+            dropins.rmdir()
         except FileNotFoundError:
-            pass  # ENOENT: already gone
+            pass  # ENOENT: there were none
         except OSError as exc:
-            raise HostError(f"remove slice '{unit}': unlink {path}: {exc.strerror}") from exc
-        if (self.control_dir / f"{unit}.d").is_dir():
-            # Drop-ins from set-property (ours, when a repair needed one, or an operator's):
-            # `revert` deletes them; it leaves unit files that have no vendor copy alone.
-            self._ctl("remove", unit, "revert", "--", unit)
-            changed = True
+            if exc.errno != errno.ENOTEMPTY:  # somebody else's drop-ins stay, and the dir
+                raise HostError(f"remove slice '{unit}': rmdir {dropins}: "
+                                f"{exc.strerror}") from exc
         if changed:
             self.daemon_reload(unit)
+
+    def _unlink(self, unit: str, path: Path) -> bool:
+        try:
+            path.unlink()
+            return True
+        except FileNotFoundError:
+            return False  # ENOENT: already gone
+        except OSError as exc:
+            raise HostError(f"remove slice '{unit}': unlink {path}: {exc.strerror}") from exc
 
     def remove_unit_file(self, unit: str) -> None:
         """Delete the unit file envctl wrote for a slice it does not own (one that was active
@@ -338,27 +389,35 @@ class Systemd:
 
     def kill(self, unit: str, cgroup: str, *, grace: float | None = None) -> None:
         """SIGTERM everything in the slice, wait up to the grace period, then SIGKILL until it
-        is empty (10 s limit) — the cgroupfs driver's semantics, by signals, not cgroupfs."""
+        is empty (KILL_DEADLINE) — the cgroupfs driver's semantics, by signals, not cgroupfs.
+        Each process is signalled through a pidfd once /proc says it is in the slice, so no
+        signal reaches a process that took over a pid read from cgroup.procs."""
         grace = self.kill_grace if grace is None else grace
         if not self.procs(cgroup):
             return
-        self._signal(cgroup, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while self.procs(cgroup) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        deadline = time.monotonic() + 10.0
-        while self.procs(cgroup):
-            self._signal(cgroup, signal.SIGKILL)
+        self._signal(cgroup, (signal.SIGTERM, signal.SIGCONT))
+        if self._wait_empty(cgroup, grace):
+            return
+        deadline = time.monotonic() + KILL_DEADLINE
+        while True:
+            self._signal(cgroup, (signal.SIGKILL,))
+            if self._wait_empty(cgroup, min(1.0, deadline - time.monotonic())):
+                return
             if time.monotonic() > deadline:
                 raise HostError(f"remove slice '{unit}': kill processes: "
-                                f"{sorted(self.procs(cgroup))} still running after SIGKILL")
-            time.sleep(0.02)
+                                f"{sorted(self.procs(cgroup))} still running "
+                                f"{KILL_DEADLINE:g} s after SIGKILL")
 
-    def _signal(self, cgroup: str, sig: int) -> None:
-        for pid in self.procs(cgroup):
-            # ESRCH: exited between reading the list and the signal.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+    def _signal(self, cgroup: str, sigs: tuple[int, ...]) -> None:
+        signal_members(self.procs(cgroup), sigs,
+                       lambda pid: in_cgroup(pid, f"/{cgroup}"))
+
+    def _wait_empty(self, cgroup: str, timeout: float) -> bool:
+        # On a v2 host the slice's cgroup.events says when its subtree is empty.
+        events = Path(self.lay.unified or "/nonexistent") / cgroup / "cgroup.events"
+        if not self.lay.v1 and events.exists():
+            return wait_unpopulated(events, timeout)
+        return wait_for(lambda: not self.procs(cgroup), timeout)
 
     def run_argv(self, env: str, argv: Sequence[str], *, unit: str | None = None) -> list[str]:
         """The argv that runs `argv` inside the environment's slice, in a transient scope
@@ -446,6 +505,53 @@ class Systemd:
             if not ok:
                 missing.append(link)
         return missing
+
+    def made_char_links(self, rules: Iterable[str]) -> dict[str, str]:
+        """The links `ensure_char_links` would make now (missing, or not resolving to the
+        node) -> the target it would give them: what envctl owns once it has made them."""
+        links = self.char_links(rules)
+        return {link: links[link] for link in self.missing_char_links(rules)}
+
+    def char_links_to_remove(self, made: dict[str, str], *, unit: str) -> list[str]:
+        """Of the links envctl made (`made`), those it may remove as slice `unit` goes: still
+        pointing where envctl set them, and allowed by no other slice of envctl's."""
+        out = []
+        for link, target in made.items():
+            try:
+                if os.readlink(link) != target:
+                    continue  # repointed since: somebody else's now
+            except OSError:
+                continue  # ENOENT / EINVAL: gone, or no longer a link
+            if not self._allowed_elsewhere(Path(link).name, unit):
+                out.append(link)
+        return out
+
+    def _allowed_elsewhere(self, numbers: str, unit: str) -> bool:
+        """Whether another unit file of envctl's still allows /dev/char/`numbers` (systemd
+        resolves DeviceAllow= paths again at every daemon-reload)."""
+        try:
+            others = [p for p in self.unit_dir.iterdir() if p.name != unit]
+        except FileNotFoundError:
+            return False
+        for path in others:
+            try:
+                text = path.read_text()
+            except OSError:
+                continue  # gone meanwhile, or not a file
+            if text.startswith(HEADER) and f"DeviceAllow=/dev/char/{numbers} " in text:
+                return True
+        return False
+
+    def remove_char_links(self, made: dict[str, str], *, unit: str) -> None:
+        """Remove the /dev/char links envctl made for slice `unit` (see char_links_to_remove);
+        already gone is success."""
+        for link in self.char_links_to_remove(made, unit=unit):
+            try:
+                os.unlink(link)
+            except FileNotFoundError:
+                pass  # ENOENT: already gone
+            except OSError as exc:
+                raise HostError(f"remove device link '{link}': unlink: {exc.strerror}") from exc
 
     def ensure_char_links(self, rules: Iterable[str]) -> None:
         """Make /dev/char/MAJ:MIN -> ../NODE for each allowed single node that has a node in

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from envctl.errors import HostError
 from envctl.facts import DEFAULT_PARENT
 from envctl.host.cgroups import normalize
 from envctl.resources.base import Check, Diff, Resource, Status
@@ -71,23 +70,39 @@ class CgroupParent(Resource):
         return Check.present()
 
     def snapshot(self, host: Host) -> dict[str, Any]:
-        # A parent that existed before envctl (made by hand) is used, never removed. v2: the
-        # controllers the root's and the parent's subtree_control already had, so that
-        # `remove` disables only those envctl enabled.
+        # A parent that existed before envctl (made by hand), in any hierarchy, is used there
+        # and never removed ("had": those directories). v1: the cpuset such a parent had, which
+        # ensure_parent fills when empty. v2: the controllers the root's and the parent's
+        # subtree_control already had, so that `remove` disables only those envctl enabled.
         cg = _cgroups(host, self.parent)
-        present = cg.present(None)
-        memo: dict[str, Any] = {"existed": bool(present) and all(present)}
+        dirs = cg.dirs()
+        had = [str(d) for d in dirs if d.is_dir()]
+        memo: dict[str, Any] = {"existed": bool(dirs) and len(had) == len(dirs), "had": had}
+        cpuset = cg.parent_cpuset()
+        if cpuset is not None:
+            memo["cpuset"] = cpuset
         if self.version == 2:
             memo["subtree_control"] = cg.delegation()
         return memo
+
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        if memo.get("existed"):
+            return "kept: it existed before envctl"
+        if memo.get("had"):
+            return f"kept where it existed before envctl: {', '.join(memo['had'])}"
+        return ""
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         _cgroups(host, self.parent).ensure_parent()
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
         cg = _cgroups(host, self.parent)
-        if not memo.get("existed"):
+        if "had" in memo:
+            cg.remove_parent(keep=memo["had"])
+        elif not memo.get("existed"):  # journalled before envctl recorded "had"
             cg.remove_parent()
+        if isinstance(memo.get("cpuset"), dict):
+            cg.restore_parent_cpuset(memo["cpuset"])
         # A memo without it (journalled before envctl recorded it): leave delegation as is.
         if isinstance(memo.get("subtree_control"), dict):
             cg.restore_delegation(memo["subtree_control"])
@@ -97,8 +112,10 @@ class CgroupParent(Resource):
 class Cgroup(Resource):
     """One environment's cgroup in each hierarchy of `controllers`, with `settings` written.
 
-    Removal stops the processes left inside (SIGTERM, grace, SIGKILL / cgroup.kill) before
-    the directories go; a cgroup already gone counts as removed."""
+    A cgroup already at the environment's path that envctl did not make is refused (it holds
+    somebody else's processes); it is never written, killed or removed. Removal stops every
+    process in the cgroup and below it (SIGTERM, grace, SIGKILL / cgroup.kill) before the
+    cgroups go, deepest first; a cgroup already gone counts as removed."""
 
     kind = "cgroup"
     driver: ClassVar[str] = "cgroupfs"  # what `envctl status` reports
@@ -137,6 +154,23 @@ class Cgroup(Resource):
         cg = _cgroups(host, self.parent)
         return [cg.read(self.env, ctrl, file) for ctrl, file, _ in self.settings]
 
+    def snapshot(self, host: Host) -> dict[str, Any]:
+        # The engine snapshots only a step no journal knows: a directory there now is not
+        # envctl's (or not this state directory's).
+        cg = _cgroups(host, self.parent)
+        return {"existed": [str(d) for d in cg.dirs(self.env, self.controllers) if d.is_dir()]}
+
+    def refuses(self, memo: dict[str, Any]) -> str:
+        found = memo.get("existed") or []
+        if not found:
+            return ""
+        return (f"{found[0]} already exists and envctl did not make it (no journal records it); "
+                "envctl leaves it and its processes alone. Move its processes out and remove "
+                "it (rmdir), or give envctl another parent with ENVCTL_CGROUP_PARENT")
+
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        return stops_note(len(_cgroups(host, self.parent).procs(self.env, self.controllers)))
+
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         cg = _cgroups(host, self.parent)
         cg.create(self.env, self.controllers)
@@ -170,7 +204,8 @@ class CgroupDevices(Resource):
     """The devices an environment may open, `rules` as v1 writes them ("c 1:3 rwm").
 
     v1: `devices.deny a` then one `devices.allow` per rule. v2: a BPF device program built from
-    the rules and attached to the environment's cgroup (the cgroup holds it; no pinning)."""
+    the rules and attached to the environment's cgroup (the cgroup holds it; no pinning).
+    Removal never widens them: they go with the cgroup, once its processes are dead."""
 
     kind = "cgroup-devices"
     env: str
@@ -215,17 +250,13 @@ class CgroupDevices(Resource):
         bpf.attach_device_program(cg.path(self.env, ""), self.rules, name=self.env)
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
-        # The rules go with the cgroup; taking them off a cgroup that outlives us (a rollback
-        # that keeps it) restores the default, allow-all.
-        cg = _cgroups(host, self.parent)
-        if self.version == 1:
-            if cg.devices_v1(self.env) is not None:
-                try:
-                    cg.write(self.env, "devices", "devices.allow", "a")
-                except HostError:
-                    if cg.devices_v1(self.env) is not None:
-                        raise
-            return
-        from envctl.host import bpf
+        # Nothing to do: the rules go with the cgroup (the `cgroup` step, after this one in
+        # teardown, kills every process, then removes it). Lifting them here would give a
+        # process that ignores SIGTERM every host device until it is killed; and a cgroup
+        # that outlives this step (a rollback that keeps it, a failed `down`) keeps the
+        # narrower rules, which the next `up` checks and rewrites.
+        return
 
-        bpf.detach_device_programs(cg.path(self.env, ""), name=self.env)
+
+def stops_note(n: int) -> str:
+    return "" if n == 0 else f"stops {n} process" + ("" if n == 1 else "es")

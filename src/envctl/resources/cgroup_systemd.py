@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from envctl.errors import HostError
 from envctl.host import systemd as sd
 from envctl.resources.base import Check, Diff, Resource, Status
-from envctl.resources.cgroup import parent_ident
+from envctl.resources.cgroup import parent_ident, stops_note
 
 if TYPE_CHECKING:
     from envctl.host.context import Host
@@ -85,6 +85,9 @@ class SystemdParentSlice(Resource):
         active = s.state(unit)["ActiveState"] == "active"
         return {"existed": active and s.read_unit(unit) is None}
 
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        return "kept: it was active before envctl" if memo.get("existed") else ""
+
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         _systemd(host, self.parent).ensure_slice(self._unit(host), self._text(host))
 
@@ -103,11 +106,16 @@ class SystemdSlice(Resource):
     """One environment's slice: `properties` (CPUQuota, MemoryMax, …) and DevicePolicy=closed
     with one DeviceAllow= per rule of `devices` ("c 195:0 rwm", as the cgroupfs driver's).
 
+    A slice envctl did not make (active without envctl's unit file, or defined by a unit file
+    envctl did not write) is refused, never stopped or changed.
+
     Applying writes the unit file under /run/systemd/system, reloads systemd when it changed
     and starts the slice; a property a drop-in shadows is set with `set-property --runtime`.
     /dev/char/MAJ:MIN links are ensured for every allowed node so that no daemon-reload can
-    drop a rule. Removal stops the processes inside (SIGTERM, grace, SIGKILL), stops the slice
-    and deletes the unit file; a slice already gone counts as removed."""
+    drop a rule. Removal stops the processes inside (SIGTERM, grace, SIGKILL), stops the slice,
+    deletes the unit file and envctl's runtime drop-ins (never an operator's in /etc), and the
+    /dev/char links envctl made for it (missing at the snapshot) that still point where envctl
+    set them and no other slice of envctl's allows; a slice already gone counts as removed."""
 
     kind = "cgroup-slice"
     driver: ClassVar[str] = "systemd"  # what `envctl status` reports
@@ -144,6 +152,31 @@ class SystemdSlice(Resource):
                                     ", ".join(missing)))
         return Check(Status.DRIFTED, diffs, found.detail)
 
+    def snapshot(self, host: Host) -> dict[str, Any]:
+        s = _systemd(host, self.parent)
+        return {"foreign": s.foreign(s.unit(self.env)),
+                "char_links": s.made_char_links(self.devices)}
+
+    def refuses(self, memo: dict[str, Any]) -> str:
+        why = memo.get("foreign") or ""
+        if not why:
+            return ""
+        return (f"{why}; envctl leaves it and its processes alone. Stop it and remove that "
+                "unit file, or give envctl another parent with ENVCTL_CGROUP_PARENT")
+
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        s = _systemd(host, self.parent)
+        unit = s.unit(self.env)
+        notes = [stops_note(len(s.procs(s.cgroup(self.env))))]
+        links = s.char_links_to_remove(dict(memo.get("char_links") or {}), unit=unit)
+        if links:
+            notes.append(f"removes {', '.join(links)}")
+        return "; ".join(n for n in notes if n)
+
+    def _dropins(self) -> list[str]:
+        # The properties envctl's own `set-property --runtime` may have written (see apply).
+        return [k for k, _ in self.properties] + ["DevicePolicy", "DeviceAllow"]
+
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         s = _systemd(host, self.parent)
         unit, text, want = self._want(host)
@@ -173,7 +206,10 @@ class SystemdSlice(Resource):
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
         s = _systemd(host, self.parent)
-        s.remove_slice(s.unit(self.env), s.cgroup(self.env))
+        unit = s.unit(self.env)
+        s.remove_slice(unit, s.cgroup(self.env), properties=self._dropins())
+        # After the slice: systemd no longer resolves its DeviceAllow= paths.
+        s.remove_char_links(dict(memo.get("char_links") or {}), unit=unit)
 
 
 def _allow_lines(text: str) -> list[str]:
