@@ -87,7 +87,8 @@ def test_auto_is_systemd_when_pid1_is_systemd_and_maps_the_spec():
                           "io": {"weight": 300}, "pids": {"max": 64}}), facts(SD_V2))
     assert plan.resolved["cgroup.driver"] == "systemd"
     kinds = [r.kind for r in plan.resources if r.kind.startswith("cgroup")]
-    assert kinds == ["cgroup-parent-slice", "cgroup-slice"]
+    # One /dev/char link per single node of the default allow-list, between the two slices.
+    assert kinds == ["cgroup-parent-slice", *["cgroup-char-link"] * 7, "cgroup-slice"]
     assert props(plan) == {
         "CPUAccounting": "yes", "MemoryAccounting": "yes", "TasksAccounting": "yes",
         "CPUQuota": "150%", "CPUQuotaPeriodSec": "50000us", "CPUWeight": "200",
@@ -197,27 +198,35 @@ def test_unit_text_and_what_systemd_will_report():
         "DeviceAllow": "/dev/char/1:3 rwm; char-pts rwm"}
 
 
-def test_char_links_point_at_the_nodes_in_dev():
+def test_char_nodes_are_found_in_dev():
     s = sd.Systemd(CgroupLayout(), dev=Path("/dev"))
-    links = s.char_links(["c 1:3 rwm", "c 136:* rwm", "c 1:9 r"])
-    assert links == {"/dev/char/1:3": "../null", "/dev/char/1:9": "../urandom"}
+    assert s.char_link(1, 3) == Path("/dev/char/1:3")
+    assert (s.char_node(1, 3), s.char_node(1, 9)) == ("../null", "../urandom")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
-def test_missing_char_links_are_made(tmp_path):
+def test_char_links_read_made_and_removed(tmp_path):
     dev = tmp_path / "dev"
     (dev / "nvidia-caps").mkdir(parents=True)
     os.mknod(dev / "nvidia0", 0o666 | 0o020000, os.makedev(195, 0))
     os.mknod(dev / "nvidia-caps/nvidia-cap1", 0o666 | 0o020000, os.makedev(237, 1))
-    (dev / "char").mkdir()
-    (dev / "char/195:0").symlink_to("../gone")  # dangling: replaced
     s = sd.Systemd(CgroupLayout(), dev=dev)
-    rules = ["c 195:0 rw", "c 237:1 rw", "c 195:7 rw"]
-    assert s.missing_char_links(rules) == [str(dev / "char/195:0"), str(dev / "char/237:1")]
-    s.ensure_char_links(rules)
+    assert s.char_node(237, 1) == "../nvidia-caps/nvidia-cap1"
+    assert s.char_node(195, 7) is None
+    assert s.read_char_link(195, 0) == sd.CharLinkFact("missing")
+    s.set_char_link(195, 0, "../gone")  # makes /dev/char
+    assert s.read_char_link(195, 0) == sd.CharLinkFact("wrong", "../gone")
+    s.set_char_link(195, 0, "../nvidia0")  # replaces a link, atomically
+    assert s.read_char_link(195, 0) == sd.CharLinkFact("ok", "../nvidia0")
+    assert [p.name for p in (dev / "char").iterdir()] == ["195:0"]  # no temporary left
+    s.remove_char_link(195, 0, expect="../other")  # not what it points to: kept
     assert os.readlink(dev / "char/195:0") == "../nvidia0"
-    assert os.readlink(dev / "char/237:1") == "../nvidia-caps/nvidia-cap1"
-    assert s.missing_char_links(rules) == []  # 195:7 has no node: nothing to link
+    for _ in range(2):  # already gone is success
+        s.remove_char_link(195, 0, expect="../nvidia0")
+    assert not os.path.lexists(dev / "char/195:0")
+    (dev / "char/1:3").mkdir()
+    fact = s.read_char_link(1, 3)
+    assert (fact.state, fact.detail) == ("foreign", f"{dev / 'char/1:3'} is a directory")
 
 
 # ---------------------------------------------------------------- a fake systemctl
@@ -300,7 +309,7 @@ class FakeSystemctl:
             if key == "CPUQuotaPerSecUSec":
                 q = (have.get("CPUQuota") or [""])[0]
                 lines.append(f"{key}=" + (_span(int(float(q[:-1]) * 10000)) if q
-                                          else f"{key}=infinity"))
+                                          else "infinity"))
             elif key == "CPUQuotaPeriodUSec":
                 p = (have.get("CPUQuotaPeriodSec") or [""])[0]
                 lines.append(f"{key}=" + (_span(int(p[:-2])) if p else "infinity"))
@@ -407,7 +416,8 @@ def test_slices_use_the_parent_they_recorded(host, monkeypatch):
     cg = read_cgroup_facts()
     plan = plan_env(spec({"cpu": {"quota": "50%"}}),
                     facts(CgroupFacts(systemd=True, parent=cg.parent)))
-    parent, res = plan.resources[-2:]
+    parent, res = (next(r for r in plan.resources if isinstance(r, k))
+                   for k in (SystemdParentSlice, SystemdSlice))
     assert (parent.parent, res.parent) == ("envctl-old", "envctl-old")
     assert parent.key == "cgroup-parent-slice:parent:envctl-old"
     parent.apply(host, parent.snapshot(host))
@@ -569,50 +579,202 @@ def test_undo_notes_say_what_down_will_do(host, tmp_path):
     assert parent.undo_note(host, {"existed": False}) == ""
 
 
+# ---------------------------------------------------------------- /dev/char links, shared
+
+
+def _node(dev: Path, name: str, major: int, minor: int) -> None:
+    os.mknod(dev / name, 0o666 | 0o020000, os.makedev(major, minor))
+
+
+def _engine(host, tmp_path):
+    from envctl.engine.engine import Engine
+    from envctl.host.context import Host
+
+    real = Host(state_dir=tmp_path / "state", run_dir=tmp_path / "run-envctl")
+    real.systemd, real.cgroups = host.systemd, host.cgroups
+    return Engine(real)
+
+
+def _env_plan(name: str, rules: tuple[str, ...] = ("c 195:0 rw",)) -> list[Resource]:
+    """What the planner makes for a systemd environment whose GPU section allows `rules`."""
+    from envctl.plan.builder import Plan
+    from envctl.plan.cgroup_systemd import plan_systemd
+    from envctl.plan.limits import GPU_DEVICES_KEY
+
+    plan = Plan(name)
+    plan.resolved[GPU_DEVICES_KEY] = list(rules)
+    plan_systemd(spec({}, name=name), facts(SD_V2), plan)
+    return plan.finish().resources
+
+
+def test_char_links_are_planned_before_the_slice_one_per_node():
+    res = _env_plan("gpu-a", ("c 195:0 rw", "c 195:0 rwm", "c 195:255 rw", "c 237:* rw"))
+    keys = [r.key for r in res]
+    assert keys[0] == "cgroup-parent-slice:parent" and keys[-1] == "cgroup-slice:gpu-a"
+    # Every single character node of the allow-list (the defaults and the GPU's), once each;
+    # whole majors (136:*, 237:*) have no link.
+    assert keys[1:-1] == [f"cgroup-char-link:{n}" for n in (
+        "1:3", "1:5", "1:7", "1:8", "1:9", "5:0", "5:2", "195:0", "195:255")]
+    assert all(r.shared for r in res[1:-1])
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
-@pytest.mark.parametrize("first", ["mine", "other"])
-def test_char_links_envctl_made_go_with_the_slice(host, first):
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_a_char_link_two_environments_allow_goes_with_the_last_of_them(host, tmp_path, first):
     dev = host.systemd.dev
-    os.mknod(dev / "nvidia0", 0o666 | 0o020000, os.makedev(195, 0))
-    os.mknod(dev / "nvidiactl", 0o666 | 0o020000, os.makedev(195, 255))
-    os.mknod(dev / "nvidia1", 0o666 | 0o020000, os.makedev(195, 1))
+    _node(dev, "nvidia0", 195, 0)
+    link = dev / "char/195:0"
+    engine = _engine(host, tmp_path)
+    engine.up("a", _env_plan("a"))
+    assert os.readlink(link) == "../nvidia0"
+    engine.up("b", _env_plan("b"))  # finds the link A made: it is envctl's all the same
+    second = "b" if first == "a" else "a"
+    notes = {s.resource.key: s.note for s in engine.diff_down(first)}
+    assert notes["cgroup-char-link:195:0"] == f"still used by {second}"
+    engine.down(first)
+    assert os.readlink(link) == "../nvidia0"  # the other environment's slice still allows it
+    notes = {s.resource.key: s.note for s in engine.diff_down(second)}
+    assert notes["cgroup-char-link:195:0"] == f"removes {link}"
+    engine.down(second)
+    assert not os.path.lexists(link)
+    assert not [k for k in engine.ledger().items if "char-link" in k]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+@pytest.mark.parametrize("link_to", ["relative", "absolute", "node"])
+def test_a_char_link_there_before_envctl_is_never_removed(host, tmp_path, link_to):
+    dev = host.systemd.dev
+    _node(dev, "nvidia0", 195, 0)
     (dev / "char").mkdir()
-    (dev / "char/195:255").symlink_to("../nvidiactl")  # udev's, there before envctl
-    mine = _slice(devices=("c 195:0 rw", "c 195:255 rw", "c 195:1 rw"))
-    memo = mine.snapshot(host)
-    assert memo["char_links"] == {str(dev / "char/195:0"): "../nvidia0",
-                                  str(dev / "char/195:1"): "../nvidia1"}
-    mine.apply(host, memo)
-    assert os.readlink(dev / "char/195:0") == "../nvidia0"
-    # Another environment's slice allows 195:1 too (the link is there when it comes up).
-    other = _slice(env="other", devices=("c 195:1 rw",))
-    other_memo = other.snapshot(host)
-    other.apply(host, other_memo)
-    if first == "mine":
-        assert mine.undo_note(host, memo) == f"removes {dev / 'char/195:0'}"
-        mine.remove(host, memo)
-        assert not os.path.lexists(dev / "char/195:0")  # made by envctl for this slice
-        # Still allowed by `other`: removing it would cost `other` the device at the next
-        # daemon-reload. (Its memo says it was there: it stays after `other` goes too.)
-        assert os.readlink(dev / "char/195:1") == "../nvidia1"
-        other.remove(host, other_memo)
-    else:
-        other.remove(host, other_memo)
-        assert os.readlink(dev / "char/195:1") == "../nvidia1"  # envctl's, for `mine`
-        mine.remove(host, memo)
-        assert not os.path.lexists(dev / "char/195:1")
-        assert not os.path.lexists(dev / "char/195:0")
-    assert os.readlink(dev / "char/195:255") == "../nvidiactl"  # udev's: kept
+    link = dev / "char/195:0"
+    if link_to == "node":  # the node itself, not a link: right all the same
+        _node(dev / "char", "195:0", 195, 0)
+    else:  # udev's, or somebody's absolute one
+        link.symlink_to("../nvidia0" if link_to == "relative" else dev / "nvidia0")
+    before = os.lstat(link)
+    engine = _engine(host, tmp_path)
+    for env in ("a", "b"):
+        engine.up(env, _env_plan(env))
+    step = {s.resource.key: s for s in engine.status("a", None)}["cgroup-char-link:195:0"]
+    assert step.note.startswith("at down: kept: it existed before envctl"), step.note
+    for env in ("b", "a"):
+        notes = {s.resource.key: s.note for s in engine.diff_down(env)}
+        engine.down(env)
+    assert notes["cgroup-char-link:195:0"] == "kept: it existed before envctl"
+    after = os.lstat(link)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_char_link_check_apply_drift_and_remove(host):
+    from envctl.resources.cgroup_systemd import SystemdCharLink
+
+    dev = host.systemd.dev
+    (dev / "nvidia-caps").mkdir()
+    _node(dev / "nvidia-caps", "nvidia-cap1", 237, 1)
+    res = SystemdCharLink(237, 1)
+    assert res.describe() == "/dev/char/237:1 link" and res.key == "cgroup-char-link:237:1"
+    assert res.check(host).status is Status.ABSENT
+    memo = res.snapshot(host)
+    assert memo == {"existed": False, "was": None, "target": "../nvidia-caps/nvidia-cap1"}
+    assert res.refuses(memo) == ""
+    res.apply(host, memo)
+    link = dev / "char/237:1"
+    assert os.readlink(link) == "../nvidia-caps/nvidia-cap1" and res.check(host).ok
+    res.apply(host, memo)  # already so
+    # Gone (udev's rules, an operator): drift, repaired by apply.
+    link.unlink()
+    assert res.check(host).status is Status.ABSENT
+    res.apply(host, memo)
+    assert res.undo_note(host, memo) == f"removes {link}"
+    for _ in range(2):  # repeatable
+        res.remove(host, memo)
+    assert not os.path.lexists(link)
+    assert res.undo_note(host, memo) == ""
+    # No node with those numbers: nothing to link, nothing to report.
+    none = SystemdCharLink(195, 7)
+    assert none.check(host).ok and none.snapshot(host)["target"] is None
+    none.apply(host, none.snapshot(host))
+    assert not os.path.lexists(dev / "char/195:7")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
 def test_a_char_link_repointed_since_is_kept(host):
+    from envctl.resources.cgroup_systemd import SystemdCharLink
+
     dev = host.systemd.dev
-    os.mknod(dev / "nvidia0", 0o666 | 0o020000, os.makedev(195, 0))
-    res = _slice(devices=("c 195:0 rw",))
+    _node(dev, "nvidia0", 195, 0)
+    res = SystemdCharLink(195, 0)
     memo = res.snapshot(host)
     res.apply(host, memo)
     (dev / "char/195:0").unlink()
     (dev / "char/195:0").symlink_to("/dev/null")  # somebody else's now
+    assert res.undo_note(host, memo) == "kept: it points to /dev/null now, not where envctl " \
+                                        "set it"
     res.remove(host, memo)
     assert os.readlink(dev / "char/195:0") == "/dev/null"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_a_wrong_char_link_is_replaced_and_given_back(host):
+    from envctl.resources.cgroup_systemd import SystemdCharLink
+
+    dev = host.systemd.dev
+    _node(dev, "nvidia0", 195, 0)
+    (dev / "char").mkdir()
+    (dev / "char/195:0").symlink_to("../gone")  # dangling: systemd could not resolve it
+    res = SystemdCharLink(195, 0)
+    check = res.check(host)
+    assert check.status is Status.DRIFTED
+    assert [(d.field, d.want, d.have) for d in check.diffs] == [
+        ("target", "../nvidia0", "../gone")]
+    memo = res.snapshot(host)
+    assert memo == {"existed": False, "was": "../gone", "target": "../nvidia0"}
+    res.apply(host, memo)
+    assert os.readlink(dev / "char/195:0") == "../nvidia0"
+    assert res.undo_note(host, memo) == f"restores {dev / 'char/195:0'} -> ../gone"
+    res.remove(host, memo)
+    assert os.readlink(dev / "char/195:0") == "../gone"  # as envctl found it
+    # A wrong link with no node to point it at instead: left as it is, and so at removal.
+    (dev / "char/195:9").symlink_to("../nvidia9")
+    res = SystemdCharLink(195, 9)
+    memo = res.snapshot(host)
+    assert res.check(host).ok and memo["target"] is None
+    res.apply(host, memo)
+    assert res.undo_note(host, memo) == ""
+    res.remove(host, memo)
+    assert os.readlink(dev / "char/195:9") == "../nvidia9"
+
+
+def test_something_else_at_a_char_link_path_is_refused(host):
+    from envctl.resources.cgroup_systemd import SystemdCharLink
+
+    dev = host.systemd.dev
+    (dev / "char").mkdir()
+    (dev / "char/195:0").write_text("not a link\n")
+    res = SystemdCharLink(195, 0)
+    why = res.refuses(res.snapshot(host))
+    assert f"{dev / 'char/195:0'} is a regular file" in why, why
+    assert res.check(host).status is Status.WRONG_KIND
+    with pytest.raises(HostError, match="regular file"):
+        res.apply(host, {})
+    assert (dev / "char/195:0").read_text() == "not a link\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_a_slice_journalled_before_char_link_steps_still_removes_its_links(host, elsewhere):
+    """Journals of the version that kept the links in the slice's memo: the links it made go
+    with its slice, as then (unless another slice of envctl's allows them)."""
+    dev = host.systemd.dev
+    _node(dev, "nvidia0", 195, 0)
+    (dev / "char").mkdir()
+    (dev / "char/195:0").symlink_to("../nvidia0")
+    res = _slice(devices=("c 195:0 rw",))
+    res.apply(host, {})
+    memo = {"foreign": "", "char_links": {str(dev / "char/195:0"): "../nvidia0"}}
+    if elsewhere:
+        _slice(env="other", devices=("c 195:0 rw",)).apply(host, {})
+    assert res.undo_note(host, memo) == ("" if elsewhere else f"removes {dev / 'char/195:0'}")
+    res.remove(host, memo)
+    assert os.path.lexists(dev / "char/195:0") == elsewhere

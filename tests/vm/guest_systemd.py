@@ -1,14 +1,16 @@
 """Run INSIDE the systemd VM (tests/vm/test_vm_systemd.py boots it: systemd is PID 1, cgroup
 v2 with every controller): the systemd cgroup driver against a real systemd — the slice and
-its properties, limits in the slice's cgroup, device access before and after a daemon-reload,
-drift repair, attach/run, teardown with a live process (also one that ignores SIGTERM from a
-sub-cgroup of a delegated scope), an operator's drop-in kept, a slice somebody else started
-refused and left running, repeated down, no residue."""
+its properties, limits in the slice's cgroup, device access before and after a daemon-reload
+(one device through a /dev/char link envctl made, and removes at down), drift repair,
+attach/run, teardown with a live process (also one that ignores SIGTERM from a sub-cgroup of a
+delegated scope), an operator's drop-in kept, a slice somebody else started refused and left
+running, repeated down, no residue."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -97,6 +99,10 @@ def up(sb, resources: str):
 
 def test_slice_limits_devices_reload_drift_and_teardown(sb):
     parent, unit, cg = names(sb)
+    # No /dev/char/1:9 (as for a node nvidia-modprobe made): envctl links it before the slice,
+    # and removes the link with the environment; 1:3, if udev made it, stays.
+    Path("/dev/char/1:9").unlink(missing_ok=True)
+    udev_1_3 = os.path.lexists("/dev/char/1:3")
     res = up(sb, "  cpu: {quota: 50%, weight: 200}\n  memory: {max: 64M, high: 48M}\n"
                  "  pids: {max: 32}")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -114,6 +120,7 @@ def test_slice_limits_devices_reload_drift_and_teardown(sb):
     assert (cg / "memory.max").read_text().strip() == str(64 * 2**20)
     assert (cg / "pids.max").read_text().strip() == "32"
     assert Path("/dev/char/1:3").resolve() == Path("/dev/null")
+    assert os.readlink("/dev/char/1:9") == "../urandom"
 
     status = sb.envctl_json("status", "lim")[0]
     assert {s["status"] for s in status["steps"]} == {"ok"}, status
@@ -136,6 +143,7 @@ def test_slice_limits_devices_reload_drift_and_teardown(sb):
                 subprocess.run(["systemctl", "daemon-reload"], check=True)
             child.stdin.write("probe\n")
             child.stdin.flush()
+            # (/dev/urandom is 1:9, through the link envctl made)
             assert child.stdout.readline().split() == ["ok", "ok", "EPERM"], reload
         # The quota throttles it (cpu.stat of the slice, through envctl's stats).
         child.stdin.write("burn\n")
@@ -160,6 +168,8 @@ def test_slice_limits_devices_reload_drift_and_teardown(sb):
         if child.poll() is None:
             child.kill()
     assert not (UNITS / unit).exists() and not cg.exists()
+    assert not os.path.lexists("/dev/char/1:9")
+    assert os.path.lexists("/dev/char/1:3") == udev_1_3
     # (systemd loads any slice name on demand; gone means inactive and unlisted)
     assert show(unit, "ActiveState")["ActiveState"] == "inactive"
     sb.envctl("down", "lim", check=True, timeout=300)  # repeatable

@@ -30,6 +30,7 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from envctl.errors import HostError
@@ -458,60 +459,89 @@ class Systemd:
                         f"{timeout:g} s")
 
     # -- /dev/char links
-    def char_links(self, rules: Iterable[str]) -> dict[str, str | None]:
-        """/dev/char/MAJ:MIN link -> the node it should point to (relative), for each single
-        node in `rules`; None where /dev has no such node."""
-        wanted = {}
-        for rule in rules:
-            kind, numbers, _ = rule.split()
-            major, minor = numbers.split(":")
-            if kind == "c" and minor != "*":
-                wanted[(int(major), int(minor))] = f"{major}:{minor}"
-        if not wanted:
-            return {}
-        nodes = self._char_nodes(set(wanted))
-        return {str(self.dev / "char" / name): nodes.get(key) for key, name in wanted.items()}
+    def char_link(self, major: int, minor: int) -> Path:
+        return self.dev / "char" / f"{major}:{minor}"
 
-    def _char_nodes(self, want: set[tuple[int, int]]) -> dict[tuple[int, int], str]:
-        found: dict[tuple[int, int], str] = {}
+    def char_node(self, major: int, minor: int) -> str | None:
+        """Where /dev/char/MAJ:MIN should point ("../nvidia0"): the first character device
+        with those numbers under /dev; None when there is none."""
         skip = {"char", "block", "fd", "pts", "shm", "mqueue", "hugepages", "disk"}
         for dirpath, dirnames, filenames in os.walk(self.dev):
             rel = os.path.relpath(dirpath, self.dev)
             if rel == ".":
-                dirnames[:] = sorted(d for d in dirnames if d not in skip)
+                dirnames[:] = [d for d in dirnames if d not in skip]
+            dirnames.sort()
             for name in sorted(filenames):
                 try:
                     st = os.lstat(os.path.join(dirpath, name))
                 except OSError:
-                    continue
-                key = (os.major(st.st_rdev), os.minor(st.st_rdev))
-                if stat.S_ISCHR(st.st_mode) and key in want and key not in found:
-                    found[key] = os.path.normpath(os.path.join("..", rel, name))
-        return found
+                    continue  # gone meanwhile
+                if stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev),
+                                                 os.minor(st.st_rdev)) == (major, minor):
+                    return os.path.normpath(os.path.join("..", rel, name))
+        return None
 
-    def missing_char_links(self, rules: Iterable[str]) -> list[str]:
-        """Links that do not resolve to a character device with the right numbers."""
-        missing = []
-        for link, target in self.char_links(rules).items():
-            if target is None:
-                continue  # no node to point at; systemd parses /dev/char/M:N itself anyway
-            major, minor = (int(x) for x in Path(link).name.split(":"))
-            try:
-                st = os.stat(link)
-                ok = stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev),
-                                                   os.minor(st.st_rdev)) == (major, minor)
-            except OSError:
-                ok = False
-            if not ok:
-                missing.append(link)
-        return missing
+    def read_char_link(self, major: int, minor: int) -> CharLinkFact:
+        """What is at /dev/char/MAJ:MIN (see CharLinkFact)."""
+        path = self.char_link(major, minor)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return CharLinkFact("missing")
+        except OSError as exc:
+            raise HostError(f"check device link '{path}': lstat: {exc.strerror}") from exc
+        try:
+            target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
+        except FileNotFoundError:
+            return CharLinkFact("missing")  # ENOENT: removed since the lstat
+        try:
+            st = os.stat(path)
+            right = stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev),
+                                                  os.minor(st.st_rdev)) == (major, minor)
+        except OSError:
+            right = False  # ENOENT / ELOOP: a dangling link
+        if right:
+            return CharLinkFact("ok", target)
+        if target is not None:
+            return CharLinkFact("wrong", target)
+        what = {stat.S_IFDIR: "a directory", stat.S_IFREG: "a regular file",
+                stat.S_IFCHR: "another character device", stat.S_IFBLK: "a block device"}
+        return CharLinkFact("foreign", detail=f"{path} is "
+                            f"{what.get(stat.S_IFMT(st.st_mode), 'not a link')}")
 
-    def made_char_links(self, rules: Iterable[str]) -> dict[str, str]:
-        """The links `ensure_char_links` would make now (missing, or not resolving to the
-        node) -> the target it would give them: what envctl owns once it has made them."""
-        links = self.char_links(rules)
-        return {link: links[link] for link in self.missing_char_links(rules)}
+    def set_char_link(self, major: int, minor: int, target: str) -> None:
+        """Point /dev/char/MAJ:MIN at `target`, replacing a link that is there (renamed over
+        it, so the path never goes missing meanwhile)."""
+        path = self.char_link(major, minor)
+        tmp = path.with_name(f".{path.name}.envctl-tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()  # ENOENT: no leftover of an interrupted run
+            tmp.symlink_to(target)
+            tmp.replace(path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # best effort: the error below is the one to report
+            raise HostError(f"create device link '{path}': symlink to {target}: "
+                            f"{exc.strerror}") from exc
 
+    def remove_char_link(self, major: int, minor: int, *, expect: str) -> None:
+        """Remove /dev/char/MAJ:MIN if it is a link to `expect`; already gone is success."""
+        path = self.char_link(major, minor)
+        try:
+            if os.readlink(path) != expect:
+                return  # repointed since: somebody else's now
+            path.unlink()
+        except FileNotFoundError:
+            pass  # ENOENT: already gone
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return  # EINVAL from readlink: not a link (any more): not envctl's
+            raise HostError(f"remove device link '{path}': unlink: {exc.strerror}") from exc
+
+    # -- /dev/char links of journals from before the cgroup-char-link steps, which kept the
+    # links a slice made in the slice's memo ("char_links": link -> target)
     def char_links_to_remove(self, made: dict[str, str], *, unit: str) -> list[str]:
         """Of the links envctl made (`made`), those it may remove as slice `unit` goes: still
         pointing where envctl set them, and allowed by no other slice of envctl's."""
@@ -553,21 +583,17 @@ class Systemd:
             except OSError as exc:
                 raise HostError(f"remove device link '{link}': unlink: {exc.strerror}") from exc
 
-    def ensure_char_links(self, rules: Iterable[str]) -> None:
-        """Make /dev/char/MAJ:MIN -> ../NODE for each allowed single node that has a node in
-        /dev (udev makes these for its devices, but not for nodes made by nvidia-modprobe)."""
-        links = self.char_links(rules)
-        for link in self.missing_char_links(rules):
-            target = links[link]
-            path = Path(link)
-            try:
-                path.parent.mkdir(exist_ok=True)
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()  # a dangling or wrong link: replace it
-                path.symlink_to(target)
-            except OSError as exc:
-                raise HostError(f"create device link '{link}': symlink to {target}: "
-                                f"{exc.strerror}") from exc
+
+@dataclass(frozen=True)
+class CharLinkFact:
+    """What is at /dev/char/MAJ:MIN: "missing"; "ok" (it resolves to the character device
+    with those numbers: a link, `target`, or the node itself, target None); "wrong" (a link
+    to `target` that does not: dangling, or another device); "foreign" (something else that
+    is not a link, `detail` says what)."""
+
+    state: str
+    target: str | None = None
+    detail: str = ""
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from envctl.plan.builder import Plan
 from envctl.plan.limits import DEFAULT_DEVICES, GPU_DEVICES_KEY, need, page, quota_micros
-from envctl.resources.cgroup_systemd import SystemdParentSlice, SystemdSlice
+from envctl.resources.cgroup_systemd import SystemdCharLink, SystemdParentSlice, SystemdSlice
 from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.units import format_cpu_list, format_size
 
@@ -32,8 +32,23 @@ def plan_systemd(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     rules = DEFAULT_DEVICES + tuple(plan.resolved.get(GPU_DEVICES_KEY, ()))
     # The parent is recorded in each resource: `down` uses it, not ENVCTL_CGROUP_PARENT then.
     plan.add(SystemdParentSlice(cg.version, cg.parent), ("resources",))
+    # Before the slice: systemd resolves its DeviceAllow= paths when it loads the unit.
+    for major, minor in char_nodes(rules):
+        plan.add(SystemdCharLink(major, minor), ("resources",))
     plan.add(SystemdSlice(spec.name, cg.version, tuple(props), rules, cg.parent),
              ("resources",))
+
+
+def char_nodes(rules: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(major, minor) of each single character device the rules allow ("c 195:0 rw"), once
+    each, in order; whole majors ("c 136:* rwm") and block devices have no /dev/char link."""
+    out: list[tuple[int, int]] = []
+    for rule in rules:
+        kind, numbers, _ = rule.split()
+        major, minor = numbers.split(":")
+        if kind == "c" and "*" not in (major, minor) and (int(major), int(minor)) not in out:
+            out.append((int(major), int(minor)))
+    return out
 
 
 def properties(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, str]] | None:

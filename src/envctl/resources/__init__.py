@@ -15,6 +15,7 @@ MODULES = {
     "cgroup-devices": "cgroup",
     "cgroup-parent-slice": "cgroup_systemd",
     "cgroup-slice": "cgroup_systemd",
+    "cgroup-char-link": "cgroup_systemd",
     "dir": "dirs",
     "firewall": "firewall",
     "firewall-base": "firewall",

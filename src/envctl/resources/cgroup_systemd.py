@@ -1,5 +1,6 @@
-"""Cgroups made through systemd (the systemd driver): envctl's parent slice and each
-environment's slice, a runtime unit file with its limits and device allow-list."""
+"""Cgroups made through systemd (the systemd driver): envctl's parent slice, each
+environment's slice (a runtime unit file with its limits and device allow-list) and the
+/dev/char links its DeviceAllow= paths need."""
 
 from __future__ import annotations
 
@@ -111,11 +112,13 @@ class SystemdSlice(Resource):
 
     Applying writes the unit file under /run/systemd/system, reloads systemd when it changed
     and starts the slice; a property a drop-in shadows is set with `set-property --runtime`.
-    /dev/char/MAJ:MIN links are ensured for every allowed node so that no daemon-reload can
-    drop a rule. Removal stops the processes inside (SIGTERM, grace, SIGKILL), stops the slice,
-    deletes the unit file and envctl's runtime drop-ins (never an operator's in /etc), and the
-    /dev/char links envctl made for it (missing at the snapshot) that still point where envctl
-    set them and no other slice of envctl's allows; a slice already gone counts as removed."""
+    (The /dev/char links of its DeviceAllow= paths are steps of their own, SystemdCharLink,
+    planned before it.) Removal stops the processes inside (SIGTERM, grace, SIGKILL), stops
+    the slice, deletes the unit file and envctl's runtime drop-ins (never an operator's in
+    /etc); a slice already gone counts as removed. A memo journalled before the links were
+    steps of their own lists the links made for this slice ("char_links"): those go with it
+    as they did then, when they still point where envctl set them and no other slice of
+    envctl's allows them."""
 
     kind = "cgroup-slice"
     driver: ClassVar[str] = "systemd"  # what `envctl status` reports
@@ -144,18 +147,11 @@ class SystemdSlice(Resource):
             return bad
         s = _systemd(host, self.parent)
         unit, text, want = self._want(host)
-        found = _slice_check(s, unit, text, want)
-        missing = s.missing_char_links(self.devices)
-        if found.status is Status.ABSENT or not missing:
-            return found
-        diffs = (*found.diffs, Diff("/dev/char links", "present", "missing: " +
-                                    ", ".join(missing)))
-        return Check(Status.DRIFTED, diffs, found.detail)
+        return _slice_check(s, unit, text, want)
 
     def snapshot(self, host: Host) -> dict[str, Any]:
         s = _systemd(host, self.parent)
-        return {"foreign": s.foreign(s.unit(self.env)),
-                "char_links": s.made_char_links(self.devices)}
+        return {"foreign": s.foreign(s.unit(self.env))}
 
     def refuses(self, memo: dict[str, Any]) -> str:
         why = memo.get("foreign") or ""
@@ -180,8 +176,6 @@ class SystemdSlice(Resource):
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         s = _systemd(host, self.parent)
         unit, text, want = self._want(host)
-        # Links first: systemd resolves DeviceAllow= paths when it applies the unit.
-        s.ensure_char_links(self.devices)
         s.ensure_slice(unit, text)
         state = s.state(unit, want)
         drifted = [k for k, v in want.items() if state.get(k) != v]
@@ -208,8 +202,122 @@ class SystemdSlice(Resource):
         s = _systemd(host, self.parent)
         unit = s.unit(self.env)
         s.remove_slice(unit, s.cgroup(self.env), properties=self._dropins())
-        # After the slice: systemd no longer resolves its DeviceAllow= paths.
+        # A memo from before the cgroup-char-link steps: the links envctl made for this slice
+        # (after it: systemd no longer resolves its DeviceAllow= paths).
         s.remove_char_links(dict(memo.get("char_links") or {}), unit=unit)
+
+
+@dataclass(frozen=True)
+class SystemdCharLink(Resource):
+    """/dev/char/MAJ:MIN -> the character device with those numbers under /dev ("../nvidia0"),
+    for a single node a slice's DeviceAllow= names: systemd turns those paths into device
+    numbers whenever it loads the unit (every daemon-reload), older versions by stat(), and
+    nodes made by nvidia-modprobe have no udev link. No such node under /dev: nothing to link
+    (a later `up` links it once the node is there).
+
+    Shared by every environment whose slice allows the node; the memo is the first holder's
+    snapshot, and only the last holder's `down` removes. A link that already resolved to the
+    node before envctl (udev's) is kept. A wrong one (dangling, or another device) is replaced
+    and given back as found; something that is not a link is refused. Removal deletes only the
+    link envctl made, and only while it still points where envctl set it."""
+
+    kind = "cgroup-char-link"
+    shared = True
+    major: int
+    minor: int
+
+    def ident(self) -> str:
+        return f"{self.major}:{self.minor}"
+
+    def describe(self) -> str:
+        return f"/dev/char/{self.ident()} link"
+
+    def check(self, host: Host) -> Check:
+        s = host.systemd
+        have = s.read_char_link(self.major, self.minor)
+        if have.state == "ok":
+            return Check.present()
+        if have.state == "foreign":
+            return Check.wrong_kind(f"{have.detail}, not a link envctl may replace")
+        target = s.char_node(self.major, self.minor)
+        if target is None:
+            return Check.present(f"no character device {self.ident()} in {s.dev}: nothing to "
+                                 "link")
+        if have.state == "missing":
+            return Check.absent()
+        return Check(Status.DRIFTED, (Diff("target", target, have.target),))
+
+    def snapshot(self, host: Host) -> dict[str, Any]:
+        # "was": where a link pointed before envctl (right or wrong); "target": where envctl
+        # would point it now (None: no node yet, or no need).
+        s = host.systemd
+        have = s.read_char_link(self.major, self.minor)
+        if have.state == "foreign":
+            return {"existed": True, "foreign": have.detail}
+        if have.state == "ok":
+            return {"existed": True, "was": have.target}
+        return {"existed": False, "was": have.target,
+                "target": s.char_node(self.major, self.minor)}
+
+    def refuses(self, memo: dict[str, Any]) -> str:
+        why = memo.get("foreign") or ""
+        if not why:
+            return ""
+        return (f"{why}, not a link: envctl leaves it alone. Remove it (udev makes /dev/char "
+                "links; envctl makes the ones it lacks)")
+
+    def _undo(self, host: Host, memo: dict[str, Any]) -> tuple[str, str | None]:
+        """What removal finds: ("kept", None) there before envctl; ("gone", None) no link (or
+        not a link any more); ("as found", target) never changed by envctl; ("theirs",
+        target) repointed since; ("ours", target) made or replaced by envctl and still
+        pointing where envctl set it."""
+        if memo.get("existed"):
+            return "kept", None
+        s = host.systemd
+        have = s.read_char_link(self.major, self.minor).target
+        if have is None:
+            return "gone", None
+        if have == memo.get("was"):
+            return "as found", have  # a wrong link envctl had no node to replace it with
+        # Where envctl set it: the node found at the snapshot, or found now (a node that
+        # appeared later, linked by a later `up`).
+        if have in (memo.get("target"), s.char_node(self.major, self.minor)):
+            return "ours", have
+        return "theirs", have
+
+    def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        state, have = self._undo(host, memo)
+        if state == "kept":
+            return "kept: it existed before envctl"
+        if state == "theirs":
+            return f"kept: it points to {have} now, not where envctl set it"
+        if state != "ours":
+            return ""
+        path = host.systemd.char_link(self.major, self.minor)
+        return f"restores {path} -> {memo['was']}" if memo.get("was") else f"removes {path}"
+
+    def apply(self, host: Host, memo: dict[str, Any]) -> None:
+        s = host.systemd
+        have = s.read_char_link(self.major, self.minor)
+        if have.state == "ok":
+            return  # already so
+        if have.state == "foreign":
+            raise HostError(f"create device link '{s.char_link(self.major, self.minor)}': "
+                            f"{have.detail}, not a link envctl may replace")
+        target = s.char_node(self.major, self.minor)
+        if target is None:
+            return  # no node to point at
+        s.set_char_link(self.major, self.minor, target)
+
+    def remove(self, host: Host, memo: dict[str, Any]) -> None:
+        state, have = self._undo(host, memo)
+        if state != "ours" or have is None:
+            return  # there before envctl, gone already, never changed, or somebody else's now
+        s = host.systemd
+        if memo.get("was"):
+            s.set_char_link(self.major, self.minor, memo["was"])  # given back as found
+        else:
+            s.remove_char_link(self.major, self.minor, expect=have)
 
 
 def _allow_lines(text: str) -> list[str]:
