@@ -412,3 +412,29 @@ def test_a_signal_raised_as_the_block_begins_leaves_the_mask_as_it_was(monkeypat
         assert real(signal.SIG_BLOCK, []) == before
     finally:
         real(signal.SIG_SETMASK, before)  # whatever happened, not for the tests after this
+
+
+def test_a_malformed_nftables_generation_reply_means_unknown_never_a_crash():
+    """A reply the generation read cannot parse makes the kept listing untrusted (None),
+    and a socket left out of step is replaced before the next read."""
+    from envctl.host import nft
+
+    class Fake:
+        broken = False
+        closed = False
+
+        def request(self, mtype, payload):
+            # nfgenmsg, then an attribute that claims more bytes than there are
+            return [b"\0\0\0\0" + struct.pack("=HH", 40, 1) + b"\0\0\0\1"]
+
+        def close(self):
+            self.closed = True
+
+    gen = nft._Generation.__new__(nft._Generation)
+    gen._nl = Fake()
+    assert gen.read() is None
+    old, fresh = gen._nl, Fake()
+    old.broken = True
+    gen._socket = lambda: fresh
+    assert gen.read() is None
+    assert old.closed and gen._nl is fresh

@@ -393,21 +393,27 @@ class _Generation:
     """The nftables ruleset generation of this process's network namespace."""
 
     def __init__(self) -> None:
+        self._nl = self._socket()
+
+    @staticmethod
+    def _socket():  # noqa: ANN205 - netlink.Requests, imported lazily
         from envctl.host.netlink import Requests
 
-        self._nl = Requests(socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM,
-                                          NETLINK_NETFILTER))
+        return Requests(socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_NETFILTER))
 
     def read(self) -> int | None:
         """The generation, or None when it cannot be read (then nothing kept is used)."""
         from envctl.host.netlink import attrs
 
         try:
+            if self._nl.broken:  # a reply that was not read whole: the socket is out of step
+                self._nl.close()
+                self._nl = self._socket()
             bodies = self._nl.request((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN,
                                       struct.pack("=BBH", 0, 0, 0))
-        except OSError:
+            gen = attrs(bodies[0], 4).get(NFTA_GEN_ID) if bodies else None
+        except OSError:  # no answer, or a malformed one (EPROTO): nothing kept is trusted
             return None
-        gen = attrs(bodies[0], 4).get(NFTA_GEN_ID) if bodies else None
         return struct.unpack(">I", gen)[0] if gen is not None and len(gen) == 4 else None
 
 
