@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from envctl.plan.network import peer_mac  # noqa: E402
 from envctl.spec.naming import host_veth  # noqa: E402
 from tests.integration.sandbox import Sandbox  # noqa: E402
 
@@ -59,19 +60,28 @@ def write_shipped(sb: Sandbox) -> None:
 
 
 def script(envs: dict[str, tuple[str, str, list[int]]]) -> str:
-    """The seed's way: one ip/nft command per object, the same objects envctl makes."""
+    """The seed's way: one ip/nft command per object, the same objects envctl makes (with
+    anti-spoofing: each port pinned to its environment's MAC, IPv4 address and ARP sender)."""
     up = ["set -e", f"ip link add {BRIDGE} type bridge", f"ip addr add {BRIDGE_CIDR} dev {BRIDGE}",
           f"ip link set {BRIDGE} up", "sysctl -qw net.ipv4.ip_forward=1",
           "nft add table inet seed",
           "nft add chain inet seed spre '{ type nat hook prerouting priority dstnat; }'",
           "nft add chain inet seed sout '{ type nat hook output priority -100; }'",
           "nft add chain inet seed spost '{ type nat hook postrouting priority srcnat; }'",
-          "nft add chain inet seed sfwd '{ type filter hook forward priority filter; }'"]
-    down = ["set -e", "nft delete table inet seed"]
+          "nft add chain inet seed sfwd '{ type filter hook forward priority filter; }'",
+          "nft add table bridge seedb",
+          "nft add chain bridge seedb pre '{ type filter hook prerouting priority -200; }'"]
+    down = ["set -e", "nft delete table inet seed", "nft delete table bridge seedb"]
     for name, (addr, ifname, ports) in envs.items():
-        veth = host_veth(name)
+        veth, mac = host_veth(name), peer_mac(name)
         up += [f"ip netns add {name}",
-               f"ip link add {veth} type veth peer name {ifname} netns {name}",
+               f"nft add rule bridge seedb pre iifname {veth} ether saddr != {mac} drop",
+               f"nft add rule bridge seedb pre iifname {veth} ether type != {{ ip, arp, ip6 }} "
+               "drop",
+               f"nft add rule bridge seedb pre iifname {veth} arp saddr ether != {mac} drop",
+               f"nft add rule bridge seedb pre iifname {veth} ip saddr != {addr} drop",
+               f"nft add rule bridge seedb pre iifname {veth} arp saddr ip != {addr} drop",
+               f"ip link add {veth} type veth peer name {ifname} address {mac} netns {name}",
                f"ip link set {veth} master {BRIDGE} up",
                f"ip link set {veth} type bridge_slave isolated on",
                f"ip -n {name} addr add {addr}/24 dev {ifname}",

@@ -323,3 +323,19 @@ def test_down_says_what_each_removal_restores(engine):
     assert "at down: restored changed -> orig" in engine.status("env", [res])[0].note
     out = engine.down("env")
     assert [(s.op, s.note) for s in out.steps] == [("-", "restored changed -> orig")]
+
+
+def test_up_many_goes_on_past_a_failed_environment_and_folds_the_ledger_once(engine,
+                                                                             monkeypatch):
+    fakes.FAIL_ON.add("b1")
+    folds = []
+    real = Ledger.save
+    monkeypatch.setattr(Ledger, "save", lambda self, **kw: (folds.append(1), real(self, **kw)))
+    outcomes, failed = engine.up_many([
+        ("one", [SharedThing("s"), Thing("a1"), Thing("b1")], None),
+        ("two", [SharedThing("s"), Thing("a2")], None)])
+    assert [o.env for o in outcomes] == ["two"] and list(failed) == ["one"]
+    assert "fake-thing b1" in str(failed["one"]) and "rolled back" in str(failed["one"])
+    assert fakes.WORLD == {"s": "on", "a2": "on"}  # one rolled back, its share released
+    assert Ledger.open(engine.host.state_dir).holders("fake-shared:s") == ["two"]
+    assert len(folds) == 1

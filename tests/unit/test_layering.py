@@ -150,3 +150,26 @@ print(len(plans), len(seen), seen[:5])
     count, events = res.stdout.split(" ", 1)
     assert int(count) >= 2
     assert events.strip() == "0 []"
+
+
+def test_planning_for_cgroupfs_loads_no_systemd_code():
+    """Start-up time: a host on the cgroupfs driver never imports the systemd driver."""
+    code = r'''
+import sys
+from pathlib import Path
+from envctl.facts import HostFacts
+from envctl.plan.planner import plan_env
+from envctl.spec.loader import load_spec
+from envctl.plan.builder import PlanError
+spec = load_spec(Path(sys.argv[1]) / "cpu-compute.yaml").spec
+facts = HostFacts(sysctls=frozenset(spec.host.sysctls))
+try:
+    plan_env(spec, facts)
+except PlanError as exc:  # what this host lacks does not matter here, the imports do
+    print(exc, file=sys.stderr)
+print(sorted(m for m in sys.modules if "systemd" in m))
+'''
+    res = subprocess.run([sys.executable, "-c", code, str(SRC.parent / "configs")],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"

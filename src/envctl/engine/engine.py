@@ -166,12 +166,38 @@ class Engine:
         `meta` is recorded in the journal first (Journal.meta: the environment's claims, so
         that no other spec can take them while it is up, and the plan's warnings)."""
         with nullcontext() if locked else self.locked():
-            return self._up(env, resources, meta)
+            return self._up(env, resources, meta, self.ledger(), fold_ledger=True)
 
-    def _up(self, env: str, resources: Sequence[Resource],
-            meta: dict[str, Any] | None) -> Outcome:
+    def up_many(self, items: Sequence[tuple[str, Sequence[Resource], dict[str, Any] | None]], *,
+                locked: bool = False) -> tuple[list[Outcome], dict[str, EnvctlError]]:
+        """`up` of each (env, resources, meta) in turn, under one lock hold, with one ledger:
+        folded once, at the end (its records are in its log as they happen, as `down_many`
+        does), not once per environment. One that fails is rolled back and the others still
+        come up: its error is returned by name. A signal stops everything (after rollback)."""
+        outcomes: list[Outcome] = []
+        failed: dict[str, EnvctlError] = {}
+        with nullcontext() if locked else self.locked():
+            ledger = self.ledger()
+            try:
+                for env, resources, meta in items:
+                    try:
+                        outcomes.append(self._up(env, resources, meta, ledger,
+                                                 fold_ledger=False))
+                    except StepInterrupted:
+                        raise
+                    except EnvctlError as exc:
+                        failed[env] = exc
+            finally:
+                with deferred():
+                    problems = _save(ledger)
+            if problems:
+                raise HostError("; ".join(msg for _, msg in problems))
+        return outcomes, failed
+
+    def _up(self, env: str, resources: Sequence[Resource], meta: dict[str, Any] | None,
+            ledger: Ledger, *, fold_ledger: bool) -> Outcome:
         journal = self.journal(env)
-        ledger = self.ledger()
+        folded = (journal, ledger) if fold_ledger else (journal,)
         outcome = Outcome(env)
         wanted = {r.key for r in resources}
         applied: list[tuple[str, Resource]] = []  # new this run: what rollback takes back
@@ -198,7 +224,7 @@ class Engine:
             # one-line StepFailed; a bug keeps its traceback.
             with deferred():
                 rolled, errors = self._rollback(env, applied, journal, ledger)
-                errors += [msg for _, msg in _save(journal, ledger)]
+                errors += [msg for _, msg in _save(*folded)]
             if isinstance(exc, KeyboardInterrupt):
                 raise StepInterrupted(step_name, exc, rolled_back=rolled,
                                       rollback_errors=errors) from None
@@ -211,7 +237,7 @@ class Engine:
         order = {r.key: i for i, r in enumerate(resources)}
         journal.entries.sort(key=lambda e: order.get(e.key, -1))
         with deferred():
-            problems = _save(journal, ledger)
+            problems = _save(*folded)
         if problems:
             raise HostError("; ".join(msg for _, msg in problems))
         return outcome

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from envctl.plan.builder import Plan
-from envctl.plan.cgroup_systemd import plan_systemd
 from envctl.plan.limits import DEFAULT_DEVICES, GPU_DEVICES_KEY, need, page, quota_micros
 from envctl.resources.cgroup import Cgroup, CgroupDevices, CgroupParent
 from envctl.spec.resolve import dedicated_cpus
@@ -55,6 +54,9 @@ def plan_cgroup(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
                    f"{cg.layout}); mount cgroup2 on /sys/fs/cgroup or the v1 controllers")
         return
     if driver == "systemd":
+        # Imported here: a cgroupfs host never loads the systemd driver's code (start-up time).
+        from envctl.plan.cgroup_systemd import plan_systemd
+
         plan_systemd(spec, facts, plan)
         return
     settings = _settings(spec, facts, plan)
