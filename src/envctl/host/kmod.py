@@ -198,19 +198,8 @@ class KernelModules:
     def show_depends(self, name: str) -> tuple[str | None, ...]:
         """`modprobe --show-depends NAME`: what loading `name` would load, in order (see
         parse_show_depends). Read-only: modprobe prints and changes nothing."""
-        argv = [*self.modprobe, "--show-depends", name]
-        what = f"read kernel module '{name}': modprobe --show-depends"
-        try:
-            res = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-        except FileNotFoundError as exc:
-            raise HostError(f"{what}: not installed (Debian package kmod)") from exc
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise HostError(f"{what}: {exc}") from exc
-        if res.returncode != 0:
-            cause = (res.stderr or res.stdout).strip().splitlines()
-            raise HostError(f"{what}: "
-                            f"{cause[-1] if cause else f'exit status {res.returncode}'}")
-        return parse_show_depends(res.stdout)
+        return parse_show_depends(self._run("read", name, "modprobe --show-depends",
+                                            [*self.modprobe, "--show-depends", name]))
 
     def _scan(self, name: str) -> Availability:
         # No modules.dep (depmod never ran): look for the file itself; dependencies unknown.
@@ -235,7 +224,8 @@ class KernelModules:
         which may be modules the host had before envctl."""
         self._run("unload", name, "rmmod", [*self.rmmod, canonical(name)])
 
-    def _run(self, action: str, name: str, tool: str, argv: list[str]) -> None:
+    def _run(self, action: str, name: str, tool: str, argv: list[str]) -> str:
+        """Run `argv`; its stdout, or HostError naming the action, the module and the cause."""
         try:
             res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         except FileNotFoundError as exc:
@@ -247,3 +237,4 @@ class KernelModules:
             cause = (res.stderr or res.stdout).strip().splitlines()
             raise HostError(f"{action} kernel module '{name}': {tool}: "
                             f"{cause[-1] if cause else f'exit status {res.returncode}'}")
+        return res.stdout
