@@ -310,3 +310,29 @@ def test_ledger_memos_of_another_boot_are_never_restored(tmp_path):
     ledger.save()
     after = Ledger.open(tmp_path, boot="boot-2")
     assert after.items == {} and list(after.dropped) == ["fake-shared:s"]
+
+
+def test_an_entry_whose_resource_cannot_be_rebuilt_is_damage_found_at_open(tmp_path):
+    """A journal of another version (a field renamed): reported by name when it is opened,
+    never a traceback half-way through `down`."""
+    j = Journal.open(tmp_path, "web")
+    j.put(entry("a"))
+    j.save()
+    path = tmp_path / "journal" / "web.json"
+    data = json.loads(path.read_text())
+    data["entries"][0]["resource"] = {"kind": "fake-thing", "nom": "a"}  # no `name`
+    path.write_text(json.dumps(data))
+    with pytest.raises(StateCorrupt, match="bad entry"):
+        Journal.open(tmp_path, "web")
+
+
+def test_a_ledger_item_whose_resource_cannot_be_rebuilt_is_damage(tmp_path):
+    ledger = Ledger.open(tmp_path)
+    ledger.hold("fake-shared:s", "one", SharedThing("s"), {"old": "x"})
+    ledger.save()
+    data = json.loads((tmp_path / "shared.json").read_text())
+    data["items"]["fake-shared:s"]["resource"] = {"kind": "fake-shared", "nom": "s"}
+    (tmp_path / "shared.json").write_text(json.dumps(data))
+    with pytest.raises(StateCorrupt, match="bad item 'fake-shared:s'"):
+        Ledger.open(tmp_path)
+    assert Ledger.open(tmp_path, salvage=True).items == {}

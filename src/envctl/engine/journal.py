@@ -227,8 +227,11 @@ class Entry:
     def parse(cls, raw: Any, where: Path) -> Entry:
         try:
             entry = cls(**raw)
-            resource_class(entry.resource["kind"])
-        except (TypeError, KeyError, ValueError) as exc:
+            # The resource must rebuild: a kind this envctl does not know, or fields it does
+            # not take (a journal of another version), is damage found now, not a traceback
+            # half-way through `down`.
+            entry.load()
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise _corrupt(where, f"bad entry {str(raw)[:80]!r}: {exc}") from None
         return entry
 
@@ -406,11 +409,13 @@ class Ledger:
                                    f"bad record {str(rec)[:80]!r}: {exc}") from None
         for key, item in list(ledger.items.items()):
             try:
+                Resource.from_dict(item["resource"])  # rebuilds, as `down` will need it to
                 stale = _drop_other_boots(item["resource"]["kind"], boot, item.get("boot", ""))
-            except ValueError as exc:  # a kind this envctl does not know
+            except (ValueError, TypeError, KeyError) as exc:  # a kind or fields not known here
                 if not salvage:
-                    raise _corrupt(ledger.path, str(exc)) from None
-                stale = False
+                    raise _corrupt(ledger.path, f"bad item {key!r}: {exc}") from None
+                del ledger.items[key]
+                continue
             if stale:
                 ledger.dropped[key] = ledger.items.pop(key)
         return ledger
