@@ -6,6 +6,7 @@ import os
 import shutil
 import stat
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from envctl.errors import HostError
@@ -37,14 +38,10 @@ class Directory(Resource):
         return host.base(self.base) / self.path
 
     def check(self, host: Host) -> Check:
-        p = self._path(host)
-        try:
-            st = p.lstat()
-        except FileNotFoundError:
-            return Check.absent()
-        if not stat.S_ISDIR(st.st_mode):
-            return Check.wrong_kind(f"{p} exists and is not a directory")
-        return Check.compare({"mode": oct(self.mode)}, {"mode": oct(stat.S_IMODE(st.st_mode))})
+        found = _directory(self._path(host))
+        if isinstance(found, Check):
+            return found
+        return Check.compare({"mode": oct(self.mode)}, {"mode": oct(found)})
 
     def snapshot(self, host: Host) -> dict[str, Any]:
         p = self._path(host)
@@ -137,14 +134,9 @@ class BaseDirectory(Resource):
         return f"directory <{self.base}>"
 
     def check(self, host: Host) -> Check:
-        p = host.base(self.base)
-        try:
-            st = p.lstat()
-        except FileNotFoundError:
-            return Check.absent()
-        if not stat.S_ISDIR(st.st_mode):
-            return Check.wrong_kind(f"{p} exists and is not a directory")
-        return Check.present()  # its mode is whatever it had or was made with
+        found = _directory(host.base(self.base))
+        # Its mode is whatever it had or was made with.
+        return found if isinstance(found, Check) else Check.present()
 
     def snapshot(self, host: Host) -> dict[str, Any]:
         made, q = [], host.base(self.base)
@@ -177,3 +169,14 @@ class BaseDirectory(Resource):
                 continue  # already gone
             except OSError:
                 break  # not empty: somebody else's files are in it, so it stays
+
+
+def _directory(p: Path) -> Check | int:
+    """The mode bits of directory `p`, or the Check saying it is absent or not a directory."""
+    try:
+        st = p.lstat()
+    except FileNotFoundError:
+        return Check.absent()
+    if not stat.S_ISDIR(st.st_mode):
+        return Check.wrong_kind(f"{p} exists and is not a directory")
+    return stat.S_IMODE(st.st_mode)
