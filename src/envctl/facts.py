@@ -54,6 +54,68 @@ class ModuleFact:
 
 
 @dataclass(frozen=True)
+class PlacedFile:
+    """One host file a root filesystem gets: `path` inside the environment (absolute, the
+    host's canonical path: directory symlinks such as /bin -> usr/bin resolved), `source` on
+    the host. `link` is the symlink's target, as readlink gives it, when the file is a symlink
+    (placed as a symlink; the file it names is another PlacedFile)."""
+
+    path: str
+    source: str
+    link: str = ""
+
+
+@dataclass(frozen=True)
+class RootfsFacts:
+    """What one spec's rootfs needs from this host, resolved without executing anything."""
+
+    # The binaries and libraries the spec lists with their shared-library closures and ELF
+    # interpreters, sorted by path, each once.
+    files: tuple[PlacedFile, ...] = ()
+    # The top of the tree: (name, symlink target) for the host's /bin, /lib, /lib64, /sbin …
+    # that are symlinks (merged /usr: ("bin", "usr/bin")); the others are real directories.
+    links: tuple[tuple[str, str], ...] = ()
+    # Host directories bind-mounted read-only at the same path (the Python standard library).
+    binds: tuple[str, ...] = ()
+    # The interpreter `python: true` gives, inside the environment ("" when not asked).
+    python: str = ""
+    # What cannot be had: (the spec's item, why), e.g. ("nvidia-smi", "not found in /usr/bin,
+    # /bin, …"); a plan error each.
+    missing: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuFact:
+    """One NVIDIA GPU as NVML (or /proc/driver/nvidia) reports it."""
+
+    index: int
+    uuid: str
+    name: str = ""
+    minor: int = 0  # /dev/nvidia<minor> = char 195:<minor>
+    memory_bytes: int = 0
+    mig: bool = False  # MIG mode enabled
+    pci: str = ""  # bus id, 0000:3b:00.0
+
+
+@dataclass(frozen=True)
+class GpuHostFacts:
+    """The NVIDIA driver and GPUs of this host (all empty on a host without them)."""
+
+    driver: str = ""  # the running driver's version, "" when no driver is loaded
+    gpus: tuple[GpuFact, ...] = ()
+    # Character-device majors from /proc/devices: "nvidia-frontend" (195), "nvidia-uvm",
+    # "nvidia-caps" (the last two are dynamic).
+    majors: dict[str, int] = field(default_factory=dict)
+    # Driver libraries from ld.so.cache whose version matches the driver (with their soname
+    # symlinks), bind-mounted read-only into GPU environments.
+    libraries: tuple[PlacedFile, ...] = ()
+    # Where the GPU list came from: "nvml", "proc" or "" (none found).
+    source: str = ""
+    # What went wrong looking (NVML failed to initialise, …): shown when a spec wants GPUs.
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class HostFacts:
     """What the planner may know about the host; tests build these by hand."""
 
@@ -74,5 +136,9 @@ class HostFacts:
     cpufreq_policies: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # The firewall backend `network.firewall: auto` means here (nftables or iptables).
     firewall: str = "nftables"
+    # Each spec's rootfs needs, by environment name (read only for specs with a rootfs).
+    rootfs: dict[str, RootfsFacts] = field(default_factory=dict)
+    # NVIDIA driver and GPUs (read only when a spec wants GPUs).
+    gpu: GpuHostFacts = field(default_factory=GpuHostFacts)
     # Extra facts contributed by resource families (cgroup layout, GPUs, firewall, …).
     extra: dict[str, object] = field(default_factory=dict, compare=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -26,6 +27,9 @@ class Host:
     kmod_root: Path | None = None
     modprobe: str = "modprobe"
     rmmod: str = "rmmod"
+    # Called by long steps (rootfs assembly) as (what, done, total); the CLI draws a progress
+    # bar on a TTY, nothing with --json. None: nobody is watching.
+    progress: Callable[[str, int, int], None] | None = None
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | os._Environ[str] = os.environ) -> Host:
