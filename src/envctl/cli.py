@@ -250,7 +250,7 @@ def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> 
     """
     from envctl import app as ops
     from envctl.engine.signals import interruptible
-    from envctl.render import render_outcomes, step_printer
+    from envctl.render import bar_printer, render_outcomes, step_printer
 
     ws, env_names = _workspace(names, secure=os.geteuid() == 0)
     selected = ws.select(env_names, all_=all_)
@@ -267,6 +267,8 @@ def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> 
         for problem in exc.problems:
             _stderr(f"error: {problem}")
         _stderr(f"skipped {env}: this host cannot serve it")
+    if not json_:
+        ws.host.progress = bar_printer(_console())
     engine = ws.engine(lock_timeout=CTX.lock_timeout, on_wait=_stderr,
                        progress=None if json_ else step_printer(_console()))
     result = ops.up(plans, engine, {p.env: ws.claims(p.env) for p in plans})
@@ -291,12 +293,16 @@ def down(
         "--force", help="For a damaged or lost journal: keep the damaged state files aside, "
         "then remove what can still be read of them and what the spec names and the host has "
         "(found by name).")] = False,
+    purge: Annotated[bool, typer.Option(
+        "--purge", help="Also delete the environments' data directories (the sources of "
+        "their data mounts that envctl created), which `down` otherwise keeps.")] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Take environments down: remove what envctl made and restore what it changed.
 
     Works from the journal, newest step first, so a deleted or changed spec still tears
-    down exactly what was made.
+    down exactly what was made. Data directories (logs, models, datasets …) stay unless
+    --purge.
 
     Example: sudo envctl down --all
     """
@@ -309,6 +315,8 @@ def down(
     if all_ and names:
         raise typer.BadParameter("give environment names or --all, not both")
     host = Host.from_env()
+    if purge:
+        host.options["purge"] = "1"
     if all_:
         targets = ops.known_environments(None, host)
     elif names:
@@ -412,6 +420,64 @@ def status(
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):
         raise typer.Exit(1)
+
+
+@app.command()
+def gpus(
+    json_: JsonOpt = False,
+    cdi: Annotated[bool, typer.Option(
+        "--cdi", help="Also write the CDI spec of the GPUs each environment holds, for "
+        "container runtimes (--device envctl.io/gpu=ENV).")] = False,
+    cdi_path: Annotated[Path | None, typer.Option(
+        "--cdi-path", help="Where --cdi writes (default: $ENVCTL_CDI_DIR/envctl.yaml, else "
+        "/etc/cdi/envctl.yaml).", show_default=False)] = None,
+) -> None:
+    """This host's NVIDIA GPUs, the driver, and which environment holds each GPU.
+
+    Read-only: nothing on the host changes, except the CDI file that --cdi writes. GPUs come
+    from NVML when the driver is loaded (ENVCTL_NVML=off: /proc/driver/nvidia only).
+
+    Example: envctl gpus --json;  sudo envctl gpus --cdi
+    """
+    from envctl import gpus as ops_gpus
+    from envctl.host.context import Host
+    from envctl.host.gpus import gpu_root
+
+    host, root = Host.from_env(), gpu_root()
+    found = ops_gpus.survey(host, root)
+    report = ops_gpus.gpu_report(host, root, found=found)
+    written = None
+    if cdi:
+        written = ops_gpus.write_cdi(host, root, cdi_path or ops_gpus.cdi_path(), found=found)
+    if json_:
+        _emit_json({**report, "cdi": str(written) if written else None})
+        return
+    _render_gpus(_console(), report)
+    if written:
+        print(f"wrote {written}")
+
+
+def _render_gpus(console: Any, report: dict[str, Any]) -> None:
+    from rich.markup import escape
+
+    from envctl.spec.units import format_size
+
+    driver = report["driver"]
+    if not report["gpus"]:
+        state = (f"driver {driver} is loaded but shows no GPU" if driver
+                 else "no NVIDIA driver is loaded")
+        console.print(f"no NVIDIA GPU found ({state})")
+    else:
+        console.print(f"driver {driver or 'unknown'}  [dim](GPUs from {report['source']})[/]")
+        console.print(f"  {'GPU':<4} {'UUID':<41} {'NAME':<26} {'MEMORY':>7} {'MIG':<4} "
+                      f"{'PCI':<13} ENVIRONMENT")
+        for g in report["gpus"]:
+            memory = format_size(g["memory"]) if g["memory"] else "-"
+            console.print(f"  {g['index']:<4} {escape(g['uuid'] or '?'):<41} "
+                          f"{escape(g['name']):<26} {memory:>7} {'on' if g['mig'] else 'off':<4} "
+                          f"{g['pci']:<13} {escape(g['env'] or '-')}")
+    for line in report["problems"] + report["warnings"]:
+        console.print(f"  [yellow]! {escape(line)}[/]")
 
 
 # ---------------------------------------------------------------- entry point

@@ -140,5 +140,18 @@ class HostFacts:
     rootfs: dict[str, RootfsFacts] = field(default_factory=dict)
     # NVIDIA driver and GPUs (read only when a spec wants GPUs).
     gpu: GpuHostFacts = field(default_factory=GpuHostFacts)
+    # GPU UUID -> the environment that is up and holds it (from the journals' claims).
+    gpu_held: dict[str, str] = field(default_factory=dict)
+    # Environment -> the GPU UUIDs it gets, resolved for all specs read together (see
+    # envctl.plan.gpus.assign_gpus); a spec missing here is resolved alone.
+    gpu_assigned: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Group names the specs ask about -> gid (a name missing here does not exist).
+    groups: dict[str, int] = field(default_factory=dict)
+    # The host's /etc/resolv.conf, which environments' rootfs get a copy of.
+    resolv_conf: str = ""
+    # Where envctl keeps state and run files on this host (ENVCTL_STATE_DIR, ENVCTL_RUN_DIR),
+    # for resources that need absolute paths (a rootfs under the state directory).
+    state_dir: str = "/var/lib/envctl"
+    run_dir: str = "/run/envctl"
     # Extra facts contributed by resource families (cgroup layout, GPUs, firewall, …).
     extra: dict[str, object] = field(default_factory=dict, compare=False)

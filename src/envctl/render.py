@@ -70,6 +70,30 @@ def step_printer(console: Console):
     return progress
 
 
+def bar_printer(console: Console):
+    """A progress bar for long steps (rootfs assembly) on a terminal: (what, done, total) calls
+    from Host.progress; the bar goes when done reaches total."""
+    state: dict[str, Any] = {}
+
+    def progress(what: str, done: int, total: int) -> None:
+        if not console.is_terminal:
+            return
+        if "bar" not in state:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            bar = Progress(TextColumn("  {task.description}"), BarColumn(),
+                           MofNCompleteColumn(), console=console, transient=True)
+            bar.start()
+            state["bar"], state["task"] = bar, bar.add_task(what, total=total)
+        bar = state["bar"]
+        bar.update(state["task"], description=what, completed=done, total=total)
+        if done >= total:
+            bar.stop()
+            state.clear()
+
+    return progress
+
+
 def render_outcomes(console: Console, outcomes: list[Outcome], *, verb: str) -> None:
     for o in outcomes:
         console.print(f"[bold]{o.env}[/]")

@@ -27,6 +27,9 @@ class Host:
     kmod_root: Path | None = None
     modprobe: str = "modprobe"
     rmmod: str = "rmmod"
+    # Where the NVIDIA driver's /proc, /dev and ld.so.cache are read (ENVCTL_GPU_ROOT: a fake
+    # tree in tests).
+    gpu_root: Path = Path("/")
     # Called by long steps (rootfs assembly) as (what, done, total); the CLI draws a progress
     # bar on a TTY, nothing with --json. None: nobody is watching.
     progress: Callable[[str, int, int], None] | None = None
@@ -43,6 +46,7 @@ class Host:
             else None,
             modprobe=environ.get("ENVCTL_MODPROBE", "modprobe"),
             rmmod=environ.get("ENVCTL_RMMOD", "rmmod"),
+            gpu_root=Path(environ.get("ENVCTL_GPU_ROOT", "/")),
         )
 
     @cached_property
@@ -55,7 +59,7 @@ class Host:
 
     def base(self, name: str) -> Path:
         """A named base directory that resources refer to instead of absolute paths."""
-        return {"state": self.state_dir, "run": self.run_dir}[name]
+        return {"state": self.state_dir, "run": self.run_dir, "host": Path("/")}[name]
 
     @cached_property
     def sysctl(self):  # noqa: ANN201 - the adapter type lives in a lazily imported module

@@ -3,11 +3,13 @@ read-only; the value types live in envctl.facts."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from envctl.facts import HostFacts, ModuleFact
+from envctl.facts import GpuHostFacts, HostFacts, ModuleFact, RootfsFacts
 from envctl.host.cgroups import read_cgroup_facts
 from envctl.host.procfs import sysctl_path
 from envctl.spec.sysctls import canonical
@@ -87,14 +89,64 @@ def read_cpufreq_policies(sys_root: Path, cpus: list[int]) -> dict[int, tuple[in
     return dict(read_policy(sys_root, cpu) for cpu in cpus)
 
 
+def read_rootfs(wants: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]]
+                ) -> dict[str, RootfsFacts]:
+    """What each environment's rootfs needs from this host (binaries found on PATH, their
+    shared-library closures, Python), by name; specs asking the same share one reading."""
+    if not wants:
+        return {}
+    from envctl.host.elf import resolve_rootfs
+
+    done: dict[tuple, RootfsFacts] = {}
+    out = {}
+    for env, want in wants.items():
+        if want not in done:
+            done[want] = resolve_rootfs(list(want[0]), list(want[1]), want[2])
+        out[env] = done[want]
+    return out
+
+
+def read_gpus(root: Path) -> GpuHostFacts:
+    """The NVIDIA driver, its GPUs and its libraries, read under `root` (ENVCTL_GPU_ROOT in
+    tests: a fake /proc, /dev and ld.so.cache)."""
+    from envctl.host.elf import driver_libraries
+    from envctl.host.gpus import discover_gpus, nvml_mode
+
+    found = discover_gpus(root, nvml=nvml_mode())
+    if not found.driver:
+        return found
+    return dataclasses.replace(found, libraries=tuple(driver_libraries(found.driver, root)))
+
+
+def read_groups(names: frozenset[str]) -> dict[str, int]:
+    import grp
+
+    out = {}
+    for name in names:
+        with contextlib.suppress(KeyError):  # no such group: the planner says so
+            out[name] = grp.getgrnam(name).gr_gid
+    return out
+
+
 def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
            sysctls: frozenset[str] = frozenset(), modules: frozenset[str] = frozenset(),
-           kmod: KernelModules | None = None, cpufreq: bool = False) -> HostFacts:
+           kmod: KernelModules | None = None, cpufreq: bool = False,
+           rootfs: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] | None = None,
+           gpu_root: Path | None = None, groups: frozenset[str] = frozenset(),
+           state_dir: Path = Path("/var/lib/envctl"),
+           run_dir: Path = Path("/run/envctl")) -> HostFacts:
     """Read the facts once; cheap enough (a handful of small files) for every command.
-    Modules (through `kmod`) and cpufreq are read only when a spec asks about them."""
+    Modules (through `kmod`), cpufreq, rootfs closures (`rootfs`: env -> binaries, libraries,
+    python) and GPUs (under `gpu_root`) are read only when a spec asks about them."""
     cpus = read_cpus(sys_root)
     freq = read_cpufreq(sys_root, cpus) if cpufreq else {}
     return HostFacts(
+        rootfs=read_rootfs(rootfs or {}),
+        gpu=read_gpus(gpu_root) if gpu_root is not None else GpuHostFacts(),
+        groups=read_groups(groups),
+        resolv_conf=(_read(Path("/etc/resolv.conf")) or "") if rootfs else "",
+        state_dir=str(state_dir),
+        run_dir=str(run_dir),
         cpus=cpus,
         memory_bytes=read_memory(proc_root),
         numa_nodes=read_numa_nodes(sys_root),

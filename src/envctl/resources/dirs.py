@@ -25,7 +25,8 @@ class Directory(Resource):
     base: str
     path: str
     mode: int = 0o755
-    # Keep the contents on removal (data the user wrote is never deleted by teardown).
+    # Keep the contents on removal (data the user wrote is never deleted by teardown, unless
+    # `down --purge` sets host.options["purge"]).
     keep: bool = False
 
     def ident(self) -> str:
@@ -68,6 +69,12 @@ class Directory(Resource):
 
     def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
         if not memo.get("existed"):
+            if self.keep and not host.options.get("purge"):
+                try:
+                    if any(os.scandir(self._path(host))):
+                        return "kept: it holds data (down --purge deletes it)"
+                except OSError:
+                    pass
             return ""
         back = self._mode_back(host, memo)
         return "kept: it existed before envctl" + (
@@ -96,7 +103,7 @@ class Directory(Resource):
                     raise HostError(f"restore directory '{p}': chmod: {exc.strerror}") from exc
             return
         try:
-            if self.keep:
+            if self.keep and not host.options.get("purge"):
                 os.rmdir(p)
             else:
                 shutil.rmtree(p)

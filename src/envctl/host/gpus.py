@@ -1,0 +1,321 @@
+"""NVIDIA GPU discovery, read-only: the driver's /proc files, its /dev nodes and NVML.
+
+Everything is read under a root (`ENVCTL_GPU_ROOT`, default "/") so tests point it at a fake
+tree. What is read, in the formats the driver writes (kernel-open/nvidia/nv-procfs.c and
+nv.c / nv-frontend.c of NVIDIA's open-gpu-kernel-modules):
+
+- `proc/devices`, character section, "%3d %s": major 195 is named `nvidia-frontend` by drivers
+  with the frontend module and `nvidia` (plus `nvidiactl`) by newer ones; `nvidia-uvm`,
+  `nvidia-caps` and `nvidia-caps-imex-channels` have dynamic majors.
+- `proc/driver/nvidia/version`: "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.135  …"
+  (proprietary) or "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release
+  Build …" (open modules).
+- `proc/driver/nvidia/gpus/<pci>/information`: "Model: \\t\\t NVIDIA A100…", "GPU UUID: \\t
+  GPU-…", "Bus Location: \\t 0000:3b:00.0", "Device Minor: \\t 0", one "Key: value" a line.
+- `dev/nvidia*`: the nodes, by stat (never opened).
+
+NVML (the `pynvml` module of nvidia-ml-py, imported only here and only when asked) gives what
+/proc does not: memory, MIG mode, the driver's own index order. It is asked only when the
+driver is loaded and every node it would need exists: libnvidia-ml runs nvidia-modprobe to
+create missing nodes, and discovery must create nothing. When NVML cannot answer, the GPUs
+come from /proc and `problems` says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+from envctl.errors import InputError
+from envctl.facts import GpuFact, GpuHostFacts
+
+NVIDIA_MAJOR = 195  # fixed: NV_MAJOR_DEVICE_NUMBER
+CTL_MINOR = 255  # /dev/nvidiactl
+NVML_MODES = ("auto", "off")
+# The /proc/devices names envctl records; 195 goes under "nvidia-frontend" whichever name the
+# driver gave it.
+_MAJOR_NAMES = {"nvidia-frontend": "nvidia-frontend", "nvidia": "nvidia-frontend",
+                "nvidia-uvm": "nvidia-uvm", "nvidia-caps": "nvidia-caps",
+                "nvidia-caps-imex-channels": "nvidia-caps-imex-channels"}
+_VERSION = re.compile(r"(?<![\w.])(\d+\.\d+(?:\.\d+)?)(?![\w.])")
+# "GPU-<hex and dashes>" (or MIG-…); an uninitialised GPU shows question marks instead.
+_UUID = re.compile(r"(?:GPU|MIG)-[A-Za-z0-9-]+")
+_PCI = re.compile(r"([0-9a-fA-F]+):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])")
+
+
+def gpu_root(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
+    """The root discovery reads under: ENVCTL_GPU_ROOT, default "/"."""
+    return Path(environ.get("ENVCTL_GPU_ROOT") or "/")
+
+
+def nvml_mode(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """ENVCTL_NVML: "auto" (the default: NVML when the driver is there) or "off" (/proc only)."""
+    mode = environ.get("ENVCTL_NVML") or "auto"
+    if mode not in NVML_MODES:
+        raise InputError(f"ENVCTL_NVML is '{mode}': allowed values are {', '.join(NVML_MODES)}")
+    return mode
+
+
+GPU_ROOT = gpu_root()
+
+
+# ---------------------------------------------------------------- parsers (pure)
+
+
+def parse_devices(text: str) -> dict[str, int]:
+    """The NVIDIA character-device majors of a /proc/devices text, keyed as GpuHostFacts keeps
+    them; block devices (a second section) are never read as character devices."""
+    majors: dict[str, int] = {}
+    section = ""
+    for line in text.splitlines():
+        if line.endswith(":"):
+            section = line
+            continue
+        parts = line.split(None, 1)
+        if section != "Character devices:" or len(parts) != 2 or not parts[0].isdigit():
+            continue
+        key = _MAJOR_NAMES.get(parts[1].strip())
+        if key is not None:
+            majors.setdefault(key, int(parts[0]))
+    return majors
+
+
+def parse_version(text: str) -> str:
+    """The driver version in a /proc/driver/nvidia/version text ("" when there is none): the
+    first dotted number on the NVRM line, which both the proprietary and the open module print
+    after the module's name."""
+    for line in text.splitlines():
+        if line.startswith("NVRM version:"):
+            found = _VERSION.search(line, len("NVRM version:"))
+            return found.group(1) if found else ""
+    return ""
+
+
+def parse_information(text: str) -> dict[str, str]:
+    """The "Key: value" lines of a /proc/driver/nvidia/gpus/<pci>/information file."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out.setdefault(key.strip(), value.strip())
+    return out
+
+
+def normalize_pci(bus_id: str) -> str:
+    """A PCI address as /proc and sysfs write it (0000:3b:00.0), from NVML's form too
+    (00000000:3B:00.0); "" when it is not one."""
+    found = _PCI.fullmatch(bus_id.strip())
+    if not found:
+        return ""
+    domain, bus, dev, fn = found.groups()
+    return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(dev, 16):02x}.{fn}"
+
+
+def _pci_key(pci: str) -> tuple[int, ...]:
+    found = _PCI.fullmatch(pci)
+    return tuple(int(x, 16) for x in found.groups()) if found else (1 << 32,)
+
+
+# ---------------------------------------------------------------- readers
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def read_majors(root: Path) -> dict[str, int]:
+    """The NVIDIA majors in <root>/proc/devices ({} when it cannot be read)."""
+    try:
+        text = _read(root / "proc" / "devices")
+    except OSError:
+        return {}
+    return parse_devices(text or "")
+
+
+def read_driver(root: Path) -> str:
+    """The loaded driver's version from <root>/proc/driver/nvidia/version; "" when none is."""
+    try:
+        text = _read(root / "proc" / "driver" / "nvidia" / "version")
+    except OSError:
+        return ""
+    return parse_version(text or "")
+
+
+def read_proc_gpus(root: Path) -> tuple[list[GpuFact], list[str]]:
+    """The GPUs under <root>/proc/driver/nvidia/gpus, indexed in PCI bus order (NVML's default
+    order), and what could not be read. /proc knows neither memory nor MIG mode."""
+    base = root / "proc" / "driver" / "nvidia" / "gpus"
+    problems: list[str] = []
+    found: list[tuple[str, dict[str, str]]] = []
+    try:
+        dirs = sorted(os.listdir(base))
+    except (FileNotFoundError, NotADirectoryError):
+        return [], []
+    except OSError as exc:
+        return [], [f"read {base}: {exc.strerror}"]
+    for name in dirs:
+        path = base / name / "information"
+        try:
+            text = _read(path)
+        except OSError as exc:
+            problems.append(f"read {path}: {exc.strerror}")
+            continue
+        if text is None:
+            continue
+        info = parse_information(text)
+        found.append((normalize_pci(info.get("Bus Location", "")) or normalize_pci(name)
+                      or name, info))
+    found.sort(key=lambda item: _pci_key(item[0]))
+    gpus = []
+    for index, (pci, info) in enumerate(found):
+        uuid = info.get("GPU UUID", "")
+        if not _UUID.fullmatch(uuid):
+            problems.append(f"{base / pci / 'information'}: the driver does not show this "
+                            f"GPU's UUID yet ('{uuid}'); it is known once the GPU is "
+                            "initialised (persistence mode, or NVML)")
+            uuid = ""
+        minor = info.get("Device Minor", "")
+        if not minor.isdigit():
+            problems.append(f"{base / pci / 'information'}: no Device Minor")
+        gpus.append(GpuFact(index=index, uuid=uuid, name=info.get("Model", ""),
+                            minor=int(minor) if minor.isdigit() else 0, pci=pci))
+    return gpus, problems
+
+
+def device_nodes(root: Path) -> dict[str, tuple[int, int]]:
+    """The character devices <root>/dev/nvidia* (not the nvidia-caps directories), by name,
+    with their major and minor: stat only, nothing is opened."""
+    dev = root / "dev"
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        names = sorted(n for n in os.listdir(dev) if n.startswith("nvidia"))
+    except OSError:
+        return out
+    for name in names:
+        try:
+            st = os.stat(dev / name)
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode):
+            out[name] = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    return out
+
+
+# ---------------------------------------------------------------- NVML
+
+
+class _NvmlUnavailable(Exception):
+    """NVML could not answer; the message says why, for `problems`."""
+
+
+def _text(value: Any) -> str:
+    # pynvml returns bytes before nvidia-ml-py 11.515 and str after.
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _nvml_gpus() -> tuple[str, list[GpuFact]]:
+    """The driver version and GPUs as NVML reports them; _NvmlUnavailable when it cannot."""
+    try:
+        import pynvml
+    except ImportError as exc:
+        raise _NvmlUnavailable(f"NVML not used: the pynvml module cannot be imported ({exc})") \
+            from None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise _NvmlUnavailable(f"NVML failed to initialise: {exc}") from None
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            try:
+                mig = bool(pynvml.nvmlDeviceGetMigMode(handle)[0])
+            except pynvml.NVMLError as exc:
+                # GPUs without MIG (anything before Ampere) answer "not supported".
+                if exc.value != pynvml.NVML_ERROR_NOT_SUPPORTED:
+                    raise
+                mig = False
+            gpus.append(GpuFact(
+                index=index,
+                uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                name=_text(pynvml.nvmlDeviceGetName(handle)),
+                minor=int(pynvml.nvmlDeviceGetMinorNumber(handle)),
+                memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                mig=mig,
+                pci=normalize_pci(_text(pynvml.nvmlDeviceGetPciInfo(handle).busId)),
+            ))
+        return driver, gpus
+    except pynvml.NVMLError as exc:
+        raise _NvmlUnavailable(f"NVML failed while listing GPUs: {exc}") from None
+    finally:
+        # Nothing is left to release when shutdown itself fails.
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+# ---------------------------------------------------------------- discovery
+
+
+def discover_gpus(root: Path, *, nvml: str = "auto") -> GpuHostFacts:
+    """The NVIDIA driver, GPUs and majors under `root` (without `libraries`).
+
+    nvml: "auto" asks NVML when the driver is loaded and its nodes exist, falling back to
+    /proc/driver/nvidia (the reason in `problems`); "off" reads /proc only.
+
+    Example: discover_gpus(Path("/")).gpus[0].uuid == "GPU-5a0c…"
+    """
+    if nvml not in NVML_MODES:
+        raise InputError(f"nvml is '{nvml}': allowed values are {', '.join(NVML_MODES)}")
+    majors = read_majors(root)
+    driver = read_driver(root)
+    proc_gpus, proc_problems = read_proc_gpus(root)
+    nodes = device_nodes(root)
+    gpus, source = proc_gpus, "proc"
+    problems: list[str] = []
+    if nvml == "auto" and driver:
+        # NVML's library creates missing nodes (nvidia-modprobe): ask it only when none is.
+        wanted = ["nvidiactl"] + [f"nvidia{g.minor}" for g in proc_gpus]
+        missing = [n for n in wanted if n not in nodes]
+        if missing:
+            problems.append(f"NVML not used: {', '.join(str(root / 'dev' / n) for n in missing)}"
+                            " missing (NVML would create them); GPUs read from /proc")
+        else:
+            try:
+                nvml_driver, gpus = _nvml_gpus()
+                source = "nvml"
+                driver = driver or nvml_driver
+            except _NvmlUnavailable as exc:
+                problems.append(f"{exc}; GPUs read from /proc")
+        if source == "nvml" and len(gpus) != len(proc_gpus):
+            problems.append(f"NVML shows {len(gpus)} GPU(s), /proc/driver/nvidia/gpus "
+                            f"{len(proc_gpus)}")
+    if source == "proc":  # what /proc could not say matters only when it is the source
+        problems += proc_problems
+    if driver:
+        problems += _node_problems(root, gpus, majors, nodes)
+    return GpuHostFacts(driver=driver, gpus=tuple(gpus), majors=majors,
+                        source=source if gpus else "", problems=tuple(problems))
+
+
+def _node_problems(root: Path, gpus: list[GpuFact], majors: dict[str, int],
+                   nodes: dict[str, tuple[int, int]]) -> list[str]:
+    """What an environment would miss: the UVM driver, or a node that is not the GPU's."""
+    out = []
+    if "nvidia-uvm" not in majors:
+        out.append(f"no nvidia-uvm in {root / 'proc' / 'devices'}: CUDA needs the nvidia-uvm "
+                   "module loaded")
+    for name, want in [("nvidiactl", (NVIDIA_MAJOR, CTL_MINOR))] + [
+            (f"nvidia{g.minor}", (NVIDIA_MAJOR, g.minor)) for g in gpus]:
+        have = nodes.get(name)
+        if have is not None and have != want:
+            out.append(f"{root / 'dev' / name} is char {have[0]}:{have[1]}, not "
+                       f"{want[0]}:{want[1]}")
+    return out

@@ -1,0 +1,141 @@
+"""A stand-in for nvidia-ml-py's `pynvml` with exactly what envctl's GPU discovery calls,
+driven by the JSON file named in FAKE_NVML_JSON:
+
+    {"driver": "550.54.15", "bytes": false, "fail_init": false,
+     "gpus": [{"uuid": "GPU-…", "name": "NVIDIA A100-SXM4-80GB", "minor": 0,
+               "memory": 85899345920, "mig": false, "pci": "00000000:3B:00.0"}]}
+
+`fail_init`: true (or an NVML_ERROR_* number) makes nvmlInit raise, as on a host without
+libnvidia-ml; `"mig": null` makes nvmlDeviceGetMigMode raise NOT_SUPPORTED (a pre-Ampere GPU);
+`"fail": "nvmlDeviceGetName"` makes that call raise UNKNOWN; `bytes` returns bytes for strings,
+as pynvml did before nvidia-ml-py 11.515. Tests put this directory first on sys.path /
+PYTHONPATH so that `import pynvml` finds it. `calls` counts init and shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+NVML_SUCCESS = 0
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_UNKNOWN = 999
+
+NVML_DEVICE_MIG_DISABLE = 0
+NVML_DEVICE_MIG_ENABLE = 1
+
+_STRINGS = {NVML_ERROR_UNINITIALIZED: "Uninitialized",
+            NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
+            NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+            NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
+            NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
+            NVML_ERROR_UNKNOWN: "Unknown Error"}
+
+calls = {"init": 0, "shutdown": 0}
+_config: dict | None = None
+
+
+class NVMLError(Exception):
+    """As pynvml's: the error code in `.value`, its text as str()."""
+
+    def __init__(self, value: int):
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return _STRINGS.get(self.value, f"NVML Error with code {self.value}")
+
+
+class c_nvmlMemory_t:  # noqa: N801 - pynvml's name
+    def __init__(self, total: int):
+        self.total = total
+        self.used = 0
+        self.free = total
+
+
+class nvmlPciInfo_t:  # noqa: N801 - pynvml's name
+    def __init__(self, bus_id):
+        self.busId = bus_id
+
+
+def _str(value: str):
+    return value.encode() if (_config or {}).get("bytes") else value
+
+
+def _live() -> dict:
+    if _config is None:
+        raise NVMLError(NVML_ERROR_UNINITIALIZED)
+    return _config
+
+
+def _gpu(handle: int, call: str) -> dict:
+    cfg = _live()
+    if cfg.get("fail") == call:
+        raise NVMLError(NVML_ERROR_UNKNOWN)
+    if not isinstance(handle, int) or not 0 <= handle < len(cfg.get("gpus", [])):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return cfg["gpus"][handle]
+
+
+def nvmlInit() -> None:  # noqa: N802 - pynvml's names
+    global _config
+    with open(os.environ["FAKE_NVML_JSON"]) as f:
+        cfg = json.load(f)
+    fail = cfg.get("fail_init")
+    if fail:
+        raise NVMLError(NVML_ERROR_LIBRARY_NOT_FOUND if fail is True else int(fail))
+    calls["init"] += 1
+    _config = cfg
+
+
+def nvmlShutdown() -> None:  # noqa: N802
+    global _config
+    _live()
+    calls["shutdown"] += 1
+    _config = None
+
+
+def nvmlSystemGetDriverVersion():  # noqa: N802
+    return _str(_live().get("driver", ""))
+
+
+def nvmlDeviceGetCount() -> int:  # noqa: N802
+    return len(_live().get("gpus", []))
+
+
+def nvmlDeviceGetHandleByIndex(index: int) -> int:  # noqa: N802
+    _gpu(index, "nvmlDeviceGetHandleByIndex")
+    return index
+
+
+def nvmlDeviceGetUUID(handle: int):  # noqa: N802
+    return _str(_gpu(handle, "nvmlDeviceGetUUID")["uuid"])
+
+
+def nvmlDeviceGetName(handle: int):  # noqa: N802
+    return _str(_gpu(handle, "nvmlDeviceGetName")["name"])
+
+
+def nvmlDeviceGetMinorNumber(handle: int) -> int:  # noqa: N802
+    return int(_gpu(handle, "nvmlDeviceGetMinorNumber")["minor"])
+
+
+def nvmlDeviceGetMemoryInfo(handle: int) -> c_nvmlMemory_t:  # noqa: N802
+    return c_nvmlMemory_t(int(_gpu(handle, "nvmlDeviceGetMemoryInfo")["memory"]))
+
+
+def nvmlDeviceGetMigMode(handle: int) -> list[int]:  # noqa: N802
+    mig = _gpu(handle, "nvmlDeviceGetMigMode").get("mig", False)
+    if mig is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    mode = NVML_DEVICE_MIG_ENABLE if mig else NVML_DEVICE_MIG_DISABLE
+    return [mode, mode]  # [current, pending]
+
+
+def nvmlDeviceGetPciInfo(handle: int) -> nvmlPciInfo_t:  # noqa: N802
+    # NVML writes an 8-digit domain and upper-case hex: 00000000:3B:00.0.
+    return nvmlPciInfo_t(_str(_gpu(handle, "nvmlDeviceGetPciInfo")["pci"]))
