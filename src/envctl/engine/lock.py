@@ -79,11 +79,14 @@ def _tidy(state_dir: Path, lock: Path) -> None:
         entries = {p.name: p for p in state_dir.iterdir()}
     except FileNotFoundError:
         return
-    for name in ("journal", "envs"):
+    # envctl's own subdirectories, emptied by the last environment in them (several share
+    # `rootfs` and `data`, and none of them knows it is the last).
+    for name in ("journal", "envs", "rootfs", "data"):
         p = entries.get(name)
-        if p is not None and p.is_dir() and not any(p.iterdir()):
-            p.rmdir()
-            del entries[name]
+        if p is not None and p.is_dir() and not p.is_symlink() and not any(p.iterdir()):
+            with contextlib.suppress(OSError):
+                p.rmdir()
+                del entries[name]
     if set(entries) != {"lock"}:
         return
     lock.unlink()

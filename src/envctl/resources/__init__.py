@@ -23,6 +23,7 @@ MODULES = {
     "kmod": "kmod",
     "netns": "netns",
     "netns-dir": "netns",
+    "rootfs": "rootfs",
     "sysctl": "sysctl",
     "veth": "veth",
     "ipconfig": "veth",
