@@ -6,6 +6,7 @@ from the journal alone and never imports pydantic, YAML or the planner.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from dataclasses import dataclass
@@ -19,8 +20,10 @@ from envctl.host.context import Host
 from envctl.host.facts import gather
 from envctl.plan.builder import Plan, PlanError
 from envctl.plan.claims import held_conflicts, spec_claims
+from envctl.plan.gpus import assign_gpus
 from envctl.plan.host import find_host_conflicts
 from envctl.plan.planner import plan_env
+from envctl.plan.rootfs import wants_rootfs
 from envctl.spec.conflicts import find_conflicts
 from envctl.spec.loader import LoadedSpec, load_each, spec_files
 from envctl.spec.models import EnvSpec
@@ -199,9 +202,35 @@ def unsafe_spec_paths(paths: list[Path]) -> list[Problem]:
 
 
 def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
-    """Host facts, reading the optional ones (sysctls, modules, cpufreq) only as specs ask."""
+    """Host facts, reading the optional ones (sysctls, modules, cpufreq, rootfs closures,
+    GPUs) only as specs ask, with the GPUs each spec gets resolved for all of them together."""
     sysctls = {name for s in specs for name in s.host.sysctls}
     modules = {m.name for s in specs for m in s.host.modules}
-    return gather(proc_root=host.proc, sys_root=host.sys, sysctls=frozenset(sysctls),
-                  modules=frozenset(modules), kmod=host.kmod if modules else None,
-                  cpufreq=any(s.host.governor for s in specs))
+    rootfs = {s.name: (tuple(s.rootfs.binaries), tuple(s.rootfs.libraries), s.rootfs.python)
+              for s in specs if wants_rootfs(s)}
+    gpus = [s for s in specs if s.gpus.wanted]
+    facts = gather(proc_root=host.proc, sys_root=host.sys, sysctls=frozenset(sysctls),
+                   modules=frozenset(modules), kmod=host.kmod if modules else None,
+                   cpufreq=any(s.host.governor for s in specs), rootfs=rootfs,
+                   gpu_root=host.gpu_root if gpus else None,
+                   groups=frozenset(s.gpus.group for s in gpus),
+                   state_dir=host.state_dir, run_dir=host.run_dir)
+    if not gpus:
+        return facts
+    facts = dataclasses.replace(facts, gpu_held=_gpus_held(host))
+    assigned, _ = assign_gpus(gpus, facts)  # a spec left out is planned alone, saying why
+    return dataclasses.replace(facts, gpu_assigned=assigned)
+
+
+def _gpus_held(host: Host) -> dict[str, str]:
+    """GPU UUID -> the environment that is up and holds it, from every journal's claims."""
+    held = {}
+    for env in Journal.environments(host.state_dir):
+        try:
+            journal = Journal.open(host.state_dir, env, boot=host.boot_id)
+        except (StateCorrupt, UsageError):
+            continue
+        if journal.entries:
+            for uuid in (journal.claims or {}).get("gpus", {}).get("uuids", []):
+                held[uuid] = env
+    return held

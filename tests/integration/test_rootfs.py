@@ -69,7 +69,7 @@ def test_a_kill_9_anywhere_leaves_a_manifest_covering_the_tree(tmp_path, point, 
              str(host.state_dir)], env={**os.environ, "PYTHONPATH": str(REPO / "src")},
             capture_output=True, text=True, timeout=120)
         assert proc.returncode == -signal.SIGKILL, proc.stderr
-        where = host.state_dir / "envs/demo/rootfs.json"
+        where = host.state_dir / "rootfs/demo.json"
         listed = set(json.loads(where.read_text())["paths"])
         assert root.is_dir() and covered(root, listed) == []
         if point == "_commit":  # killed between the placed temporary and its rename

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.root
+ENTER = Path(__file__).with_name("enter_env.py")
 
 BAD_SPECS = [
     "name: bad\nkind: cpu\nbogus: 1\n",
@@ -28,6 +32,17 @@ def test_cpu_compute_up_status_down(shipped):
     assert status["up"] and {s["status"] for s in status["steps"]} == {"ok"}
     assert "cpu-compute" in sb.netns()
     assert sb.run("ip", "netns", "exec", "cpu-compute", "true").returncode == 0
+    # Its rootfs runs the listed binaries and Python under pivot_root, with its data mounts.
+    enter = [sys.executable, str(ENTER), str(sb.run_dir / "mnt.d" / "cpu-compute"),
+             str(sb.state / "rootfs" / "cpu-compute"), "--"]
+    out = sb.run(*enter, "bash", "-c", "echo $ENVIRONMENT; ls /opt/data; sleep 0; "
+                 "echo $OMP_NUM_THREADS $OPENBLAS_NUM_THREADS; cat /etc/hostname")
+    assert out.returncode == 0, out.stderr
+    threads = str(plan["resolved"]["threads"])
+    assert out.stdout.split() == ["cpu-compute", "input", "output", threads, threads,
+                                  "cpu-compute"]
+    py = sb.run(*enter, "python3", "-c", "import sys, json; print(sys.version_info[0])")
+    assert py.stdout == "3\n", py.stderr
     sb.envctl("down", "cpu-compute", check=True)
     assert sb.sysctl("net.ipv4.ip_forward") == before
     assert sb.residue() == {}

@@ -17,7 +17,6 @@ from envctl.host.elf import (
     DEFAULT_PATH,
     closure,
     driver_libraries,
-    driver_version,
     find_program,
     glob_libraries,
     python_runtime,
@@ -601,24 +600,7 @@ def test_resolve_rootfs_of_this_host():
 # ---- NVIDIA driver -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, version", [
-    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:41 UTC 2024\n"
-     "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n", "550.54.15"),
-    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  565.77  Release Build  "
-     "(nixbld@)  Sun Feb  9 11:08:26 UTC 2025\n", "565.77"),
-    ("NVRM version: NVIDIA UNIX Open Kernel Module  570.86.15  Release Build\n", "570.86.15"),
-    ("NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  580.65.06  Release Build  "
-     "(dvs-builder@U22-I3-B17-02-5)  Tue Sep 23 09:55:41 UTC 2025\n", "580.65.06"),
-    ("GCC version: 12\n", ""),
-])
-def test_driver_version_reads_both_kernel_module_wordings(tmp_path, text, version):
-    (tmp_path / "proc/driver/nvidia").mkdir(parents=True)
-    (tmp_path / "proc/driver/nvidia/version").write_text(text)
-    assert driver_version(tmp_path) == version
-
-
-def test_no_driver_no_version(tmp_path):
-    assert driver_version(tmp_path) == ""
+def test_no_driver_no_libraries(tmp_path):
     assert driver_libraries("", tmp_path) == []
 
 

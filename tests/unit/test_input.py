@@ -154,7 +154,12 @@ def accepted(body: str):
     ("host: {sysctls: {vm.x: []}}", "host.sysctls.vm.x", ["empty"]),
     (f"host: {{sysctls: {{vm.x: {2**64}}}}}", "host.sysctls.vm.x", ["64 bits"]),
     # -- strings that end in a path, an argv or an environment
-    ("rootfs: {env: {A: \"x\\0y\"}}", "rootfs.env.A", ["NUL"]),
+    ("rootfs: {env: {A: \"x\\0y\"}}", "rootfs.env.A", ["control characters"]),
+    ("rootfs: {env: {A: \"two\\nlines\"}}", "rootfs.env.A", ["one line", "/etc/environment"]),
+    ("rootfs: {files: [{path: /etc/x, source: rel/file}]}", "rootfs.files[0].source",
+     ["absolute"]),
+    ("gpus: {count: 1, group: 'Bad Group'}", "gpus.group", ["numeric gid"]),
+    ("gpus: {count: 1, toolkit: cuda}", "gpus.toolkit", ["absolute"]),
     ("rootfs: {env: {A: null}}", "rootfs.env.A", ["text, a number"]),
     ("rootfs: {env: {A: [1]}}", "rootfs.env.A", ["text, a number"]),
     ("rootfs: {env: {1A: x}}", "rootfs.env.1A", ["letters, digits"]),
@@ -193,8 +198,8 @@ def test_legitimate_edge_values_are_accepted():
     assert accepted("service: {command: x, restart: no}").service.restart == "no"
     assert accepted("rootfs: {files: [{path: /x, content: a, mode: '0640'}]}")\
         .rootfs.files[0].mode == 0o640
-    assert accepted("rootfs: {env: {A: \"two\\nlines\", B: 1.5, C: true}}").rootfs.env == \
-        {"A": "two\nlines", "B": "1.5", "C": "true"}
+    assert accepted("rootfs: {env: {A: \"tab\\tand spaces\", B: 1.5, C: true}}").rootfs.env \
+        == {"A": "tab\tand spaces", "B": "1.5", "C": "true"}
     gpus = accepted("gpus: [MIG-GPU-5f2c/1/0, GPU-8e2a-11]").gpus
     assert gpus.uuids == ("MIG-GPU-5f2c/1/0", "GPU-8e2a-11")
     assert accepted("gpus: {indices: [0, 253]}").gpus.indices == (0, 253)

@@ -123,14 +123,25 @@ def test_planning_every_shipped_spec_touches_nothing():
     code = r'''
 import sys
 from pathlib import Path
-from envctl.facts import HostFacts, ModuleFact
+from envctl.facts import (GpuFact, GpuHostFacts, HostFacts, ModuleFact, PlacedFile,
+                          RootfsFacts)
 from envctl.plan.planner import plan_env
 from envctl.spec.loader import load_spec
 
 specs = [load_spec(p).spec for p in sorted(Path(sys.argv[1]).glob("*.yaml"))]
+tree = RootfsFacts(files=(PlacedFile("/usr/bin/bash", "/usr/bin/bash"),),
+                   links=(("bin", "usr/bin"),), binds=("/usr/lib/python3.11",),
+                   python="/usr/bin/python3")
+gpu = GpuHostFacts(driver="550.54.15", gpus=(GpuFact(0, "GPU-0", minor=0),
+                                             GpuFact(1, "GPU-1", minor=1)),
+                   majors={"nvidia-frontend": 195, "nvidia-uvm": 509},
+                   libraries=(PlacedFile("/usr/lib/libcuda.so.550.54.15",
+                                         "/usr/lib/libcuda.so.550.54.15"),))
 facts = HostFacts(cpus=tuple(range(8)), modules={
     m: ModuleFact("available") for m in ("nvidia", "nvidia_uvm", "nvidia_modeset")},
-    sysctls=frozenset(n for s in specs for n in s.host.sysctls))
+    sysctls=frozenset(n for s in specs for n in s.host.sysctls),
+    rootfs={s.name: tree for s in specs}, gpu=gpu, groups={"video": 44},
+    resolv_conf="nameserver 10.0.0.2\n")
 EVENTS = ("open", "os.listdir", "os.scandir", "os.walk", "socket.", "subprocess.", "os.system",
           "os.exec", "os.posix_spawn", "os.fork", "ctypes.", "os.chmod", "os.mkdir", "os.remove",
           "os.rename", "os.rmdir", "os.symlink", "os.truncate", "shutil.", "fcntl.")

@@ -59,3 +59,22 @@ def test_outcomes_and_status():
     out = text_of(render_status, rows)
     assert "demo  degraded" in out and "drifted      sysctl a.b = 1  (value: 0 -> 1)" in out
     assert "idle  down" in out
+
+
+def test_the_progress_bar_draws_on_a_terminal_and_nothing_elsewhere():
+    import io
+
+    from rich.console import Console
+
+    from envctl.render import bar_printer
+
+    tty = io.StringIO()
+    show = bar_printer(Console(file=tty, force_terminal=True, width=80))
+    for done in range(1, 4):
+        show("rootfs cpu-compute", done, 3)
+    assert "rootfs cpu-compute" in tty.getvalue()
+    piped = io.StringIO()
+    show = bar_printer(Console(file=piped, force_terminal=False, width=80))
+    for done in range(1, 4):
+        show("rootfs cpu-compute", done, 3)
+    assert piped.getvalue() == ""

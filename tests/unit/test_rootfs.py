@@ -72,7 +72,7 @@ def up(res: RootfsTree, host: Host) -> dict:
 
 
 def manifest(host: Host, env: str = "demo") -> dict | None:
-    p = host.state_dir / "envs" / env / "rootfs.json"
+    p = host.state_dir / "rootfs" / f"{env}.json"
     return json.loads(p.read_text()) if p.exists() else None
 
 
@@ -156,7 +156,7 @@ def test_reapply_places_nothing(host, root, monkeypatch):
     up(res, host)
     before = {p: (s.st_ino, s.st_mtime_ns, s.st_ctime_ns, s.st_mode) for p, s in
               tree(root).items()}
-    where = host.state_dir / "envs/demo/rootfs.json"
+    where = host.state_dir / "rootfs/demo.json"
     m_before = os.stat(where)
     calls = []
 
@@ -556,7 +556,7 @@ def test_a_moved_root_takes_the_old_tree_away(host, root, tmp_path):
 def test_a_lost_manifest_is_drift_and_apply_takes_over_what_the_memo_says_is_ours(host, root):
     res = make(root)
     memo = up(res, host)
-    (host.state_dir / "envs/demo/rootfs.json").unlink()
+    (host.state_dir / "rootfs/demo.json").unlink()
     check = res.check(host)
     assert check.status is Status.DRIFTED and "not on record 1:" in check.detail
     # A memo of another root (the spec moved it since) proves nothing: refused.
@@ -570,7 +570,7 @@ def test_a_lost_manifest_is_drift_and_apply_takes_over_what_the_memo_says_is_our
 def test_a_damaged_manifest_is_reported_not_trusted(host, root):
     res = make(root)
     memo = up(res, host)
-    where = host.state_dir / "envs/demo/rootfs.json"
+    where = host.state_dir / "rootfs/demo.json"
     for bad in ("{not json", json.dumps({"root": str(root), "made": ["/etc"], "paths": []}),
                 json.dumps({"root": str(root), "made": [], "paths": ["/../etc"]})):
         where.write_text(bad)

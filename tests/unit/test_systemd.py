@@ -177,6 +177,11 @@ def test_device_rules_become_device_allow_entries(tmp_path):
     assert sd.device_allow("c 195:255 rw", names) == "/dev/char/195:255 rw"
     with pytest.raises(HostError, match="major 240"):
         sd.device_allow("c 240:* rwm", names)
+    # A GPU rule naming a dynamic major is systemd's char-NAME (the whole major).
+    assert sd.device_allow("c nvidia-uvm:1 rw", names) == "char-nvidia-uvm rw"
+    from envctl.plan.cgroup_systemd import char_nodes
+
+    assert char_nodes(("c 195:0 rw", "c nvidia-uvm:0 rw", "c 136:* rwm")) == [(195, 0)]
 
 
 def _fake_proc(tmp: Path) -> Path:

@@ -64,7 +64,6 @@ DRIVER_LIBRARIES = (
 
 # A dynamic string token as ld.so recognises it: $NAME followed by '/' or the end, or ${NAME}.
 _DST = re.compile(r"\$(?:\{(ORIGIN|LIB|PLATFORM)\}|(ORIGIN|LIB|PLATFORM)(?=/|$))")
-_VERSION = re.compile(r"\d+\.\d+(?:\.\d+)*")
 
 
 @dataclass(frozen=True)
@@ -794,22 +793,6 @@ def resolve_rootfs(binaries: Iterable[str], libraries: Iterable[str], python: bo
         python=interpreter,
         missing=tuple(missing),
     )
-
-
-def driver_version(root: Path = Path("/")) -> str:
-    """The loaded NVIDIA kernel module's version from <root>/proc/driver/nvidia/version
-    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  …", or "… Open Kernel Module
-    for x86_64  550.54.15  Release Build …"); "" when there is none."""
-    try:
-        text = (Path(root) / "proc/driver/nvidia/version").read_text(errors="replace")
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        if line.startswith("NVRM version:"):
-            for word in line.split()[2:]:
-                if _VERSION.fullmatch(word):
-                    return word
-    return ""
 
 
 def driver_libraries(version: str, root: Path = Path("/"),

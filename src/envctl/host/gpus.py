@@ -69,18 +69,13 @@ GPU_ROOT = gpu_root()
 def parse_devices(text: str) -> dict[str, int]:
     """The NVIDIA character-device majors of a /proc/devices text, keyed as GpuHostFacts keeps
     them; block devices (a second section) are never read as character devices."""
+    from envctl.host.devices import parse_char_majors
+
     majors: dict[str, int] = {}
-    section = ""
-    for line in text.splitlines():
-        if line.endswith(":"):
-            section = line
-            continue
-        parts = line.split(None, 1)
-        if section != "Character devices:" or len(parts) != 2 or not parts[0].isdigit():
-            continue
-        key = _MAJOR_NAMES.get(parts[1].strip())
+    for name, major in parse_char_majors(text).items():
+        key = _MAJOR_NAMES.get(name)
         if key is not None:
-            majors.setdefault(key, int(parts[0]))
+            majors.setdefault(key, major)
     return majors
 
 

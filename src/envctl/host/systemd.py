@@ -162,6 +162,10 @@ def device_allow(rule: str, names: dict[tuple[str, int], str]) -> str:
     kind, numbers, access = rule.split()
     major, minor = numbers.split(":")
     base = "char" if kind == "c" else "block"
+    if not major.isdigit():
+        # A named (dynamic) major such as nvidia-uvm: systemd spells it char-NAME, for the whole
+        # major (nvidia-uvm's minors are uvm and uvm-tools, which GPU environments get both).
+        return f"{base}-{major} {access}"
     if minor == "*":
         name = names.get((kind, int(major)))
         if name is None:

@@ -28,12 +28,6 @@ def plan_dirs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
 def _not_yet(spec: EnvSpec, plan: Plan) -> None:
     """Say which spec sections this version validates but does not yet make, never skip quietly."""
     pending = []
-    if spec.rootfs != type(spec.rootfs)():
-        pending.append("rootfs")
-    if spec.gpus.wanted:
-        pending.append("gpus")
-    if spec.mounts:
-        pending.append("mounts")
     if spec.service is not None:
         pending.append("service")
     if pending:

@@ -46,7 +46,8 @@ def char_nodes(rules: tuple[str, ...]) -> list[tuple[int, int]]:
     for rule in rules:
         kind, numbers, _ = rule.split()
         major, minor = numbers.split(":")
-        if kind == "c" and "*" not in (major, minor) and (int(major), int(minor)) not in out:
+        if kind == "c" and major.isdigit() and minor != "*" and \
+                (int(major), int(minor)) not in out:
             out.append((int(major), int(minor)))
     return out
 

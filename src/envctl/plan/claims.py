@@ -57,7 +57,14 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
         out["modules"] = {module_name(m.name): list(module_options(m))
                           for m in spec.host.modules}
     gpus = spec.gpus
-    if gpus.wanted:
+    assigned = facts.gpu_assigned.get(spec.name) if facts is not None else None
+    if gpus.wanted and assigned is not None:
+        # What this host resolved it to (a count or `all` as the GPUs it got): other specs'
+        # resolutions and `envctl gpus` read the UUIDs back from the journal.
+        index = {g.uuid: g.index for g in facts.gpu.gpus}
+        out["gpus"] = {"all": False, "indices": [index[u] for u in assigned if u in index],
+                       "uuids": list(assigned)}
+    elif gpus.wanted:
         out["gpus"] = {"all": gpus.all, "indices": list(gpus.indices),
                        "uuids": list(gpus.uuids)}
     return out

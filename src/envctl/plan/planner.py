@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from envctl.plan import base, cgroup, host, network
+from envctl.plan import base, cgroup, gpus, host, network, rootfs
 from envctl.plan.builder import Plan
 
 if TYPE_CHECKING:
@@ -13,8 +13,10 @@ if TYPE_CHECKING:
 
 # Order matters: teardown is this list reversed. Directories first (state lives there), host
 # tuning before the objects that rely on it (modules before devices, ip_forward before NAT),
-# the namespace before anything placed in it.
-SECTIONS = (base.plan_dirs, host.plan_host, network.plan_network, cgroup.plan_cgroup)
+# the namespace before anything placed in it (the rootfs's /sys is its netns's). The GPU
+# section only resolves: its nodes and rules feed the rootfs's /dev and the cgroup allow-list.
+SECTIONS = (base.plan_dirs, host.plan_host, gpus.plan_gpus, network.plan_network,
+            rootfs.plan_rootfs, cgroup.plan_cgroup)
 
 
 def plan_env(spec: EnvSpec, facts: HostFacts) -> Plan:

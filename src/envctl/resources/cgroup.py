@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from envctl.errors import HostError
 from envctl.facts import DEFAULT_PARENT
 from envctl.host.cgroups import normalize
 from envctl.resources.base import Check, Diff, Resource, Status
@@ -220,10 +221,20 @@ class CgroupDevices(Resource):
         how = "devices.allow" if self.version == 1 else "bpf program"
         return f"device allow-list of cgroup {self.env} ({how}, {len(self.rules)} rules)"
 
+    def _rules(self, host: Host) -> tuple[str, ...]:
+        # GPU rules name dynamic majors (nvidia-uvm); the number is this boot's.
+        from envctl.host.devices import resolve_rules
+
+        return resolve_rules(self.rules, host.gpu_root / "proc")
+
     def check(self, host: Host) -> Check:
         if (bad := _version_mismatch(host, self.version)) is not None:
             return bad
         cg = _cgroups(host, self.parent)
+        try:
+            rules = self._rules(host)
+        except HostError as exc:
+            return Check.absent(str(exc))
         if self.version == 1:
             have = cg.devices_v1(self.env)
             if have is None or have == {"a *:* rwm"}:
@@ -231,26 +242,27 @@ class CgroupDevices(Resource):
                 # no allow-list, as on v2 without a program. `plan` (before the cgroup
                 # exists) and `up` (just after) then count this step the same way.
                 return Check.absent("no allow-list: every device is allowed" if have else "")
-            return Check.compare({"rules": sorted(self.rules)}, {"rules": sorted(have)})
+            return Check.compare({"rules": sorted(rules)}, {"rules": sorted(have)})
         from envctl.host import bpf
 
         path = cg.path(self.env, "")
         if not path.is_dir():
             return Check.absent()
         names = bpf.attached_device_programs(path)
-        want = bpf.program_name(self.rules)
+        want = bpf.program_name(rules)
         if not names:
             return Check.absent(f"no device program on {path}")
         return Check.compare({"program": want}, {"program": ",".join(names)})
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         cg = _cgroups(host, self.parent)
+        rules = self._rules(host)
         if self.version == 1:
-            cg.set_devices_v1(self.env, self.rules)
+            cg.set_devices_v1(self.env, rules)
             return
         from envctl.host import bpf
 
-        bpf.attach_device_program(cg.path(self.env, ""), self.rules, name=self.env)
+        bpf.attach_device_program(cg.path(self.env, ""), rules, name=self.env)
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
         # Nothing to do: the rules go with the cgroup (the `cgroup` step, after this one in

@@ -57,6 +57,31 @@ class Directory(Resource):
             memo["mode"] = stat.S_IMODE(p.stat().st_mode)  # apply may change it: given back
         return memo
 
+    def _purged(self, host: Host) -> bool:
+        """`down --purge` of a data directory in envctl's own state directory
+        (`<state>/data/ENV/…`): deleted with its contents, whether this run or an earlier one
+        made it (data directories outlive the journal that made them), then its parents up to
+        `data/` as they empty. True when it applied."""
+        if not (self.keep and host.options.get("purge") and self.base == "state"
+                and self.path.startswith("data/")):
+            return False
+        p = self._path(host)
+        try:
+            if p.is_symlink():
+                p.unlink()  # never followed out of the state directory
+            else:
+                shutil.rmtree(p)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise HostError(f"purge directory '{p}': {exc.strerror}") from exc
+        for parent in list(p.parents)[:len(Path(self.path).parents) - 1]:
+            try:
+                parent.rmdir()
+            except OSError:
+                break  # another environment's data, or not ours to judge
+        return True
+
     def _mode_back(self, host: Host, memo: dict[str, Any]) -> tuple[int, int] | None:
         """(now, before) when a directory that existed has another mode than it had."""
         if not memo.get("existed") or memo.get("mode") is None:
@@ -93,6 +118,8 @@ class Directory(Resource):
 
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
         p = self._path(host)
+        if self._purged(host):
+            return
         if memo.get("existed"):
             # It was there before envctl: leave it, with the mode it had.
             back = self._mode_back(host, memo)

@@ -2,7 +2,7 @@
 (hard-linked, or copied across filesystems), the /etc files the planner writes, the empty files
 that file bind mounts land on — and exactly what envctl placed there, nothing else.
 
-Ownership is a manifest, `<state>/envs/<env>/rootfs.json`: the root's path, the host
+Ownership is a manifest, `<state>/rootfs/<env>.json`: the root's path, the host
 directories made for it (the root first, then the parents that were missing) and every path in
 the tree envctl placed. It is written ahead: before `apply` places anything it lists the union
 of what it listed and everything this apply may create, and only once the tree matches is it
@@ -45,7 +45,6 @@ STANDARD_TREE: tuple[tuple[str, int], ...] = (
 )
 DIR_MODE = 0o755  # the root and directories made only because something lies in them
 PLACEHOLDER_MODE = 0o644
-MANIFEST = "rootfs.json"
 TMP_SUFFIX = ".envctl~"
 SHOWN = 3  # paths named per kind of difference in check()'s detail
 
@@ -448,7 +447,9 @@ class _Manifest:
 
     @staticmethod
     def where(host: Host, env: str) -> Path:
-        return host.state_dir / "envs" / env / MANIFEST
+        # Beside the default tree, not in envs/ENV (which `down` deletes whole): when user
+        # files keep part of a tree, its record stays with it for the next `up`.
+        return host.state_dir / "rootfs" / f"{env}.json"
 
     @classmethod
     def read(cls, host: Host, env: str) -> _Manifest | None:

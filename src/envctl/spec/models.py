@@ -278,6 +278,11 @@ class FileEntry(Strict):
     def _path(cls, v: str) -> str:
         return _abs_path(v, "a file's path inside the environment")
 
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str | None) -> str | None:
+        return None if v is None else _abs_path(v, "a file's source on the host")
+
     @model_validator(mode="after")
     def _one_origin(self) -> FileEntry:
         if (self.content is None) == (self.source is None):
@@ -293,7 +298,12 @@ def _env_value(v: Any) -> str:
     if not isinstance(v, str):
         raise ValueError(f"an environment variable's value is text, a number or true/false, "
                          f"not {_shown(v)}")
-    return _no_nul(v)
+    # One line: the values are written to the rootfs's /etc/environment (KEY=VALUE per line,
+    # as pam_env reads it), which has no way to escape a newline.
+    if any(c < " " and c != "\t" or c == "\x7f" for c in v):
+        raise ValueError(f"an environment variable's value is one line without control "
+                         f"characters (it is written to /etc/environment), not {_shown(v)}")
+    return v
 
 
 class Rootfs(Strict):
@@ -487,13 +497,32 @@ def _unique(items: tuple[Any, ...], what: str) -> tuple[Any, ...]:
     return items
 
 
+# A group name as useradd allows it, or a numeric gid.
+GroupName = Annotated[str, _pattern(r"[a-z_][a-z0-9_-]{0,31}\$?|[0-9]{1,10}",
+                                    "a group is a name like video (a-z, 0-9, '_', '-') or a "
+                                    "numeric gid")]
+
+
 class Gpus(Strict):
-    """Which GPUs the environment gets: none, all, a count, indices or UUIDs."""
+    """Which GPUs the environment gets (none, all, a count, indices or UUIDs) and how."""
 
     count: Annotated[int | None, _whole(0, GPU_INDEX_MAX + 1)] = None
     indices: tuple[Annotated[int, _whole(0, GPU_INDEX_MAX)], ...] = ()
     uuids: tuple[GpuUuid, ...] = ()
     all: Flag = False
+    # The device nodes are mode 0660, owned by root and this group (never 0666).
+    group: GroupName = "video"
+    # /dev/nvidia-modeset (display drivers, Vulkan/OpenGL); compute does not need it.
+    modeset: Flag = False
+    # /dev/nvidia-caps/nvidia-cap1 and -cap2 (MIG configuration and monitoring).
+    mig_caps: Flag = False
+    # The CUDA toolkit directory, bind-mounted read-only at the same path (never copied).
+    toolkit: str | None = None
+
+    @field_validator("toolkit")
+    @classmethod
+    def _toolkit(cls, v: str | None) -> str | None:
+        return None if v is None else _abs_path(v, "gpus.toolkit").rstrip("/") or "/"
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,211 @@
+"""GPU environments on a fake GPU host: real character devices made with mknod in a temp /dev,
+a fake /proc (devices, driver version, per-GPU information), a fake NVML module and fake driver
+libraries in a fake ld.so.cache. The environment gets exactly its assigned nodes with the right
+numbers, mode and group; its cgroup denies the others; GPUs are exclusive and a count resolves
+the same way every time."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.sandbox import REPO
+
+pytestmark = pytest.mark.root
+
+ENTER = Path(__file__).with_name("enter_env.py")
+FAKES = REPO / "tests" / "fakes" / "pynvml"
+DRIVER = "550.54.15"
+UVM_MAJOR = 509
+CAPS_MAJOR = 508
+UUIDS = ["GPU-11111111-aaaa-bbbb-cccc-000000000000", "GPU-22222222-aaaa-bbbb-cccc-000000000001"]
+LIBDIR = "usr/lib/x86_64-linux-gnu"
+
+
+def fake_gpu_host(root: Path) -> dict[str, str]:
+    """A fake driver tree with two GPUs (minors 0 and 1); the variables that point envctl at it."""
+    proc = root / "proc"
+    (proc / "driver" / "nvidia" / "gpus").mkdir(parents=True)
+    (proc / "devices").write_text(
+        "Character devices:\n  1 mem\n  5 /dev/tty\n136 pts\n195 nvidia-frontend\n"
+        f"{UVM_MAJOR} nvidia-uvm\n{CAPS_MAJOR} nvidia-caps\n\nBlock devices:\n  8 sd\n")
+    (proc / "driver" / "nvidia" / "version").write_text(
+        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {DRIVER}  Tue Mar  5 22:14:33 UTC "
+        "2024\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+    gpus = []
+    for minor, uuid in enumerate(UUIDS):
+        pci = f"0000:{0x3b + minor:02x}:00.0"
+        info = proc / "driver" / "nvidia" / "gpus" / pci
+        info.mkdir()
+        (info / "information").write_text(
+            f"Model: \t\t NVIDIA H200\nIRQ:   \t\t 150\nGPU UUID: \t {uuid}\n"
+            f"Video BIOS: \t 96.00.99.00.01\nBus Type: \t PCIe\nDMA Size: \t 52 bits\n"
+            f"DMA Mask: \t 0xfffffffffffff\nBus Location: \t {pci}\nDevice Minor: \t {minor}\n"
+            "GPU Excluded:\t No\n")
+        gpus.append({"uuid": uuid, "name": "NVIDIA H200", "minor": minor,
+                     "memory": 150_754_820_096, "mig": False, "pci": pci})
+    nvml = root / "nvml.json"
+    nvml.write_text(json.dumps({"driver": DRIVER, "gpus": gpus}))
+    dev = root / "dev"
+    dev.mkdir()
+    for name, major, minor in [("nvidia0", 195, 0), ("nvidia1", 195, 1), ("nvidiactl", 195, 255),
+                               ("nvidia-uvm", UVM_MAJOR, 0), ("nvidia-uvm-tools", UVM_MAJOR, 1)]:
+        os.mknod(dev / name, stat.S_IFCHR | 0o666, os.makedev(major, minor))
+    # Driver libraries: tiny shared objects with the driver's sonames, in a fake ld.so.cache.
+    libdir = root / LIBDIR
+    libdir.mkdir(parents=True)
+    src = root / "x.c"
+    src.write_text("int nv(void) { return 1; }\n")
+    for lib, soname in (("libcuda", "libcuda.so.1"), ("libnvidia-ml", "libnvidia-ml.so.1")):
+        res = subprocess.run(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o",
+                              str(libdir / f"{lib}.so.{DRIVER}"), str(src)],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+    (root / "etc").mkdir()
+    (root / "etc" / "ld.so.conf").write_text(f"/{LIBDIR}\n")
+    res = subprocess.run(["ldconfig", "-r", str(root)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return {"ENVCTL_GPU_ROOT": str(root), "FAKE_NVML_JSON": str(nvml),
+            "PYTHONPATH": f"{FAKES}:{REPO / 'src'}"}
+
+
+@pytest.fixture
+def gpu_host(sandbox, tmp_path):
+    if shutil.which("gcc") is None or shutil.which("ldconfig") is None:
+        pytest.skip("needs gcc and ldconfig (scripts/install-deps installs them)")
+    return sandbox, fake_gpu_host(tmp_path / "gpuroot")
+
+
+def gpu_spec(name: str, gpus: str) -> str:
+    return f"""
+name: {name}
+kind: gpu
+rootfs:
+  binaries: [bash, ls, cat, stat]
+gpus: {gpus}
+"""
+
+
+def inside(sb, env: str, *argv: str, extra=None) -> subprocess.CompletedProcess:
+    return sb.run(sys.executable, str(ENTER), str(sb.run_dir / "mnt.d" / env),
+                  str(sb.state / "rootfs" / env), "--", *argv, env=extra)
+
+
+def env_cgroup(sb, env: str) -> Path:
+    found = list(Path("/sys/fs/cgroup").glob(f"devices/{sb.cgroup_parent}/{env}")) or \
+        [Path("/sys/fs/cgroup") / sb.cgroup_parent / env]
+    return found[0]
+
+
+OPEN = ("import os, sys\n"
+        "open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid()))\n"
+        "for path in sys.argv[2:]:\n"
+        "    try:\n"
+        "        os.close(os.open(path, os.O_RDWR))\n"
+        "        print(path, 'opened')\n"
+        "    except OSError as exc:\n"
+        "        print(path, exc.errno)\n")
+
+
+def test_gpu_environment_gets_exactly_its_nodes_and_its_cgroup_denies_the_others(gpu_host):
+    sb, env = gpu_host
+    sb.write_spec("gpu-a", gpu_spec("gpu-a", "1"))
+    res = sb.envctl("up", "gpu-a", env=env)
+    assert res.returncode == 0, res.stderr
+
+    out = inside(sb, "gpu-a", "stat", "-c", "%n %F %t:%T %a %g", "/dev/nvidia0", "/dev/nvidiactl",
+                 "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", extra=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")[:-1]
+    assert lines == ["/dev/nvidia0 character special file c3:0 660 44",
+                     "/dev/nvidiactl character special file c3:ff 660 44",
+                     f"/dev/nvidia-uvm character special file {UVM_MAJOR:x}:0 660 44",
+                     f"/dev/nvidia-uvm-tools character special file {UVM_MAJOR:x}:1 660 44"]
+    assert inside(sb, "gpu-a", "ls", "/dev/nvidia1", extra=env).returncode != 0
+    environment = inside(sb, "gpu-a", "cat", "/etc/environment", extra=env).stdout
+    assert f"CUDA_VISIBLE_DEVICES={UUIDS[0]}\n" in environment
+    assert f"NVIDIA_VISIBLE_DEVICES={UUIDS[0]}\n" in environment
+    # The driver libraries are bind-mounted read-only, with their soname links.
+    libs = inside(sb, "gpu-a", "ls", f"/{LIBDIR}", extra=env).stdout.split()
+    assert {f"libcuda.so.{DRIVER}", "libcuda.so.1", f"libnvidia-ml.so.{DRIVER}"} <= set(libs)
+
+    # The cgroup: the assigned node is allowed (ENXIO: no driver behind the fake node), the
+    # other GPU is denied (EPERM) — from a process in the environment's cgroup.
+    dev = Path(env["ENVCTL_GPU_ROOT"]) / "dev"
+    probe = sb.run(sys.executable, "-c", OPEN, str(env_cgroup(sb, "gpu-a")), str(dev / "nvidia0"),
+                   str(dev / "nvidia1"), str(dev / "nvidiactl"), str(dev / "nvidia-uvm"))
+    assert probe.returncode == 0, probe.stderr
+    result = dict(line.rsplit(" ", 1) for line in probe.stdout.splitlines())
+    assert result == {str(dev / "nvidia0"): str(errno.ENXIO),
+                      str(dev / "nvidia1"): str(errno.EPERM),
+                      str(dev / "nvidiactl"): str(errno.ENXIO),
+                      str(dev / "nvidia-uvm"): str(errno.ENXIO)}
+
+    gpus = sb.envctl_json("gpus", env=env)
+    held = {g["uuid"]: g["env"] for g in gpus["gpus"]}
+    assert held == {UUIDS[0]: "gpu-a", UUIDS[1]: None}
+    assert sb.envctl("down", "gpu-a", env=env).returncode == 0
+    assert sb.residue() == {}
+
+
+def test_gpus_are_exclusive_and_a_count_resolves_the_same_way_every_time(gpu_host):
+    sb, env = gpu_host
+    sb.write_spec("gpu-a", gpu_spec("gpu-a", "1"))
+    sb.write_spec("gpu-b", gpu_spec("gpu-b", "1"))
+    plans = [sb.envctl_json("plan", "gpu-b", env=env) for _ in range(3)]
+    assert {json.dumps(p) for p in plans} == {json.dumps(plans[0])}
+    assert sb.envctl("up", "gpu-b", env=env).returncode == 0
+    assert sb.envctl("up", "gpu-a", env=env).returncode == 0
+    gpus = sb.envctl_json("gpus", env=env)
+    held = {g["uuid"]: g["env"] for g in gpus["gpus"]}
+    # Counts resolve for every spec read together, in name order from the lowest index:
+    # gpu-a gets 0 and gpu-b gets 1, although gpu-b came up first and alone.
+    assert held == {UUIDS[0]: "gpu-a", UUIDS[1]: "gpu-b"}
+    # Re-up does not move anything.
+    assert sb.envctl("up", "gpu-a", "gpu-b", env=env).returncode == 0
+    again = sb.envctl_json("gpus", env=env)
+    assert {g["uuid"]: g["env"] for g in again["gpus"]} == held
+
+    # A third environment asking for a GPU that is held: exit 2, nothing changes.
+    sb.write_spec("gpu-c", gpu_spec("gpu-c", "[1]"))
+    before = sb.residue()
+    res = sb.envctl("up", "gpu-c", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "held by environment 'gpu-b'" in res.stderr
+    assert sb.residue() == before
+    (sb.config_dir / "gpu-c.yaml").unlink()
+    # A host without the GPUs a spec asks for: exit 2 saying what was found.
+    sb.write_spec("gpu-d", gpu_spec("gpu-d", "[5]"))
+    res = sb.envctl("plan", "gpu-d", env=env)
+    assert res.returncode == 2 and "no GPU with index 5" in res.stderr, res.stderr
+    (sb.config_dir / "gpu-d.yaml").unlink()
+    assert sb.envctl("down", "gpu-a", "gpu-b", env=env).returncode == 0
+    assert sb.residue() == {}
+
+
+def test_modeset_and_mig_capability_nodes_when_asked(gpu_host):
+    sb, env = gpu_host
+    sb.write_spec("gpu-a", gpu_spec("gpu-a", "{indices: [1], modeset: true, mig_caps: true, "
+                                             "group: '0'}"))
+    res = sb.envctl("up", "gpu-a", env=env)
+    assert res.returncode == 0, res.stderr
+    out = inside(sb, "gpu-a", "stat", "-c", "%n %t:%T %a %g", "/dev/nvidia1",
+                 "/dev/nvidia-modeset", "/dev/nvidia-caps/nvidia-cap1",
+                 "/dev/nvidia-caps/nvidia-cap2", extra=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:-1] == [
+        "/dev/nvidia1 c3:1 660 0", "/dev/nvidia-modeset c3:fe 660 0",
+        f"/dev/nvidia-caps/nvidia-cap1 {CAPS_MAJOR:x}:1 660 0",
+        f"/dev/nvidia-caps/nvidia-cap2 {CAPS_MAJOR:x}:2 660 0"]
+    assert inside(sb, "gpu-a", "ls", "/dev/nvidia0", extra=env).returncode != 0
+    assert sb.envctl_json("status", "gpu-a", env=env)[0]["state"] == "up"
+    assert sb.envctl("down", "gpu-a", env=env).returncode == 0
+    assert sb.residue() == {}
