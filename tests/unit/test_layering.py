@@ -128,6 +128,9 @@ from envctl.facts import (GpuFact, GpuHostFacts, HostFacts, ModuleFact, PlacedFi
 from envctl.plan.planner import plan_env
 from envctl.spec.loader import load_spec
 
+import envctl.resources.mounts, envctl.resources.rootfs  # noqa: E401 - the planner imports
+# these kinds lazily, when a spec has a rootfs: loading envctl's own code is not host I/O.
+
 specs = [load_spec(p).spec for p in sorted(Path(sys.argv[1]).glob("*.yaml"))]
 tree = RootfsFacts(files=(PlacedFile("/usr/bin/bash", "/usr/bin/bash"),),
                    links=(("bin", "usr/bin"),), binds=("/usr/lib/python3.11",),
@@ -182,5 +185,23 @@ print(sorted(m for m in sys.modules if "systemd" in m))
 '''
     res = subprocess.run([sys.executable, "-c", code, str(SRC.parent / "configs")],
                          capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
+
+def test_planning_an_environment_without_a_rootfs_loads_no_rootfs_or_mount_code():
+    code = r'''
+import sys
+from envctl.facts import HostFacts
+from envctl.plan.planner import plan_env
+from envctl.spec.loader import parse_spec
+spec = parse_spec("name: n\nkind: cpu\nnetwork: {bridge: br0, bridge_address: 10.1.0.1/24, "
+                  "address: 10.1.0.2}\n", "n.yaml").spec
+plan_env(spec, HostFacts())
+print(sorted(m for m in sys.modules if m in ("envctl.resources.mounts", "envctl.resources.rootfs",
+                                             "envctl.host.elf", "envctl.host.mounts")))
+'''
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"

@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING
 from envctl.facts import RootfsFacts
 from envctl.plan.gpus import ENV_KEY, NODES_KEY
 from envctl.resources.dirs import Directory
-from envctl.resources.mounts import EnvDev, Mount, MountNamespace, MountNamespaceDir
-from envctl.resources.rootfs import RootfsTree
 
 if TYPE_CHECKING:
     from envctl.facts import HostFacts
@@ -49,6 +47,10 @@ def data_path(spec: EnvSpec, facts: HostFacts, source: str) -> str:
 def plan_rootfs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     if not wants_rootfs(spec):
         return
+    # Imported here: a command planning environments without a rootfs never pays for these
+    # kinds (~7 ms of module execution).
+    from envctl.resources.mounts import EnvDev, Mount, MountNamespace, MountNamespaceDir
+    from envctl.resources.rootfs import RootfsTree
     found = facts.rootfs.get(spec.name, RootfsFacts())
     for item, why in found.missing:
         plan.error(("rootfs",), f"{item}: {why}")
