@@ -145,6 +145,8 @@ class HostFacts:
     # Environment -> the GPU UUIDs it gets, resolved for all specs read together (see
     # envctl.plan.gpus.assign_gpus); a spec missing here is resolved alone.
     gpu_assigned: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Environment -> why it gets none, from the same joint resolution.
+    gpu_refused: dict[str, str] = field(default_factory=dict)
     # Group names the specs ask about -> gid (a name missing here does not exist).
     groups: dict[str, int] = field(default_factory=dict)
     # The host's /etc/resolv.conf, which environments' rootfs get a copy of.

@@ -218,8 +218,8 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
     if not gpus:
         return facts
     facts = dataclasses.replace(facts, gpu_held=_gpus_held(host))
-    assigned, _ = assign_gpus(gpus, facts)  # a spec left out is planned alone, saying why
-    return dataclasses.replace(facts, gpu_assigned=assigned)
+    assigned, refused = assign_gpus(gpus, facts)
+    return dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused)
 
 
 def _gpus_held(host: Host) -> dict[str, str]:

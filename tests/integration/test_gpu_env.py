@@ -209,3 +209,13 @@ def test_modeset_and_mig_capability_nodes_when_asked(gpu_host):
     assert sb.envctl_json("status", "gpu-a", env=env)[0]["state"] == "up"
     assert sb.envctl("down", "gpu-a", env=env).returncode == 0
     assert sb.residue() == {}
+
+
+def test_more_count_specs_than_gpus_brought_up_together_are_refused_before_any_change(gpu_host):
+    sb, env = gpu_host
+    for name in ("ga", "gb", "gc"):
+        sb.write_spec(name, gpu_spec(name, "1"))
+    res = sb.envctl("up", "ga", "gb", "gc", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "gc.yaml" in res.stderr and "0 of this host's 2 are free" in res.stderr
+    assert sb.residue() == {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -226,4 +227,29 @@ def test_a_binary_under_a_directory_the_environment_mounts_over_is_a_plan_error(
     res = sb.envctl("up", "box")
     assert res.returncode == 2 and f"{prog} would be placed under /tmp" in res.stderr, \
         res.stderr
+    assert sb.residue() == {}
+
+
+def test_a_symlink_a_job_plants_in_a_data_directory_is_never_followed(sandbox):
+    """Data directories are writable inside: a job replaces the source of a nested data
+    mount with a symlink to a host directory. `up` must neither chmod that directory nor
+    bind it into the environment."""
+    sb = sandbox
+    victim = sb.root / "victim"
+    victim.mkdir(mode=0o700)
+    os.chmod(victim, 0o700)
+    (victim / "secret").write_text("host secret\n")
+    sb.write_spec("box", "name: box\nkind: cpu\nrootfs: {binaries: [sh, cat, mv, ln]}\nmounts:\n"
+                  "  - {source: models, target: /models}\n"
+                  "  - {source: models/cache, target: /cache}\n")
+    assert sb.envctl("up", "box").returncode == 0
+    out = inside(sb, "sh", "-c", f"mv /models/cache /models/old && ln -s {victim} /models/cache")
+    assert out.returncode == 0, out.stderr
+    res = sb.envctl("up", "box")
+    assert res.returncode == 1, res.stderr
+    assert "symlink" in res.stderr
+    assert stat.S_IMODE(os.stat(victim).st_mode) == 0o700
+    assert inside(sb, "cat", "/cache/secret").returncode != 0
+    assert sb.envctl("down", "box", "--purge").returncode == 0
+    assert victim.is_dir() and (victim / "secret").read_text() == "host secret\n"
     assert sb.residue() == {}

@@ -48,9 +48,30 @@ def test_a_held_or_missing_gpu_is_refused_with_why():
     got, why = assign_gpus([spec("a", "gpus: [1]")], facts(gpu_held={"GPU-1": "other"}))
     assert got == {} and why == {"a": "GPU 1 (GPU-1) is held by environment 'other'"}
     _, why = assign_gpus([spec("a", "gpus: 5")], facts(gpu_held={"GPU-0": "x"}))
-    assert why["a"] == "wants 5 GPUs and 3 of this host's 4 are free (the others are held by x)"
+    assert why["a"] == ("wants 5 GPUs and 3 of this host's 4 are free (the others are held or "
+                        "claimed by x)")
     _, why = assign_gpus([spec("a", "gpus: [7]")], facts())
     assert why["a"] == "no GPU with index 7 here"
+
+
+def test_specs_read_together_never_share_a_gpu_however_they_name_it():
+    """Counts beyond the GPUs there are, and an index and a UUID naming one GPU: the spec
+    left without is a plan error, never planned alone onto a GPU another spec got."""
+    import dataclasses
+
+    two = dataclasses.replace(GPUS, gpus=GPUS.gpus[:2])
+    specs = [spec("a", "gpus: 1"), spec("b", "gpus: 1"), spec("c", "gpus: 1")]
+    got, why = assign_gpus(specs, facts(gpu=two))
+    assert got == {"a": ("GPU-0",), "b": ("GPU-1",)} and "0 of this host's 2" in why["c"]
+    joint = facts(gpu=two, gpu_assigned=got, gpu_refused=why)
+    with pytest.raises(PlanError, match="wants 1 GPU and 0 of this host's 2 are free"):
+        plan_env(specs[2], joint)
+    specs = [spec("a", "gpus: [0]"), spec("b", "gpus: {uuids: [GPU-0]}")]
+    got, why = assign_gpus(specs, facts())
+    assert got == {"a": ("GPU-0",)}
+    assert why == {"b": "GPU 0 (GPU-0) is also claimed by environment 'a'"}
+    with pytest.raises(PlanError, match="also claimed by environment 'a'"):
+        plan_env(specs[1], facts(gpu_assigned=got, gpu_refused=why))
 
 
 def test_gpu_nodes_rules_and_variables_come_from_one_list():

@@ -531,11 +531,27 @@ def open_mountpoint(root: str, target: str, *, file: bool = False) -> MountPoint
         raise
 
 
-def open_source(path: str, *, file: bool = False) -> int:
-    """An O_PATH descriptor of a bind's source, in this namespace: the source is the operator's
-    (an absolute path of the spec) or envctl's (under its state directory), never a job's, so
-    symlinks on the way are followed; the kind must match the mount point's."""
-    fd = os.open(path, os.O_PATH | os.O_CLOEXEC | (0 if file else os.O_DIRECTORY))
+def open_source(path: str, *, file: bool = False, beneath: str = "") -> int:
+    """An O_PATH descriptor of a bind's source, in this namespace; the kind must match the
+    mount point's. An operator's source (an absolute path of the spec) is followed through
+    symlinks, as the operator wrote it. A data directory under envctl's state directory
+    (`beneath`: <state>/data/ENV) is bound read-write into the environment, so a job may have
+    put a symlink anywhere in it: it is opened beneath that directory through no symlink at
+    all (safepath.Escape otherwise), and the bind is made from this descriptor."""
+    if beneath:
+        from envctl.host.safepath import open_beneath
+
+        rel = os.path.relpath(path, beneath)
+        if rel == ".." or rel.startswith("../"):
+            raise OSError(errno.EXDEV, f"{path} is not under {beneath}", path)
+        base = os.open(beneath, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = open_beneath(base, rel, os.O_PATH | (0 if file else os.O_DIRECTORY),
+                              symlinks=False)
+        finally:
+            os.close(base)
+    else:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC | (0 if file else os.O_DIRECTORY))
     if file and stat.S_ISDIR(os.stat(fd_path(fd)).st_mode):
         os.close(fd)
         raise IsADirectoryError(errno.EISDIR, "is a directory", path)

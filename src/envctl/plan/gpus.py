@@ -50,8 +50,11 @@ def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts
     def grant(name: str, uuids: list[str]) -> None:
         held = sorted({u for u in uuids if taken.get(u, name) != name})
         if held:
-            why[name] = "; ".join(f"GPU {by_uuid[u].index} ({u}) is held by environment "
-                                  f"'{taken[u]}'" for u in held)
+            why[name] = "; ".join(
+                f"GPU {by_uuid[u].index} ({u}) is held by environment '{taken[u]}'"
+                if facts.gpu_held.get(u) == taken[u] else
+                f"GPU {by_uuid[u].index} ({u}) is also claimed by environment '{taken[u]}'"
+                for u in held)
             return
         out[name] = order(uuids)
         for u in uuids:
@@ -87,8 +90,8 @@ def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts
             others = sorted({env for u, env in taken.items() if env != s.name and u in by_uuid})
             why[s.name] = (f"wants {count} GPU{'s' if count > 1 else ''} and {len(pick)} of "
                            f"this host's {len(by_uuid)} {'is' if len(pick) == 1 else 'are'} "
-                           "free" + (f" (the others are held by {', '.join(others)})"
-                                     if others else ""))
+                           "free" + (f" (the others are held or claimed by "
+                                     f"{', '.join(others)})" if others else ""))
             continue
         grant(s.name, pick)
     return out, why
@@ -120,6 +123,10 @@ def plan_gpus(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         plan.error(("gpus",), f"wants {_wanted(spec)}, but this host has {_found(facts)}")
         return
     assigned = facts.gpu_assigned.get(spec.name)
+    if spec.name in facts.gpu_refused:
+        # Resolved with the other specs read together: planning it alone would not see theirs.
+        plan.error(("gpus",), f"{facts.gpu_refused[spec.name]} (this host has {_found(facts)})")
+        return
     if assigned is None:
         alone, why = assign_gpus([spec], facts)
         if spec.name in why:

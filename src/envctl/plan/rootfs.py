@@ -38,10 +38,14 @@ def rootfs_path(spec: EnvSpec, facts: HostFacts) -> str:
     return spec.rootfs.path or f"{facts.state_dir}/rootfs/{spec.name}"
 
 
+def data_dir(spec: EnvSpec, facts: HostFacts) -> str:
+    """The environment's data directory, which `down` keeps (unless --purge)."""
+    return f"{facts.state_dir}/data/{spec.name}"
+
+
 def data_path(spec: EnvSpec, facts: HostFacts, source: str) -> str:
-    """A mount's source on the host: absolute as given, else under the environment's data
-    directory (which `down` keeps, unless --purge)."""
-    return source if source.startswith("/") else f"{facts.state_dir}/data/{spec.name}/{source}"
+    """A mount's source on the host: absolute as given, else under the data directory."""
+    return source if source.startswith("/") else f"{data_dir(spec, facts)}/{source}"
 
 
 def plan_rootfs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
@@ -106,7 +110,8 @@ def plan_rootfs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
                          ("mounts", i, "source"))
         dirs[m.target] = 0o755
         options = (("ro",) if m.read_only else ()) + ("nosuid", "nodev")
-        data.append(Mount(spec.name, root, m.target, source, "bind", options))
+        beneath = "" if m.source.startswith("/") else data_dir(spec, facts)
+        data.append(Mount(spec.name, root, m.target, source, "bind", options, beneath=beneath))
 
     plan.add(RootfsTree(spec.name, root, links=found.links, files=tuple(sorted(files.values())),
                         generated=tuple(sorted(generated.values())),

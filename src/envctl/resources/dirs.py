@@ -53,9 +53,22 @@ class Directory(Resource):
             made.append(str(q))
             q = q.parent
         memo: dict[str, Any] = {"existed": p.is_dir(), "made": made}
+        if self.base != "host" and _through_symlink(host.base(self.base), self.path):
+            # In envctl's own directories a symlink is somebody's doing (a job writes into
+            # its data directories): never followed, never adopted.
+            return {"existed": False, "made": [], "symlink": True}
         if memo["existed"]:
             memo["mode"] = stat.S_IMODE(p.stat().st_mode)  # apply may change it: given back
         return memo
+
+    def refuses(self, memo: dict[str, Any]) -> str:
+        if memo.get("symlink"):
+            return (f"{self._where()} is or goes through a symlink, which envctl does not "
+                    "follow in its own directories; remove the symlink")
+        return ""
+
+    def _where(self) -> str:
+        return f"<{self.base}>/{self.path}"
 
     def _purged(self, host: Host) -> bool:
         """`down --purge` of a data directory in envctl's own state directory
@@ -107,11 +120,41 @@ class Directory(Resource):
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         p = self._path(host)
+        if self.base != "host":
+            self._apply_beneath(host)
+            return
         try:
             p.mkdir(parents=True, exist_ok=True, mode=self.mode)
             if stat.S_IMODE(p.stat().st_mode) != self.mode:
                 os.chmod(p, self.mode)  # mkdir's mode is filtered by the umask
         except FileExistsError as exc:
+            raise HostError(f"create directory '{p}': exists and is not a directory") from exc
+        except OSError as exc:
+            raise HostError(f"create directory '{p}': {exc.strerror}") from exc
+
+    def _apply_beneath(self, host: Host) -> None:
+        """In envctl's state or run directory: made (and its mode set) one component at a time
+        beneath the base, through no symlink, so that a symlink a job put in a data directory
+        never makes envctl create or chmod anything elsewhere."""
+        from envctl.host.safepath import Escape, fd_path, makedirs_beneath
+
+        base, p = host.base(self.base), self._path(host)
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            bfd = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd, _ = makedirs_beneath(bfd, self.path, self.mode, symlinks=False)
+            finally:
+                os.close(bfd)
+            try:
+                if stat.S_IMODE(os.stat(fd).st_mode) != self.mode:
+                    os.chmod(fd_path(fd), self.mode)
+            finally:
+                os.close(fd)
+        except Escape as exc:
+            raise HostError(f"create directory '{p}': {self._where()} is or goes through a "
+                            "symlink, which envctl does not follow; refusing") from exc
+        except (FileExistsError, NotADirectoryError) as exc:
             raise HostError(f"create directory '{p}': exists and is not a directory") from exc
         except OSError as exc:
             raise HostError(f"create directory '{p}': {exc.strerror}") from exc
@@ -123,7 +166,8 @@ class Directory(Resource):
         if memo.get("existed"):
             # It was there before envctl: leave it, with the mode it had.
             back = self._mode_back(host, memo)
-            if back:
+            if back and not (self.base != "host"
+                             and _through_symlink(host.base(self.base), self.path)):
                 try:
                     os.chmod(p, back[1])
                 except OSError as exc:
@@ -203,6 +247,21 @@ class BaseDirectory(Resource):
                 continue  # already gone
             except OSError:
                 break  # not empty: somebody else's files are in it, so it stays
+
+
+def _through_symlink(base: Path, path: str) -> bool:
+    """Whether `path` below `base`, or a directory on the way to it, is a symlink."""
+    q = base
+    for part in Path(path).parts:
+        q = q / part
+        try:
+            if stat.S_ISLNK(q.lstat().st_mode):
+                return True
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return False
+    return False
 
 
 def _directory(p: Path) -> Check | int:

@@ -262,6 +262,9 @@ class Mount(Resource):
     data: str = ""
     netns: str = ""
     file: bool = False
+    # A data source inside envctl's state directory (<state>/data/ENV), which jobs can write:
+    # opened beneath it through no symlink (see host.mounts.open_source).
+    beneath: str = ""
 
     def ident(self) -> str:
         return f"{self.env}:{self.target}"
@@ -304,7 +307,7 @@ class Mount(Resource):
 
     def _source_fd(self) -> int:
         try:
-            return m.open_source(self.source, file=self.file)
+            return m.open_source(self.source, file=self.file, beneath=self.beneath)
         except OSError as exc:
             raise self._fail(f"source {self.source}: "
                              f"{os.strerror(exc.errno) if exc.errno else exc}") from exc
@@ -313,7 +316,7 @@ class Mount(Resource):
         """What is mounted at the mount point, in the terms of the fields."""
         if self.fstype == "bind":
             try:
-                src = m.open_source(self.source, file=self.file)
+                src = m.open_source(self.source, file=self.file, beneath=self.beneath)
             except OSError:
                 same = False
             else:
