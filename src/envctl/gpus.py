@@ -35,6 +35,9 @@ class GpuSurvey:
 
     facts: GpuHostFacts
     holders: dict[str, list[str]] = field(default_factory=dict)  # env -> UUIDs it holds
+    # env -> its GPU device nodes as its /dev has them (the journalled env-dev step):
+    # (name under /dev, major or its /proc/devices name, minor, mode, gid)
+    nodes: dict[str, list[tuple]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # damaged journals, vanished GPUs
 
 
@@ -68,6 +71,10 @@ def survey(host: Host, root: Path) -> GpuSurvey:
         held = [u for u in uuids if u in known and u]
         if held:
             out.holders[env] = held
+            dev = next((e.resource for e in journal.entries
+                        if e.resource.get("kind") == "env-dev"), None)
+            if dev is not None:
+                out.nodes[env] = [tuple(n) for n in dev.get("nodes", [])]
     return out
 
 
@@ -101,7 +108,7 @@ def write_cdi(host: Host, root: Path, path: Path, *, found: GpuSurvey | None = N
     if not found.holders:
         raise UsageError(f"no environment holds a GPU, and a CDI spec needs at least one "
                          f"device: nothing written to {path}")
-    spec = cdi_spec(found.holders, found.facts, dev_root=str(root / "dev"))
+    spec = cdi_spec(found.holders, found.facts, dev_root=str(root / "dev"), nodes=found.nodes)
     import yaml
 
     data = yaml.safe_dump(spec, sort_keys=False, default_flow_style=False).encode()

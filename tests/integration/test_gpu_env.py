@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from tests.fakes import check_cdi
 from tests.integration.sandbox import REPO
 
 pytestmark = pytest.mark.root
@@ -207,6 +209,23 @@ def test_modeset_and_mig_capability_nodes_when_asked(gpu_host):
         f"/dev/nvidia-caps/nvidia-cap2 {CAPS_MAJOR:x}:2 660 0"]
     assert inside(sb, "gpu-a", "ls", "/dev/nvidia0", extra=env).returncode != 0
     assert sb.envctl_json("status", "gpu-a", env=env)[0]["state"] == "up"
+    # The CDI spec gives a container exactly what the environment's /dev has, group included.
+    cdi = sb.root / "cdi.yaml"
+    res = sb.envctl("gpus", "--cdi", "--cdi-path", str(cdi), env=env)
+    assert res.returncode == 0, res.stderr
+    doc = yaml.safe_load(cdi.read_text())
+    assert check_cdi(doc) == []
+    (device,) = doc["devices"]
+    nodes = {n["path"]: (n["major"], n["minor"], n["fileMode"], n["gid"])
+             for n in device["containerEdits"]["deviceNodes"]}
+    assert nodes == {"/dev/nvidia1": (195, 1, 0o660, 0), "/dev/nvidiactl": (195, 255, 0o660, 0),
+                     "/dev/nvidia-uvm": (UVM_MAJOR, 0, 0o660, 0),
+                     "/dev/nvidia-uvm-tools": (UVM_MAJOR, 1, 0o660, 0),
+                     "/dev/nvidia-modeset": (195, 254, 0o660, 0),
+                     "/dev/nvidia-caps/nvidia-cap1": (CAPS_MAJOR, 1, 0o660, 0),
+                     "/dev/nvidia-caps/nvidia-cap2": (CAPS_MAJOR, 2, 0o660, 0)}
+    mounts = {m["containerPath"] for m in doc["containerEdits"]["mounts"]}
+    assert f"/{LIBDIR}/libcuda.so.{DRIVER}" in mounts
     assert sb.envctl("down", "gpu-a", env=env).returncode == 0
     assert sb.residue() == {}
 

@@ -40,12 +40,16 @@ _SYMLINK_DEPTH = 40  # as the kernel's limit on nested symlinks (ELOOP)
 
 
 def cdi_spec(envs: Mapping[str, Sequence[str]], gpu: GpuHostFacts,
-             dev_root: str = "/dev") -> dict[str, Any]:
+             dev_root: str = "/dev",
+             nodes: Mapping[str, Sequence[Sequence[Any]]] | None = None) -> dict[str, Any]:
     """The CDI spec: one device per environment holding GPUs, named after it.
 
     envs: environment name -> the UUIDs of the GPUs it holds (an environment with none gets
     no device: CDI refuses a device that changes nothing). gpu: this host's facts. dev_root:
-    where the host's device nodes are (each node's `hostPath` when it is not /dev).
+    where the host's device nodes are (each node's `hostPath` when it is not /dev). nodes:
+    environment -> the GPU nodes its own /dev has ((name, major or its /proc/devices name,
+    minor, mode, gid), as planned): given, the device lists exactly those, with their group, so
+    a container gets what the environment gets (nvidia-modeset, MIG capabilities included).
 
     Example: cdi_spec({"gpu-a": ["GPU-5a0c…"]}, facts)["devices"][0]["name"] == "gpu-a"
     """
@@ -63,12 +67,17 @@ def cdi_spec(envs: Mapping[str, Sequence[str]], gpu: GpuHostFacts,
         if unknown:
             raise InputError(f"environment '{env}' holds {', '.join(unknown)}, which this host "
                              "does not show")
-        nodes = [_node(f"nvidia{by_uuid[u].minor}", major, by_uuid[u].minor, dev_root)
-                 for u in uuids]
+        own = (nodes or {}).get(env)
+        if own:
+            listed = [_node(n[0], _major(n[1], gpu), n[2], dev_root, mode=n[3], gid=n[4])
+                      for n in own]
+        else:
+            listed = [_node(f"nvidia{by_uuid[u].minor}", major, by_uuid[u].minor, dev_root)
+                      for u in uuids]
         visible = ",".join(uuids)
         devices.append({"name": env, "containerEdits": {
             "env": [f"NVIDIA_VISIBLE_DEVICES={visible}", f"CUDA_VISIBLE_DEVICES={visible}"],
-            "deviceNodes": nodes,
+            "deviceNodes": listed,
         }})
     common: dict[str, Any] = {}
     nodes = [_node("nvidiactl", major, CTL_MINOR, dev_root)]
@@ -84,13 +93,25 @@ def cdi_spec(envs: Mapping[str, Sequence[str]], gpu: GpuHostFacts,
             "containerEdits": common}
 
 
-def _node(name: str, major: int, minor: int, dev_root: str) -> dict[str, Any]:
+def _major(major: int | str, gpu: GpuHostFacts) -> int:
+    """A node's major: a number, or a /proc/devices name (nvidia-uvm, nvidia-caps)."""
+    if isinstance(major, int):
+        return major
+    if major not in gpu.majors:
+        raise InputError(f"device '{major}' is not in /proc/devices: its driver is not loaded")
+    return gpu.majors[major]
+
+
+def _node(name: str, major: int, minor: int, dev_root: str, *, mode: int = NODE_MODE,
+          gid: int | None = None) -> dict[str, Any]:
     node: dict[str, Any] = {"path": f"/dev/{name}"}
     host = posixpath.join(dev_root, name)
     if host != node["path"]:
         node["hostPath"] = host
-    node.update({"type": "c", "major": major, "minor": minor, "fileMode": NODE_MODE,
+    node.update({"type": "c", "major": major, "minor": minor, "fileMode": mode,
                  "permissions": NODE_PERMISSIONS})
+    if gid is not None:
+        node.update({"uid": 0, "gid": gid})
     return node
 
 
