@@ -253,3 +253,21 @@ def test_a_symlink_a_job_plants_in_a_data_directory_is_never_followed(sandbox):
     assert sb.envctl("down", "box", "--purge").returncode == 0
     assert victim.is_dir() and (victim / "secret").read_text() == "host secret\n"
     assert sb.residue() == {}
+
+
+def test_a_data_source_a_job_deleted_is_made_again_and_bound_again(sandbox):
+    sb = sandbox
+    sb.write_spec("box", "name: box\nkind: cpu\nrootfs: {binaries: [sh, cat, rmdir]}\nmounts:\n"
+                  "  - {source: models, target: /models}\n"
+                  "  - {source: models/cache, target: /cache}\n")
+    assert sb.envctl("up", "box").returncode == 0
+    out = inside(sb, "rmdir", "/models/cache")
+    assert out.returncode == 0, out.stderr
+    status = sb.envctl_json("status", "box")[0]
+    assert status["state"] != "up" or any(s["op"] != "=" for s in status["steps"])
+    res = sb.envctl("up", "box")
+    assert res.returncode == 0, res.stderr
+    out = inside(sb, "sh", "-c", "echo new > /cache/f && cat /models/cache/f")
+    assert out.stdout == "new\n", out.stderr
+    assert sb.envctl("down", "box", "--purge").returncode == 0
+    assert sb.residue() == {}

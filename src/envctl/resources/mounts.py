@@ -37,6 +37,8 @@ else:
 
     m = _Adapter()
 
+# What the kernel appends to the path of a directory that was removed (d_path).
+DELETED = " (deleted)"
 # Subdirectories of /dev that nodes may be in (MIG capabilities: nvidia-caps/nvidia-cap1).
 NODE_SUBDIRS = ("nvidia-caps",)
 # Holders live in <run>/MNT_DIR/ENV.
@@ -354,6 +356,16 @@ class Mount(Resource):
         self._validate()
         with _inside(host, self.env, self._netns(host)):
             mp = self._open()
+            if mp.path.endswith(DELETED):
+                # A bind whose source a job deleted (a data directory is writable inside):
+                # the path now leads into that dead directory. Detached, then bound afresh.
+                try:
+                    m.detach(mp)
+                except OSError as exc:
+                    raise self._fail(f"unmount the stale mount: {m.why(exc)}") from exc
+                finally:
+                    mp.close()
+                mp = self._open()
             try:
                 top = m.top_mount(mp)
                 if top is not None:
