@@ -271,3 +271,20 @@ def test_a_data_source_a_job_deleted_is_made_again_and_bound_again(sandbox):
     assert out.stdout == "new\n", out.stderr
     assert sb.envctl("down", "box", "--purge").returncode == 0
     assert sb.residue() == {}
+
+
+def test_purging_one_environment_keeps_a_host_directory_another_still_mounts(sandbox):
+    sb = sandbox
+    src = sb.root / "shared-src"
+    for name in ("aa", "bb"):
+        sb.write_spec(name, f"name: {name}\nkind: cpu\nrootfs: {{binaries: [sh]}}\nmounts:\n"
+                            f"  - {{source: {src}, target: /data}}\n")
+    assert sb.envctl("up", "aa", "bb").returncode == 0
+    (src / "result").write_text("bb's\n")
+    res = sb.envctl("down", "aa", "--purge")
+    assert res.returncode == 0, res.stderr
+    assert (src / "result").read_text() == "bb's\n"
+    res = sb.envctl("down", "bb", "--purge")
+    assert res.returncode == 0, res.stderr
+    assert not src.exists()  # envctl made it; the last one to go purged it
+    assert sb.residue() == {}

@@ -127,8 +127,9 @@ def test_the_rootfs_plan_mounts_in_order_and_writes_etc():
     assert mounts["/var/log"].options == ("nosuid", "nodev")
     assert mounts["/in"].options == ("ro", "nosuid", "nodev")
     assert mounts["/sys"].netns == "c"
-    dirs = [r.ident() for r in plan.resources if r.kind == "dir"]
-    assert "state:data/c/logs" in dirs and "host:srv/in" in dirs
+    dirs = [r.key for r in plan.resources if r.kind.endswith("dir")]
+    # The host directory other specs may mount too is held through the ledger.
+    assert "dir:state:data/c/logs" in dirs and "shared-dir:host:srv/in" in dirs
     tree = next(r for r in plan.resources if r.kind == "rootfs")
     assert tree.root == "/s/rootfs/c"
     etc = {p: text for p, text, _ in tree.generated}

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from envctl.facts import RootfsFacts
 from envctl.plan.gpus import ENV_KEY, NODES_KEY
-from envctl.resources.dirs import Directory
+from envctl.resources.dirs import Directory, SharedDirectory
 
 if TYPE_CHECKING:
     from envctl.facts import HostFacts
@@ -103,7 +103,8 @@ def plan_rootfs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         source = data_path(spec, facts, m.source)
         if m.create:
             if m.source.startswith("/"):
-                plan.add(Directory("host", source.lstrip("/"), 0o755, keep=True),
+                # Other specs may mount the same host directory: shared through the ledger.
+                plan.add(SharedDirectory("host", source.lstrip("/"), 0o755, keep=True),
                          ("mounts", i, "source"))
             else:
                 plan.add(Directory("state", f"data/{spec.name}/{m.source}", 0o755, keep=True),

@@ -193,6 +193,16 @@ class Directory(Resource):
 
 
 @dataclass(frozen=True)
+class SharedDirectory(Directory):
+    """A directory several environments may name (an absolute data source two specs mount):
+    held in the ledger, so only the last environment to go removes it, with the memo of the
+    first (whether envctl made it), and `down --purge` of one never deletes another's data."""
+
+    kind = "shared-dir"
+    shared = True
+
+
+@dataclass(frozen=True)
 class BaseDirectory(Resource):
     """The base directory itself (`run`: /run/envctl) that every environment's directories sit
     in. Shared: the ledger's memo, taken by the first environment, says whether envctl made it
