@@ -1,5 +1,5 @@
 """Entry point for `python -m envctl`."""
 
-from envctl.cli import entry
+from envctl.entry import main
 
-entry()
+main()

@@ -290,9 +290,10 @@ def down(
     names: EnvNames = None,
     all_: AllOpt = False,
     force: Annotated[bool, typer.Option(
-        "--force", help="For a damaged or lost journal: keep the damaged state files aside, "
-        "then remove what can still be read of them and what the spec names and the host has "
-        "(found by name).")] = False,
+        "--force", help="Cancel the environments' running jobs first (without it, `down` "
+        "refuses while jobs run). For a damaged or lost journal: keep the damaged state files "
+        "aside, then remove what can still be read of them and what the spec names and the "
+        "host has (found by name).")] = False,
     purge: Annotated[bool, typer.Option(
         "--purge", help="Also delete the environments' data directories (the sources of "
         "their data mounts that envctl created), which `down` otherwise keeps.")] = False,
@@ -326,6 +327,7 @@ def down(
     ops.require_root("down")
     if not force:
         _require_known(targets, host)
+    _jobs_before_down(host, targets, force=force)
     interruptible()
     engine = Engine(host, lock_timeout=CTX.lock_timeout, on_wait=_stderr)
     if force:
@@ -345,6 +347,26 @@ def down(
         render_outcomes(_console(), outcomes, verb="down")
     if any(o.errors for o in outcomes):
         raise typer.Exit(1)
+
+
+def _jobs_before_down(host: Any, targets: list[str], *, force: bool) -> None:
+    """Jobs still running in an environment stop its `down` (exit 1: the host's state refuses
+    it, the command is right) unless --force, which cancels them first (recorded CANCELLED)."""
+    from envctl.runtime.jobs import jobs_dir
+
+    if not jobs_dir(host.state_dir).is_dir():
+        return  # no job was ever submitted here
+    from envctl.runtime import supervisor as sv
+
+    if not force:
+        for env in targets:
+            sv.refuse_down(host, env)
+        return
+    from envctl.host.cgroups import kill_grace_from_env
+
+    for env in targets:  # with teardown's grace (ENVCTL_KILL_GRACE) between SIGTERM and SIGKILL
+        for job in sv.stop_env_jobs(host, env, grace=kill_grace_from_env()):
+            _stderr(f"{env}: job {job.id} {job.state}")
 
 
 def _planned_by_name(names: list[str]) -> dict[str, list]:
@@ -480,6 +502,292 @@ def _render_gpus(console: Any, report: dict[str, Any]) -> None:
         console.print(f"  [yellow]! {escape(line)}[/]")
 
 
+@app.command("exec")
+def exec_(
+    env: Annotated[str, typer.Argument(help="The environment (it must be up).",
+                                       show_default=False)],
+    command: Annotated[list[str], typer.Argument(
+        help="The program and its arguments, after `--`; passed as they are, never through "
+        "a shell.", show_default=False)],
+    user: Annotated[str | None, typer.Option(
+        "--user", "-u", help="Run as USER (a name or uid, USER:GROUP too). Default: the user "
+        "behind sudo; root only when asked (--user root).", show_default=False)] = None,
+) -> None:
+    """Run a command inside an environment, attached, and exit with its exit code.
+
+    The command gets the environment's network, root filesystem, /dev, variables, CPUs and
+    cgroup, new PID/mount/UTS/IPC namespaces and a reduced capability set (see
+    docs/runtime.md). stdin, stdout and stderr pass through (a terminal when both stdin and
+    stdout are one); signals are forwarded; death by signal N exits 128+N; a command not found
+    exits 127.
+
+    Example: sudo envctl exec cpu-compute -- python3 -c 'import os; print(os.cpu_count())'
+    """
+    from envctl.runtime.exec import run
+
+    raise typer.Exit(run(env, command, user=user))
+
+
+# ---------------------------------------------------------------- jobs
+
+
+@app.command("submit-job")
+def submit_job(
+    env: Annotated[str, typer.Argument(help="The environment (it must be up).",
+                                       show_default=False)],
+    exe: Annotated[str, typer.Argument(
+        help="The program or .py script, on this host: copied into the job's directory and "
+        "run as /job/NAME (a .py with the environment's python3).", show_default=False)],
+    args: Annotated[list[str] | None, typer.Argument(
+        help="Its arguments: everything after the program, passed as they are (never through "
+        "a shell, options included).", show_default=False)] = None,
+    name: Annotated[str | None, typer.Option(
+        "--name", "-J", help="A name for `envctl jobs` (default: the program's).",
+        show_default=False)] = None,
+    time_limit: Annotated[str | None, typer.Option(
+        "--time-limit", "-t", help="Stop it after this long: seconds, 90s, 15m, 1h30m, 2d or "
+        "[D-]HH:MM:SS (SIGTERM, SIGKILL 10 s later; state TIMEOUT).",
+        show_default=False)] = None,
+    cpus: Annotated[str | None, typer.Option(
+        "--cpus", help="Run on these CPUs (a list such as 2-3,6), a subset of the "
+        "environment's. Default: all of its CPUs.", show_default=False)] = None,
+    gpus: Annotated[str | None, typer.Option(
+        "--gpus", help="Use these of the environment's GPUs (UUIDs, or indices as `envctl "
+        "gpus` numbers them), comma-separated: CUDA_VISIBLE_DEVICES.",
+        show_default=False)] = None,
+    env_vars: Annotated[list[str] | None, typer.Option(
+        "--env", help="KEY=VALUE for the job, over the environment's variables (repeatable).",
+        show_default=False)] = None,
+    workdir: Annotated[str, typer.Option(
+        "--workdir", "-D", help="Its working directory inside the environment.")] = "/",
+    output: Annotated[str | None, typer.Option(
+        "--output", "-o", help="Host file for its stdout (default: <state>/jobs/ID/stdout; "
+        "`envctl logs ID`).", show_default=False)] = None,
+    error: Annotated[str | None, typer.Option(
+        "--error", "-e", help="Host file for its stderr (default: <state>/jobs/ID/stderr; "
+        "`envctl logs ID --stderr`).", show_default=False)] = None,
+    user: Annotated[str | None, typer.Option(
+        "--user", "-u", help="Run as USER (a name or uid, USER:GROUP too). Default: the user "
+        "behind sudo; root only when asked (--user root).", show_default=False)] = None,
+    wait: Annotated[bool, typer.Option(
+        "--wait", "-W", help="Wait for the job to end and exit with its exit code.")] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Submit a batch job: print its id at once; a supervisor runs it detached.
+
+    The job runs inside the environment as `exec` runs a command (its own PID, mount, UTS,
+    IPC and cgroup namespaces, its own cgroup below the environment's), with stdin from
+    /dev/null and stdout/stderr to files. `envctl jobs` lists it, `envctl logs ID -f` follows
+    it, `envctl cancel ID` stops it, `envctl wait ID` waits for it. Its record says how it
+    ended: COMPLETED, FAILED, CANCELLED, TIMEOUT or OUT_OF_MEMORY (see docs/runtime.md).
+
+    Example: sudo envctl submit-job cpu-compute -t 1h ./bench --size 4096
+    """
+    from envctl.errors import NeedsRootError
+    from envctl.host.context import Host
+    from envctl.runtime import supervisor as sv
+    from envctl.runtime.context import EnvContext
+    from envctl.runtime.jobs import State
+
+    host = Host.from_env()
+    ctx = EnvContext.load(host, env)
+    req = sv.make_request(host, ctx, exe, list(args or []), name=name, user=user, cpus=cpus,
+                          gpus=gpus, env=env_vars, workdir=workdir, output=output, error=error,
+                          time_limit=time_limit)
+    if os.geteuid() != 0:
+        raise NeedsRootError("envctl submit-job enters the environment's namespaces and "
+                             "cgroup and needs root: run it with sudo")
+    job = sv.submit(host, ctx, req)
+    if job.state is State.FAILED and job.start_time is None:
+        if json_:
+            _emit_json(job.to_json())
+        else:
+            print(job.id, flush=True)
+        _stderr(f"error: job {job.id} did not start: {job.error}")
+        raise typer.Exit(1)
+    if wait:
+        if not json_:
+            print(job.id, flush=True)
+        job = sv.wait(host, [job.id])[0]
+    if json_:
+        _emit_json(job.to_json())
+    elif not wait:
+        print(job.id)
+    else:
+        _stderr(f"job {job.id} {job.state} (exit {_exit_text(job)})")
+    if wait:
+        raise typer.Exit(job.exit_status())
+
+
+# submit-job's options that take a value. Everything after the program belongs to the job, so
+# `main` puts a `--` right after it (split_job_args): `envctl submit-job E ./x --name y` gives
+# ./x the argument `--name`, as sbatch gives a script everything after it.
+SUBMIT_VALUE_OPTIONS = {"--name", "-J", "--time-limit", "-t", "--cpus", "--gpus", "--env",
+                        "--workdir", "-D", "--output", "-o", "--error", "-e", "--user", "-u"}
+
+
+def split_job_args(argv: list[str]) -> list[str]:
+    """`argv` with a `--` after submit-job's program (its second positional argument) unless
+    a `--` comes first: what follows reaches the job as it is, leading `-` included."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        name = argv[i].split("=", 1)[0]
+        i += 2 if GLOBAL_OPTIONS.get(name) and "=" not in argv[i] else 1
+    if i >= len(argv) or argv[i] != "submit-job":
+        return argv
+    j, positionals = i + 1, 0
+    while j < len(argv):
+        word = argv[j]
+        if word == "--":
+            return argv
+        if word.startswith("-") and word != "-":
+            name = word.split("=", 1)[0]
+            takes = (name in SUBMIT_VALUE_OPTIONS or GLOBAL_OPTIONS.get(name, False)) \
+                and "=" not in word and not (len(name) > 2 and name[1] != "-")
+            j += 2 if takes else 1
+            continue
+        positionals += 1
+        j += 1
+        if positionals == 2:
+            return argv if argv[j:j + 1] == ["--"] else argv[:j] + ["--"] + argv[j:]
+    return argv
+
+
+def _exit_text(job: Any) -> str:
+    from envctl.runtime.jobs import format_exit
+
+    return format_exit(job)
+
+
+@app.command("jobs")
+def jobs_(
+    env: Annotated[str | None, typer.Argument(help="Only this environment's jobs.",
+                                              show_default=False)] = None,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="Finished jobs too (the newest "
+                                       "1000 are kept).")] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """The jobs of this host, like squeue (sacct with --all): id, name, environment, user,
+    state, elapsed time, exit code:signal, start.
+
+    A job whose supervisor is gone (killed, or the host rebooted) shows as LOST; `envctl
+    cancel` of it cleans up what is left. Read-only: nothing changes.
+
+    Example: envctl jobs cpu-compute --all
+    """
+    from envctl.host.context import Host
+    from envctl.runtime import jobs as jb
+
+    host = Host.from_env()
+    listed = jb.listing(host.state_dir, host.boot_id, env=env, finished=all_)
+    if json_:
+        _emit_json([j.to_json() for j in listed])
+        return
+    rows = jb.table(listed)
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+
+
+@app.command()
+def logs(
+    job: Annotated[str, typer.Argument(help="The job id.", show_default=False)],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing what it "
+                                         "writes until it ends.")] = False,
+    stderr_: Annotated[bool, typer.Option("--stderr", help="Its stderr instead of its "
+                                          "stdout.")] = False,
+) -> None:
+    """Print a job's stdout (or --stderr), from its output file.
+
+    Example: envctl logs 7 -f
+    """
+    from envctl.errors import HostError
+    from envctl.host.context import Host
+    from envctl.runtime import jobs as jb
+
+    host = Host.from_env()
+    record = jb.get(host.state_dir, job)
+    path = Path(record.stderr if stderr_ else record.stdout)
+    out = sys.stdout.buffer
+
+    def write(chunk: bytes) -> None:
+        out.write(chunk)
+        out.flush()
+
+    try:
+        if follow:
+            jb.follow(host.state_dir, record, path, write, boot_id=host.boot_id)
+        else:
+            import shutil
+
+            with open(path, "rb") as f:
+                shutil.copyfileobj(f, out)
+    except OSError as exc:
+        raise HostError(f"logs of job {record.id}: {path}: {exc.strerror}") from exc
+
+
+@app.command()
+def cancel(
+    job_ids: Annotated[list[str], typer.Argument(help="Job ids.", show_default=False)],
+    grace: Annotated[float, typer.Option(
+        "--grace", help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
+    json_: JsonOpt = False,
+) -> None:
+    """Stop jobs: SIGTERM, then SIGKILL after --grace seconds; each ends CANCELLED.
+
+    Waits until each has ended. A job that already ended is left as it is; a LOST one (its
+    supervisor is gone) has what is left of its cgroup killed and removed.
+
+    Example: sudo envctl cancel 7 8
+    """
+    from envctl.errors import NeedsRootError
+    from envctl.host.context import Host
+    from envctl.runtime import jobs as jb
+    from envctl.runtime import supervisor as sv
+
+    host = Host.from_env()
+    before = [jb.get(host.state_dir, j) for j in job_ids]  # every id known, or nothing done
+    if os.geteuid() != 0 and any(j.active for j in before):
+        raise NeedsRootError("envctl cancel signals the job's supervisor and needs root: run "
+                             "it with sudo")
+    for j in before:  # all asked at once, then each waited for
+        if j.active:
+            sv.cancel(host, j.id, grace=grace, wait=False)
+    after = [sv.cancel(host, j.id, grace=grace) if j.active else j for j in before]
+    if json_:
+        _emit_json([j.to_json() for j in after])
+        return
+    for old, new in zip(before, after, strict=True):
+        what = "was" if not old.active else "is now"
+        print(f"job {new.id} {what} {new.state}")
+
+
+@app.command("wait")
+def wait_(
+    job_ids: Annotated[list[str], typer.Argument(help="Job ids.", show_default=False)],
+    json_: JsonOpt = False,
+) -> None:
+    """Wait until the jobs have ended; exit with the first non-zero job exit code (0 when all
+    COMPLETED; 128+N for a signal N; 1 for a job cancelled, lost or never started that gave
+    no code).
+
+    Example: envctl wait 7 8 && echo all done
+    """
+    from envctl.host.context import Host
+    from envctl.runtime import jobs as jb
+    from envctl.runtime import supervisor as sv
+
+    host = Host.from_env()
+    ids = [jb.get(host.state_dir, j).id for j in job_ids]
+    done = sv.wait(host, ids)
+    if json_:
+        _emit_json([j.to_json() for j in done])
+    else:
+        for j in done:
+            print(f"{j.id} {j.state} {jb.format_exit(j)}")
+    raise typer.Exit(next((j.exit_status() for j in done if j.exit_status()), 0))
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -522,7 +830,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every expected error becomes one line on stderr and its exit code."""
     # Newer typer vendors click; find its exception base without importing click directly.
     click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
-    argv = hoist_global_options(list(sys.argv[1:] if argv is None else argv))
+    argv = hoist_global_options(split_job_args(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in argv
     try:
         rc = app(args=argv, standalone_mode=False)

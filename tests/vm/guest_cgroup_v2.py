@@ -219,3 +219,24 @@ def test_cgroup_envctl_did_not_make_is_refused_and_left_alone(clean):
         owner.kill()
         owner.wait()
         rmdirs(theirs, theirs.parent)
+
+
+def test_a_job_over_its_environments_memory_is_out_of_memory_on_v2(clean, tmp_path):
+    """On v2 a job's cgroup has memory.events only once the environment's cgroup delegates the
+    memory controller to its children (launch._delegate): the OOM kill is then counted in the
+    job's cgroup, and the job ends OUT_OF_MEMORY, not just FAILED by SIGKILL."""
+    import json
+
+    sb = clean
+    sb.write_spec("lim", "name: lim\nkind: cpu\nrootfs: {binaries: [sh], python: true}\n"
+                         "resources: {memory: {max: 64M}}\n")
+    assert sb.envctl("up", "lim").returncode == 0
+    try:
+        hog = tmp_path / "hog.py"
+        hog.write_text("b = b'x' * (200 << 20)\nprint(len(b))\n")
+        res = sb.envctl("submit-job", "lim", "--user", "root", "--wait", str(hog))
+        assert res.returncode == 128 + 9, res.stderr
+        (record,) = [json.loads(p.read_text()) for p in (sb.state / "jobs").glob("*.json")]
+        assert record["state"] == "OUT_OF_MEMORY", record
+    finally:
+        sb.envctl("down", "lim", check=True)

@@ -42,6 +42,9 @@ STANDARD_TREE: tuple[tuple[str, int], ...] = (
     ("bin", 0o755), ("lib", 0o755), ("lib64", 0o755), ("usr", 0o755), ("etc", 0o755),
     ("tmp", 0o1777), ("proc", 0o755), ("sys", 0o755), ("dev", 0o755), ("home", 0o755),
     ("root", 0o700), ("var", 0o755), ("opt", 0o755),
+    # The mount point of a submitted job's staging directory (bound read-only per launch: the
+    # tree itself is read-only inside).
+    ("job", 0o755),
 )
 DIR_MODE = 0o755  # the root and directories made only because something lies in them
 PLACEHOLDER_MODE = 0o644

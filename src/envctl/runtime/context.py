@@ -1,0 +1,265 @@
+"""What a launch needs to know of an environment that is up, read from its journal: the rootfs,
+the mount namespace holder, the network namespace, the cgroup, its CPUs and GPUs, and the
+variables of the rootfs's /etc/environment.
+
+Read from the journal, not the spec: `envctl exec` must not load pydantic, YAML or the planner
+(start-up time), and what is up is what the journal recorded, whatever the spec says now.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from envctl.errors import HostError, StateCorrupt, UsageError
+
+if TYPE_CHECKING:
+    from envctl.host.context import Host
+
+# <run>/MNT_DIR/ENV holds an environment's mount namespace (envctl.resources.mounts.MNT_DIR).
+MNT_DIR = "mnt.d"
+# The cgroup parent when a step recorded none: ENVCTL_CGROUP_PARENT, else envctl.facts's
+# DEFAULT_PARENT (not imported: envctl.facts costs ~7 ms of dataclasses at start-up).
+DEFAULT_PARENT = "envctl"
+# The kinds read here whose objects die with a reboot: entries of another boot are dropped, as
+# Journal.open drops them (the rootfs tree is on disk and stays).
+_VOLATILE = ("mntns", "netns", "cgroup", "cgroup-slice", "env-dev")
+# The journal's format and names (envctl.engine.journal: VERSION, _ENV_NAME).
+JOURNAL_VERSION = 1
+_ENV_NAME = re.compile(r"[a-z](?:[a-z0-9-]{0,30}[a-z0-9])?")
+# What an environment without PATH in its /etc/environment gets (the rootfs planner's default).
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+CLONE_NEWNS = 0x00020000
+NS_GET_NSTYPE = 0xB703
+
+
+@dataclass(frozen=True)
+class EnvCgroup:
+    """The environment's cgroup as `up` made it: `driver` "cgroupfs" (a `cgroup` step: the
+    directories `<root>/<parent>/<env>`) or "systemd" (a `cgroup-slice` step: a slice);
+    `parent` "" means the parent of this run's adapter (ENVCTL_CGROUP_PARENT)."""
+
+    driver: str
+    parent: str
+    version: int
+    controllers: tuple[str, ...] = ()
+
+    @property
+    def parent_name(self) -> str:
+        """The parent, "" resolved as the cgroup adapter resolves it."""
+        return self.parent or os.environ.get("ENVCTL_CGROUP_PARENT", DEFAULT_PARENT)
+
+
+@dataclass(frozen=True)
+class EnvContext:
+    """An environment that is up, as a launch enters it."""
+
+    env: str
+    root: Path  # the rootfs tree, as the host (and the environment's mount namespace) see it
+    mntns: Path  # the holder of its persistent mount namespace: <run>/mnt.d/<env>
+    netns: Path | None  # its network namespace (<netns_dir>/<name>), None without a network
+    hostname: str
+    environ: dict[str, str] = field(default_factory=dict)  # the rootfs's /etc/environment
+    cgroup: EnvCgroup | None = None
+    cpus: tuple[int, ...] = ()  # its cpuset (dedicated CPUs), or every online CPU
+    gpus: tuple[str, ...] = ()  # UUIDs of the GPUs it holds
+    # Groups owning the device nodes of its /dev beyond the safe set (its GPUs: mode 0660,
+    # group `gpus.group`): every job is a member, so that its GPUs are its jobs' to use.
+    device_gids: tuple[int, ...] = ()
+
+    @classmethod
+    def load(cls, host: Host, env: str) -> EnvContext:
+        """The environment `env` from its journal. UsageError (exit 2) when it is not up or has
+        no root filesystem to enter; HostError when its mount namespace is gone (a holder
+        unmounted by hand): `envctl up` repairs that."""
+        found, claims = read_journal(host.state_dir, env, host.boot_id)
+        if "mntns" not in found:
+            # No journal, an empty one, or one whose namespaces were of another boot.
+            raise UsageError(f"environment '{env}' is not up: bring it up with "
+                             f"`envctl up {env}`")
+        if "rootfs" not in found:
+            raise UsageError(f"environment '{env}' has no root filesystem to run programs in: "
+                             "give its spec a rootfs section and run `envctl up` again")
+        mntns = host.run_dir / MNT_DIR / env
+        _check_holder(env, mntns)
+        root = Path(found["rootfs"]["root"])
+        netns = found.get("netns")
+        gpus = (claims.get("gpus") or {}).get("uuids") or ()
+        cgroup, cpus = _cgroup(found)
+        nodes = (found.get("env-dev") or {}).get("nodes") or ()
+        gids = tuple(sorted({int(n[4]) for n in nodes if int(n[4]) != 0}))
+        return cls(env=env, root=root, mntns=mntns,
+                   netns=host.netns_dir / netns["name"] if netns else None, hostname=env,
+                   environ=read_environment(root), cgroup=cgroup,
+                   cpus=cpus or online_cpus(host.sys), gpus=tuple(gpus), device_gids=gids)
+
+
+def read_journal(state_dir: Path, env: str, boot: str
+                 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """kind -> the first resource (dict form) of that kind in `env`'s journal, and its claims.
+
+    Read as envctl.engine.journal reads it (the folded file, then the write-ahead log it names;
+    a damaged last line is a torn end, damage before a good record is StateCorrupt), without
+    rebuilding every resource as Journal.open does: that imports every kind's module and the
+    engine's (~20 ms of dataclasses), and a launch needs five plain fields.
+    tests/unit/test_runtime_launch.py checks this against journals the engine wrote."""
+    if not _ENV_NAME.fullmatch(env):
+        raise UsageError(f"'{env}' is not an environment name")
+    path = state_dir / "journal" / f"{env}.json"
+    data = _read_state(path)
+    log = path.with_name(f"{env}.{data.get('log', 0) if data else 0}.log")
+    entries: dict[str, dict[str, Any]] = {}
+    meta: dict[str, Any] = {}
+    try:
+        for e in (data or {}).get("entries", []):
+            entries[e["key"]] = e
+        meta = dict((data or {}).get("meta") or {})
+        for rec in _read_log(log):
+            if "put" in rec:
+                entries[rec["put"]["key"]] = rec["put"]
+            elif "drop" in rec:
+                entries.pop(rec["drop"], None)
+            elif "meta" in rec:
+                meta = dict(rec["meta"])
+        found: dict[str, dict[str, Any]] = {}
+        for e in entries.values():
+            res = e["resource"]
+            made_in = e.get("boot", "")
+            if res["kind"] in _VOLATILE and boot and made_in and made_in != boot:
+                continue  # another boot's: what it describes is gone
+            found.setdefault(res["kind"], res)
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise StateCorrupt(path, f"bad entry: {exc!r}") from None
+    return found, dict(meta.get("claims") or {})
+
+
+def _read_state(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise StateCorrupt(path, getattr(exc, "strerror", None)
+                           or f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("log", 0), int):
+        raise StateCorrupt(path, "not an envctl state file")
+    if data.get("version", JOURNAL_VERSION) > JOURNAL_VERSION:
+        raise StateCorrupt(path, f"written by a newer envctl (format {data['version']}, this "
+                                 f"one reads {JOURNAL_VERSION})")
+    return data
+
+
+def _read_log(log: Path) -> list[dict[str, Any]]:
+    try:
+        lines = log.read_bytes().split(b"\n")
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise StateCorrupt(log, exc.strerror or str(exc)) from None
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip(b"\0 \t\r"):
+            continue
+        rec = _parsed(line)
+        if rec is None:
+            if any(_parsed(rest) is not None for rest in lines[i + 1:]):
+                raise StateCorrupt(log, f"line {i + 1} is damaged and records follow it")
+            break  # a torn end: a crash while appending
+        records.append(rec)
+    return records
+
+
+def _parsed(line: bytes) -> dict[str, Any] | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _check_holder(env: str, path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HostError(f"enter environment '{env}': mount namespace {path}: {exc.strerror}; "
+                        f"`envctl up {env}` makes it again") from exc
+    try:
+        kind = fcntl.ioctl(fd, NS_GET_NSTYPE)
+    except OSError:
+        kind = 0  # ENOTTY: a plain file, not an nsfs one
+    finally:
+        os.close(fd)
+    if kind != CLONE_NEWNS:
+        raise HostError(f"enter environment '{env}': {path} holds no mount namespace; "
+                        f"`envctl up {env}` makes it again")
+
+
+def _cgroup(found: dict[str, dict[str, Any]]) -> tuple[EnvCgroup | None, tuple[int, ...]]:
+    """The cgroup step's driver and placement, and the CPUs its cpuset names (() for all)."""
+    if (cg := found.get("cgroup")) is not None:
+        cpus = next((v for _, f, v in cg.get("settings", ()) if f == "cpuset.cpus"), "")
+        return (EnvCgroup("cgroupfs", cg.get("parent", ""), int(cg["version"]),
+                          tuple(cg.get("controllers", ()))), parse_cpus(cpus))
+    if (sl := found.get("cgroup-slice")) is not None:
+        cpus = next((v for k, v in sl.get("properties", ()) if k == "AllowedCPUs"), "")
+        return EnvCgroup("systemd", sl.get("parent", ""), int(sl["version"])), parse_cpus(cpus)
+    return None, ()
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """CPU numbers of the kernel's list syntax ("0-3,8"), sorted; () for an empty list. (What
+    envctl.spec.units.parse_cpu_list reads, without its validation: the text is the kernel's
+    or the planner's, and that module costs ~3 ms to import.)"""
+    out: set[int] = set()
+    for part in text.replace(" ", "").strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return tuple(sorted(out))
+
+
+def format_cpus(cpus: tuple[int, ...] | list[int]) -> str:
+    """The kernel's list syntax for `cpus` ("0-3,8")."""
+    out: list[str] = []
+    nums = sorted(set(cpus))
+    i = 0
+    while i < len(nums):
+        j = i
+        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
+            j += 1
+        out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def read_environment(root: Path) -> dict[str, str]:
+    """KEY=VALUE lines of `root`/etc/environment, as envctl writes them (values literal, one
+    line each, no quoting); PATH defaults to DEFAULT_PATH."""
+    out: dict[str, str] = {}
+    path = root / "etc" / "environment"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        text = ""
+    except OSError as exc:
+        raise HostError(f"read {path}: {exc.strerror}") from exc
+    for line in text.splitlines():
+        key, eq, value = line.partition("=")
+        if eq and key and not key.lstrip().startswith("#"):
+            out[key.strip()] = value
+    out.setdefault("PATH", DEFAULT_PATH)
+    return out
+
+
+def online_cpus(sys_root: Path = Path("/sys")) -> tuple[int, ...]:
+    """Every online CPU (sysfs), or those this process may run on when sysfs does not say."""
+    try:
+        return parse_cpus((sys_root / "devices/system/cpu/online").read_text()) or tuple(
+            sorted(os.sched_getaffinity(0)))
+    except (OSError, ValueError):
+        return tuple(sorted(os.sched_getaffinity(0)))

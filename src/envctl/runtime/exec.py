@@ -1,0 +1,229 @@
+"""`envctl exec ENV [--user U] -- CMD ARGS…`: run one command inside an environment, attached.
+
+stdin, stdout and stderr pass through (a pseudo-terminal, made inside the environment, when
+both stdin and stdout are terminals: the real terminal goes raw, its window size follows);
+the signals envctl receives go to the command; envctl's exit code is the command's (128+N for
+signal N). The command runs in its own cgroup `exec-<envctl's pid>` below the environment's
+(cgroupfs driver; a transient scope of the environment's slice with the systemd driver),
+removed when it ends.
+
+Start-up time counts here (`envctl exec ENV -- /bin/true` is the launch-latency benchmark):
+nothing of the spec, the planner, pydantic or YAML is imported, and `fast_entry` runs the
+command without building the typer CLI at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import struct
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from envctl.errors import EnvctlError, NeedsRootError
+from envctl.runtime.context import EnvContext
+from envctl.runtime.launch import (
+    FORWARDED_SIGNALS,
+    Launch,
+    Started,
+    create_cgroup,
+    job_environ,
+    remove_cgroup,
+    resolve_user,
+    start,
+    systemd_attach,
+)
+
+if TYPE_CHECKING:
+    from envctl.host.context import Host
+
+TIOCGWINSZ, TIOCSWINSZ = 0x5413, 0x5414
+
+
+def run(env: str, argv: list[str], *, user: str | None = None, host: Host | None = None,
+        environ: Mapping[str, str] = os.environ) -> int:
+    """Run `argv` in environment `env` attached to this process's stdio; its exit code.
+
+    UsageError (exit 2) when the environment is not up or no user is given where one must
+    be; LaunchError when entering fails (CommandNotFound: exit 127)."""
+    if host is None:
+        from envctl.host.context import Host
+
+        host = Host.from_env()
+    ctx = EnvContext.load(host, env)
+    if os.geteuid() != 0:
+        raise NeedsRootError("envctl exec enters the environment's namespaces and needs root: "
+                             "run it with sudo")
+    who = resolve_user(user, ctx, environ)
+    interactive = os.isatty(0) and os.isatty(1)
+    extra = {"TERM": environ.get("TERM") or "xterm"} if interactive else {}
+    launch = Launch(ctx, list(argv), job_environ(ctx, who, extra), who, pty=interactive,
+                    winsize=_winsize(1) if interactive else None,
+                    attach=systemd_attach(ctx))
+    name = f"exec-{os.getpid()}"
+    launch.cgroup_dirs = create_cgroup(ctx, name)
+    try:
+        return _attached(launch)
+    finally:
+        remove_cgroup(ctx, name)
+
+
+def _attached(launch: Launch) -> int:
+    """Start the launch with the forwarding handlers in place, then wait (or copy the pty)."""
+    target: list[Started] = []
+
+    def forward(sig: int, frame: object) -> None:
+        if target:
+            if sig == signal.SIGWINCH and target[0].pty is not None:
+                _copy_winsize(1, target[0].pty)  # the kernel tells the job, as a terminal does
+            else:
+                target[0].signal(sig)
+
+    # Blocked until `target` is set: a signal during the start is forwarded, not lost, and
+    # never raises KeyboardInterrupt half-way through it.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+    old = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        try:
+            started = start(launch)
+            target.append(started)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        if started.pty is not None:
+            return _copy_pty(started)
+        return started.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _winsize(fd: int) -> tuple[int, int] | None:
+    import fcntl
+
+    try:
+        rows, cols, _, _ = struct.unpack("HHHH", fcntl.ioctl(fd, TIOCGWINSZ, b"\0" * 8))
+    except OSError:
+        return None
+    return (rows, cols) if rows and cols else None
+
+
+def _copy_winsize(src: int, master: int) -> None:
+    import fcntl
+
+    with contextlib.suppress(OSError):
+        fcntl.ioctl(master, TIOCSWINSZ, fcntl.ioctl(src, TIOCGWINSZ, b"\0" * 8))
+
+
+def _copy_pty(started: Started) -> int:
+    """Copy the terminal to the pty's master and back, raw, until the launch ends."""
+    import termios
+    import tty
+
+    master = started.pty
+    assert master is not None
+    saved = termios.tcgetattr(0)
+    tty.setraw(0)
+    try:
+        poller = select.poll()
+        poller.register(0, select.POLLIN)
+        poller.register(master, select.POLLIN)
+        poller.register(started.pidfd, select.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if master in events and not _pass(master, 1):
+                poller.unregister(master)  # EIO: every slave closed, the job is gone
+                master = -1
+            if 0 in events and not _pass(0, master if master >= 0 else -1):
+                poller.unregister(0)  # EOF on the terminal
+            if started.pidfd in events:
+                break
+        if master >= 0:
+            os.set_blocking(master, False)
+            while _pass(master, 1):
+                pass  # what the job wrote last
+        return started.wait()
+    finally:
+        termios.tcsetattr(0, termios.TCSADRAIN, saved)
+        os.close(started.pty)
+
+
+def _pass(src: int, dst: int) -> bool:
+    """Move what `src` has to `dst` (dropped when dst < 0); False at its end (EOF, EIO)."""
+    try:
+        data = os.read(src, 65536)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return False  # EIO: the pty's other side is closed
+    if not data:
+        return False
+    view = memoryview(data)
+    while dst >= 0 and view:
+        try:
+            view = view[os.write(dst, view):]
+        except OSError:
+            return True  # the other side went away; keep draining src
+    return True
+
+
+# ---------------------------------------------------------------- fast path, without typer
+
+
+def parse_args(args: list[str]) -> tuple[str, list[str], str | None] | None:
+    """(env, command, user) of `exec [--user U] ENV [--user U] -- CMD…` as the typer command
+    reads it, or None for anything else (help, other options, a missing part): the typer CLI
+    then answers, with its own messages."""
+    if not args or args[0] != "exec":
+        return None
+    words: list[str] = []
+    user = None
+    i = 1
+    while i < len(args):
+        word = args[i]
+        if word == "--":
+            words += args[i + 1:]
+            break
+        if word in ("--user", "-u"):
+            if i + 1 >= len(args):
+                return None
+            user = args[i + 1]
+            i += 2
+            continue
+        if word.startswith("--user="):
+            user = word.split("=", 1)[1]
+        elif word.startswith("-"):
+            return None
+        else:
+            words.append(word)
+        i += 1
+    if len(words) < 2:
+        return None
+    return words[0], words[1:], user
+
+
+def fast_entry(argv: list[str] | None = None) -> None:
+    """`envctl exec …` without the typer CLI (~50 ms less): run and leave with the command's
+    exit code, as envctl.cli.entry does. Returns, doing nothing, when the arguments are not
+    plain `exec` ones."""
+    parsed = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if parsed is None:
+        return
+    import gc
+
+    gc.disable()
+    env, command, user = parsed
+    try:
+        code = run(env, command, user=user)
+    except EnvctlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        code = 130
+    with contextlib.suppress(BrokenPipeError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,535 @@
+"""Job records under `<state>/jobs`: ids, states, the record file each job's supervisor writes,
+listing, the LOST view of a record whose supervisor is gone, and retention of finished jobs.
+
+Layout:
+
+    <state>/jobs/.lock        flock'd while an id is allocated and while records are pruned
+    <state>/jobs/.next        the next id (ids are never reused, even after pruning)
+    <state>/jobs/<id>.json    the record, replaced atomically by whoever owns it
+    <state>/jobs/<id>.cancel  a cancel request (grace seconds), read by the supervisor
+    <state>/jobs/<id>/        the staged executable (bound read-only at /job inside the
+                              environment) and the default stdout / stderr files
+
+One writer per record at a time: the job's supervisor from its first write to its last;
+after that nobody, except that `cancel` of a LOST job (whose supervisor is gone) finalizes it.
+Read-only commands (`jobs`, `wait`, `logs`) never write a record: they *show* an active
+record whose supervisor is gone, or that is from another boot, as LOST.
+
+Kept free of the launch code (and of anything heavy) so that `envctl jobs` starts fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from envctl.errors import StateCorrupt, UsageError
+from envctl.host.files import atomic_write, read_json, write_json
+
+# Finished records kept (newest ids first); older ones, their job directories and their
+# cancel files are pruned when a job is submitted (see `prune`). ENVCTL_JOBS_KEEP overrides it.
+KEEP_FINISHED = 1000
+# Seconds between SIGTERM and SIGKILL at a time limit and at `cancel` (its --grace).
+KILL_GRACE = 10.0
+
+
+class State(StrEnum):
+    """Slurm's job states, the subset one host needs (and LOST for a supervisor that died)."""
+
+    PENDING = "PENDING"  # the supervisor exists; the job is not started yet
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"  # exit 0
+    FAILED = "FAILED"  # exit != 0, killed by a signal, or it could not be started
+    CANCELLED = "CANCELLED"  # `envctl cancel`, or `down --force`
+    TIMEOUT = "TIMEOUT"  # --time-limit reached
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"  # the job's cgroup counted an OOM kill
+    LOST = "LOST"  # active, but its supervisor is gone (kill -9, a reboot)
+
+
+ACTIVE = frozenset({State.PENDING, State.RUNNING})
+
+
+@dataclass
+class Job:
+    """One job's record, as stored in `<state>/jobs/<id>.json` (times are Unix seconds)."""
+
+    id: int
+    env: str
+    argv: list[str]
+    name: str = ""
+    user: str = ""
+    uid: int = 0
+    gid: int = 0
+    state: State = State.PENDING
+    submit_time: float = 0.0
+    start_time: float | None = None
+    end_time: float | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    cpu_seconds: float | None = None
+    peak_memory_bytes: int | None = None
+    oom_kills: int | None = None
+    # {"pid": N, "start": starttime in clock ticks after boot, /proc/PID/stat field 22}: the
+    # pid alone could be reused by an unrelated process once the supervisor is gone.
+    supervisor: dict[str, int] | None = None
+    boot_id: str = ""
+    # The job's cgroup as the host.cgroups adapter names it: {"parent": P, "name": "ENV/job-N"}.
+    cgroup: dict[str, str] | None = None
+    stdout: str = ""
+    stderr: str = ""
+    workdir: str = "/"
+    time_limit: int | None = None
+    cpus: list[int] = field(default_factory=list)
+    gpus: list[str] = field(default_factory=list)
+    error: str | None = None  # why it could not be started, or what went wrong around it
+
+    # ------------------------------------------------------------------ (de)serializing
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["state"] = str(self.state)
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Any, where: Path) -> Job:
+        if not isinstance(raw, dict):
+            raise StateCorrupt(where, "not a job record")
+        known = {f.name for f in fields(cls)}
+        try:
+            job = cls(**{k: v for k, v in raw.items() if k in known})
+            job.state = State(job.state)
+            job.id = int(job.id)
+        except (TypeError, ValueError) as exc:
+            raise StateCorrupt(where, f"not a job record: {exc}") from None
+        return job
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+    def shown(self, boot_id: str) -> Job:
+        """This record as `jobs`/`wait` show it: LOST when it is active but its supervisor is
+        gone or it is from another boot. Never written back here (read-only commands)."""
+        if self.active and not supervisor_alive(self, boot_id):
+            return replace(self, state=State.LOST)
+        return self
+
+    def elapsed(self, now: float | None = None) -> float | None:
+        if self.start_time is None:
+            return None
+        end = self.end_time if self.end_time is not None else (now or time.time())
+        return max(0.0, end - self.start_time)
+
+    def exit_status(self) -> int:
+        """What `wait` and `submit-job --wait` exit with: 0 for COMPLETED; otherwise the job's
+        own code, 128+N when a signal N ended it, and 1 when neither says it failed (a job that
+        exited 0 on the SIGTERM of `cancel`, a job that never started, a LOST one)."""
+        if self.state is State.COMPLETED:
+            return 0
+        if self.exit_code:
+            return self.exit_code
+        if self.signal:
+            return 128 + self.signal
+        return 1
+
+
+# ---------------------------------------------------------------- paths
+
+
+def jobs_dir(state_dir: Path) -> Path:
+    return state_dir / "jobs"
+
+
+def record_path(state_dir: Path, job_id: int) -> Path:
+    return jobs_dir(state_dir) / f"{job_id}.json"
+
+
+def job_dir(state_dir: Path, job_id: int) -> Path:
+    """The job's own directory: its staged executable (at /job inside) and default outputs."""
+    return jobs_dir(state_dir) / str(job_id)
+
+
+def cancel_path(state_dir: Path, job_id: int) -> Path:
+    # Beside the record, not in the job's directory: that one is visible inside the job.
+    return jobs_dir(state_dir) / f"{job_id}.cancel"
+
+
+def cgroup_name(env: str, job_id: int) -> str:
+    """The job's cgroup below its environment's, as the host.cgroups adapter names it."""
+    return f"{env}/job-{job_id}"
+
+
+# ---------------------------------------------------------------- ids
+
+
+@contextlib.contextmanager
+def jobs_lock(state_dir: Path) -> Iterator[None]:
+    """Hold `<state>/jobs/.lock` (its own lock, never the global one: `up`/`down` may hold that
+    for minutes and a submit must not wait for them). The kernel drops it if we die."""
+    d = jobs_dir(state_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def allocate_id(state_dir: Path) -> int:
+    """The next job id (1, 2, …), under the jobs lock. `.next` holds the counter; a lost
+    counter restarts above every record and job directory still there, so an id in use or in
+    history is never handed out again."""
+    with jobs_lock(state_dir):
+        return _allocate_locked(state_dir)
+
+
+def _allocate_locked(state_dir: Path) -> int:
+    counter = jobs_dir(state_dir) / ".next"
+    try:
+        text = counter.read_text().strip()
+        nxt = int(text)
+    except FileNotFoundError:
+        nxt = 1 + max(_ids_on_disk(state_dir), default=0)
+    except ValueError:
+        raise StateCorrupt(counter, f"not a job counter: {text[:40]!r}") from None
+    # The rename makes a crash leave the old or the new value; fsync is skipped because a
+    # machine crash also kills every job, and then restarting above the records is enough.
+    atomic_write(counter, f"{nxt + 1}\n".encode(), durable=False)
+    return nxt
+
+
+def _ids_on_disk(state_dir: Path) -> list[int]:
+    out = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(jobs_dir(state_dir)):
+            stem = name.split(".", 1)[0]
+            if stem.isdigit():
+                out.append(int(stem))
+    return out
+
+
+# ---------------------------------------------------------------- records
+
+
+def write(state_dir: Path, job: Job, *, durable: bool = False) -> None:
+    """Replace the record atomically: readers see the old or the new one, never half.
+
+    `durable` (fsync) is for the final record only: it is history that must outlive a power
+    cut; the earlier ones describe processes that would not survive one either."""
+    write_json(record_path(state_dir, job.id), job.to_json(), durable=durable)
+
+
+def read(state_dir: Path, job_id: int) -> Job | None:
+    """The record, or None when there is none (never submitted, or pruned)."""
+    path = record_path(state_dir, job_id)
+    try:
+        raw = read_json(path)
+    except ValueError as exc:
+        raise StateCorrupt(path, f"not JSON: {exc}") from None
+    except OSError as exc:
+        raise StateCorrupt(path, exc.strerror or str(exc)) from None
+    return None if raw is None else Job.from_json(raw, path)
+
+
+def get(state_dir: Path, job_id: int | str) -> Job:
+    """The record of `job_id`; UsageError (exit 2) when there is no such job."""
+    jid = parse_id(job_id)
+    job = read(state_dir, jid)
+    if job is None:
+        raise UsageError(f"no job {jid}: never submitted here, or pruned (envctl keeps the "
+                         f"newest {keep_finished()} finished jobs)")
+    return job
+
+
+def parse_id(text: int | str) -> int:
+    s = str(text).strip()
+    if not s.isdigit() or int(s) < 1:
+        raise UsageError(f"'{text}' is not a job id (a positive integer, as submit-job prints)")
+    return int(s)
+
+
+def all_jobs(state_dir: Path) -> list[Job]:
+    """Every record, oldest id first. A record that cannot be read is skipped (listing must
+    not fail on one damaged file; `envctl logs N` of that id names it)."""
+    out = []
+    for jid in sorted(set(_record_ids(state_dir))):
+        with contextlib.suppress(StateCorrupt):
+            job = read(state_dir, jid)
+            if job is not None:
+                out.append(job)
+    return out
+
+
+def _record_ids(state_dir: Path) -> list[int]:
+    try:
+        names = os.listdir(jobs_dir(state_dir))
+    except FileNotFoundError:
+        return []
+    return [int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()]
+
+
+def listing(state_dir: Path, boot_id: str, *, env: str | None = None,
+            finished: bool = False) -> list[Job]:
+    """The jobs `envctl jobs` shows, as shown (LOST where the supervisor is gone): active and
+    LOST ones (those want attention: `cancel` cleans up after them), and with `finished` the
+    finished ones too; of one environment when `env` is given."""
+    out = []
+    for job in all_jobs(state_dir):
+        if env is not None and job.env != env:
+            continue
+        shown = job.shown(boot_id)
+        if finished or shown.active or (job.active and shown.state is State.LOST):
+            out.append(shown)
+    return out
+
+
+def active_jobs(state_dir: Path, boot_id: str, env: str) -> list[Job]:
+    """The jobs of `env` whose supervisor is alive (what `down` must not pull the floor from
+    under)."""
+    return [j for j in all_jobs(state_dir)
+            if j.env == env and j.active and supervisor_alive(j, boot_id)]
+
+
+# ---------------------------------------------------------------- retention
+
+
+def keep_finished() -> int:
+    try:
+        return max(0, int(os.environ.get("ENVCTL_JOBS_KEEP", KEEP_FINISHED)))
+    except ValueError:
+        return KEEP_FINISHED
+
+
+def prune(state_dir: Path, *, keep: int | None = None) -> list[int]:
+    """Delete the finished records beyond the newest `keep` (by id), with their job
+    directories (staged file, default outputs) and cancel files; the ids pruned. Outputs
+    written elsewhere (--output/--error paths) are the user's and stay. Active records (LOST
+    ones too, until `cancel` finalizes them) are never pruned. Call under `jobs_lock`.
+
+    In batches: nothing is read until a tenth more than `keep` records (at least 10) have
+    gathered, then they go back down to `keep`; reading 1000 records at every submit would
+    cost more than starting the job."""
+    keep = keep_finished() if keep is None else keep
+    if len(_record_ids(state_dir)) <= keep + max(10, keep // 10):
+        return []
+    finished = [j.id for j in all_jobs(state_dir) if not j.active]
+    gone = sorted(finished)[: max(0, len(finished) - keep)]
+    for jid in gone:
+        with contextlib.suppress(FileNotFoundError):
+            record_path(state_dir, jid).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            cancel_path(state_dir, jid).unlink()
+        shutil.rmtree(job_dir(state_dir, jid), ignore_errors=True)
+    return gone
+
+
+# ---------------------------------------------------------------- supervisors
+
+
+def proc_start_time(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks after boot) of process `pid` from
+    /proc/PID/stat (fields 3 and 22), or None when there is no such process. Always the real
+    /proc: the pid is one of this host's."""
+    try:
+        text = Path("/proc", str(pid), "stat").read_bytes().decode(errors="replace")
+    except OSError:
+        return None  # ENOENT / ESRCH: gone
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    rest = text[text.rfind(")") + 2:].split()
+    try:
+        return rest[0], int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def supervisor_alive(job: Job, boot_id: str) -> bool:
+    """Whether the process that supervises `job` still runs: same boot, the recorded pid
+    exists, is not a zombie, and started when the recorded one did."""
+    if boot_id and job.boot_id and job.boot_id != boot_id:
+        return False
+    sup = job.supervisor or {}
+    pid, start = sup.get("pid"), sup.get("start")
+    if not pid:
+        return False
+    seen = proc_start_time(int(pid))
+    return seen is not None and seen[0] not in ("Z", "X") and seen[1] == start
+
+
+def identity(pid: int | None = None) -> dict[str, int]:
+    """{"pid", "start"} of process `pid` (default: this one), as records store supervisors."""
+    pid = os.getpid() if pid is None else pid
+    seen = proc_start_time(pid)
+    return {"pid": pid, "start": seen[1] if seen else 0}
+
+
+# ---------------------------------------------------------------- how a job ended
+
+
+def final_state(*, wait_status: int | None, cancelled: bool, timed_out: bool,
+                oom_kills: int | None, error: str | None = None
+                ) -> tuple[State, int | None, int | None]:
+    """(state, exit code, signal) of a job that ended, from its raw wait status (None when
+    it never ran or its status was lost) and what its supervisor knows.
+
+    Precedence: a cancel asked for before the end wins (Slurm does the same), then the time
+    limit, then an OOM kill counted in the job's own cgroup for a job that did not exit 0
+    (the counter, not exit 137: a job may die of SIGKILL for other reasons, and may survive
+    the kill of one of its children), then the exit itself."""
+    code = sig = None
+    if wait_status is not None:
+        if os.WIFSIGNALED(wait_status):
+            sig = os.WTERMSIG(wait_status)
+        elif os.WIFEXITED(wait_status):
+            code = os.WEXITSTATUS(wait_status)
+    if cancelled:
+        return State.CANCELLED, code, sig
+    if timed_out:
+        return State.TIMEOUT, code, sig
+    if oom_kills and code != 0:
+        return State.OUT_OF_MEMORY, code, sig
+    if error is not None or wait_status is None:
+        return State.FAILED, code, sig
+    return (State.COMPLETED if code == 0 else State.FAILED), code, sig
+
+
+# ---------------------------------------------------------------- durations
+
+
+_DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+
+
+def parse_duration(text: str) -> int:
+    """Seconds from `90`, `90s`, `15m`, `1h30m`, `2d` or `[D-]HH:MM:SS` / `MM:SS` (Slurm's
+    forms); UsageError otherwise. Zero is refused: a limit of nothing is a typo."""
+    s = text.strip().lower()
+    secs: int | None = None
+    if s.isdigit():
+        secs = int(s)
+    elif ":" in s:
+        days, _, clock = s.rpartition("-")
+        parts = clock.split(":")
+        if (len(parts) in (2, 3) and all(p.isdigit() for p in parts)
+                and (not days or days.isdigit())):
+            nums = [int(p) for p in parts]
+            h, m, sec = ([0] + nums) if len(nums) == 2 else nums
+            secs = int(days or 0) * 86400 + h * 3600 + m * 60 + sec
+    else:
+        m = _DURATION.fullmatch(s)
+        if m and any(m.groups()):
+            d, h, mi, sec = (int(g or 0) for g in m.groups())
+            secs = d * 86400 + h * 3600 + mi * 60 + sec
+    if not secs:
+        raise UsageError(f"--time-limit '{text}': give seconds (90), units (90s, 15m, 1h30m, "
+                         "2d) or [D-]HH:MM:SS, more than zero")
+    return secs
+
+
+def format_elapsed(seconds: float | None) -> str:
+    """squeue's TIME column: M:SS, H:MM:SS, D-HH:MM:SS; '-' when it never started."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}-{h:02d}:{m:02d}:{s:02d}"
+    if h:
+        return f"{h}:{m:02d}:{s:02d}"
+    return f"{m}:{s:02d}"
+
+
+def format_exit(job: Job) -> str:
+    """sacct's ExitCode column: `code:signal`; '-' while it runs or when nothing is known."""
+    if job.exit_code is None and job.signal is None:
+        return "-"
+    return f"{job.exit_code or 0}:{job.signal or 0}"
+
+
+def table(jobs: list[Job], *, now: float | None = None) -> list[list[str]]:
+    """Rows of the `envctl jobs` table, header first."""
+    now = time.time() if now is None else now
+    rows = [["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "START"]]
+    for j in jobs:
+        start = (time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(j.start_time))
+                 if j.start_time is not None else "-")
+        rows.append([str(j.id), j.name or "-", j.env, j.user or str(j.uid), str(j.state),
+                     format_elapsed(j.elapsed(now)), format_exit(j), start])
+    return rows
+
+
+def parse_cpus(text: str, what: str = "CPUs") -> tuple[int, ...]:
+    """A CPU list as the kernel writes one (`0-3,6`); UsageError otherwise."""
+    out: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+            raise UsageError(f"{what} '{text}': a CPU list such as 0-3,6")
+        out.update(range(int(lo), int(hi if dash else lo) + 1))
+    return tuple(sorted(out))
+
+
+# ---------------------------------------------------------------- following output
+
+
+IN_MODIFY, IN_CLOSE_WRITE, IN_ATTRIB = 0x2, 0x8, 0x4
+
+
+def follow(state_dir: Path, job: Job, path: Path, write: Callable[[bytes], None], *,
+           boot_id: str, recheck: float = 1.0) -> None:
+    """Copy `path` (one of the job's outputs) to `write` from its start, then as it grows,
+    until the job has ended: woken by inotify when the file changes and by the supervisor's
+    pidfd when it exits, so nothing polls while nothing happens. `recheck` seconds bound a
+    sleep in case a wake-up is missed (an output on a file system without inotify events,
+    such as one written over NFS)."""
+    import select
+
+    from envctl.host.libc import libc
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    ino = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    pidfd = -1
+    try:
+        poller = select.poll()
+        if ino >= 0 and libc.inotify_add_watch(
+                ino, os.fsencode(path), IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB) >= 0:
+            poller.register(ino, select.POLLIN)
+        if job.active and supervisor_alive(job, boot_id):
+            with contextlib.suppress(ProcessLookupError):
+                pidfd = os.pidfd_open(int((job.supervisor or {})["pid"]))
+                if supervisor_alive(job, boot_id):  # pinned: still the recorded process
+                    poller.register(pidfd, select.POLLIN)
+                else:
+                    os.close(pidfd)
+                    pidfd = -1
+        ended = pidfd < 0
+        while True:
+            while chunk := os.read(fd, 65536):
+                write(chunk)
+            if ended:
+                return
+            for got, _ in poller.poll(recheck * 1000):
+                if got == ino:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(ino, 4096)
+                elif got == pidfd:
+                    ended = True  # one more read above: what it wrote last
+            if not ended:
+                now = read(state_dir, job.id)
+                ended = now is None or not now.shown(boot_id).active
+    finally:
+        os.close(fd)
+        if ino >= 0:
+            os.close(ino)
+        if pidfd >= 0:
+            os.close(pidfd)

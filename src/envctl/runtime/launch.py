@@ -1,0 +1,955 @@
+"""The one entry path into an environment, for `exec`, jobs and the environment's service: new
+namespaces, the per-launch cgroup, pivot_root into the rootfs, capabilities, the user, and the
+exec of an argv list. No helper binary, no shell.
+
+API (kept stable for the job system):
+
+    Launch(ctx, argv, environ, user, *, cwd="/", cpus=None, cgroup_dirs=[], caps=None,
+           binds=(), stdio=(0, 1, 2), pty=False, winsize=None, status_fd=None, attach=None)
+    start(launch) -> Started(pid, pidfd, pty)   # returns once the job has exec'd; raises
+                                                # LaunchError (CommandNotFound: exit 127)
+    Started.wait() -> int (exit code, 128+N for signal N); .signal(sig); .kill(); .close()
+    User(uid, gid, groups=()), Bind(source, target, read_only=True)
+    resolve_user(spec, ctx, environ) -> User    # --user; the sudo user; never silently root
+    job_environ(ctx, user, extra=None) -> dict  # /etc/environment + HOME + extra
+    create_cgroup(ctx, name, cpus=None) -> list[Path]; remove_cgroup(ctx, name)
+    cgroup_dirs(ctx, name) -> list[Path]; cgroup_adapter(ctx) -> Cgroups (stats, kill)
+    systemd_attach(ctx) -> Callable[[int], None]  # Launch.attach for the systemd driver
+    DEFAULT_CAPS, FORWARDED_SIGNALS, exit_code(wait_status)
+    EnvContext.load(host, env) (runtime.context): env, root, mntns, netns, hostname, environ,
+        cgroup (EnvCgroup: driver, parent, version, controllers), cpus, gpus, device_gids
+
+Notes for callers: a bind's target must already exist in the (read-only) rootfs; stdio fds
+the caller has closed become /dev/null; joining a cgroup costs one RCU grace period (15-20 ms
+here: cgroup_threadgroup_rwsem), paid by the launcher; FORWARDED_SIGNALS reach the job's
+process itself (not its group), anything else sent to the launcher (SIGKILL) ends it all.
+
+Processes. `start` forks the *launcher* (a child of the caller, in the host's PID namespace):
+it joins the environment's network namespace, writes its pid into each of `cgroup_dirs`, joins
+the environment's persistent mount namespace, unshares mount, PID, UTS, IPC and cgroup
+namespaces, makes every mount private, sets the hostname, bind-mounts `binds`, and forks the
+*init*: PID 1 of the new PID namespace. The init mounts /proc (and masks its host-wide knobs),
+pivot_roots into the rootfs with the old root detached, opens the pseudo-terminal, and forks
+the *job*: setsid (and the pty as controlling terminal), CPU affinity, the capability bounding
+set, the user, PR_SET_NO_NEW_PRIVS, chdir, execve. The init forwards FORWARDED_SIGNALS to the
+job, reaps everything, writes the job's raw wait status to `status_fd` and exits with the
+job's exit code (128+N for signal N); so does the launcher, whose pid `Started` holds. The
+launcher dies with the caller and the init with the launcher (PR_SET_PDEATHSIG SIGKILL): when
+the init dies, the kernel kills every process of the PID namespace. The caller must therefore
+call `start` from the thread that stays until the job ends (the main thread).
+
+Everything the children need is imported before the fork: after pivot_root the host's Python
+library is no longer reachable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import posixpath
+import select
+import signal
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
+
+from envctl.errors import HostError, UsageError
+from envctl.host.libc import libc
+from envctl.runtime.context import DEFAULT_PATH, EnvContext, format_cpus
+
+if TYPE_CHECKING:
+    from envctl.host.cgroups import Cgroups
+
+# The capabilities a root job keeps in its bounding, permitted and effective sets: Docker's
+# default set (moby oci/caps/defaults.go). No SYS_ADMIN (mount, setns, …), SYS_PTRACE,
+# SYS_MODULE, NET_ADMIN, SYS_TIME, …: a root job owns its files and processes, not the host.
+# Jobs of other users keep none (nothing in the bounding set either).
+DEFAULT_CAPS = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "NET_RAW", "SETGID",
+                "SETUID", "SETFCAP", "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "KILL",
+                "AUDIT_WRITE")
+CAPS = {name: n for n, name in enumerate((
+    "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
+    "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW",
+    "IPC_LOCK", "IPC_OWNER", "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE",
+    "SYS_PACCT", "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME",
+    "SYS_TTY_CONFIG", "MKNOD", "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP",
+    "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG", "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ",
+    "PERFMON", "BPF", "CHECKPOINT_RESTORE"))}
+# What the init (and the launcher) pass on to the job; others go to them alone.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
+                     signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
+# /proc files and directories a job may not change (bound read-only) or see (masked): the
+# host-wide knobs and leaks that are not per-namespace, as runc masks them by default.
+PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "acpi", "scsi")
+# The launcher's (and init's) own exit status when something before the exec failed.
+SETUP_FAILED = 125
+
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
+CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+CAP_VERSION_3 = 0x20080522
+CLOSE_RANGE_CLOEXEC = 1 << 2
+TIOCSCTTY, TIOCSWINSZ, TIOCSPTLCK, TIOCGPTPEER = 0x540E, 0x5414, 0x40045431, 0x5441
+TTY_GID = 5  # the group of /dev/pts in every environment (envctl's /etc/group: tty)
+_SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126, "close_range": 436},
+             "aarch64": {"pivot_root": 41, "capset": 91, "close_range": 436}}
+_NR = _SYSCALLS.get(os.uname().machine, _SYSCALLS["x86_64"])
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+# ---------------------------------------------------------------- the API
+
+
+class User(NamedTuple):
+    """Who the job runs as: uid, primary gid and supplementary groups."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+
+class Bind(NamedTuple):
+    """A per-launch bind mount: host path `source` at `target` inside the rootfs (the target
+    must exist in the tree: the tree is read-only, no mount point can be made), always
+    nosuid,nodev, read-only unless `read_only` is False."""
+
+    source: str
+    target: str
+    read_only: bool = True
+
+
+@dataclass
+class Launch:
+    """What to run in which environment, and how. See the module docstring."""
+
+    ctx: EnvContext
+    argv: list[str]  # argv[0] is looked up in environ's PATH inside the rootfs
+    environ: dict[str, str]  # the job's whole environment (see job_environ)
+    user: User
+    cwd: str = "/"
+    cpus: tuple[int, ...] | None = None  # CPU affinity: a subset of ctx.cpus (None: all)
+    cgroup_dirs: list[Path] = field(default_factory=list)  # the launcher joins each (cgroupfs)
+    caps: tuple[str, ...] | None = None  # bounding set kept; None: DEFAULT_CAPS for uid 0
+    binds: Sequence[Bind] = ()
+    stdio: tuple[int, int, int] = (0, 1, 2)  # the job's stdin, stdout, stderr (without pty)
+    pty: bool = False  # a new pseudo-terminal inside the environment; master in Started.pty
+    winsize: tuple[int, int] | None = None  # (rows, columns) of the pty
+    status_fd: int | None = None  # the init writes the job's raw wait status here, "N\n"
+    # Called in the caller with the launcher's pid before the launcher enters anything (the
+    # systemd driver's scope: `systemd_attach`); the launcher waits for it.
+    attach: Callable[[int], None] | None = None
+
+
+@dataclass
+class Started:
+    """A launch whose job has exec'd: `pid` and `pidfd` are the launcher's (the caller's
+    child, which exits with the job's exit code); `pty` the pseudo-terminal's master."""
+
+    pid: int
+    pidfd: int
+    pty: int | None = None
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the launcher, which passes FORWARDED_SIGNALS on to the job; SIGKILL
+        ends the launcher and with it the whole PID namespace. Gone already is fine."""
+        if self.pidfd < 0:
+            return  # reaped (wait) or closed: nothing left to signal
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self.pidfd, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+
+    def wait(self) -> int:
+        """Reap the launcher; the job's exit code (128+N when signal N ended it)."""
+        _, status = os.waitpid(self.pid, 0)
+        self.close()
+        return exit_code(status)
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+class LaunchError(HostError):
+    """Something before the job's exec failed: `step` names it ("setns net", "pivot_root",
+    "exec"), `errno` is the kernel's answer (0 when there is none)."""
+
+    def __init__(self, message: str, *, step: str, errno: int = 0, exit_code: int = 1):
+        super().__init__(message)
+        self.step = step
+        self.errno = errno
+        self.exit_code = exit_code
+
+
+class CommandNotFound(LaunchError):
+    """The program is not in the environment (exit 127, as a shell says it)."""
+
+
+def exit_code(status: int) -> int:
+    """A wait status as a shell reports it: the exit code, or 128+N for signal N."""
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+# ---------------------------------------------------------------- users and environment
+
+
+def resolve_user(spec: str | None, ctx: EnvContext,
+                 environ: dict[str, str] | os._Environ[str] = os.environ) -> User:
+    """The user `--user spec` names ("name", "uid", "name:group", "uid:gid"), looked up in the
+    rootfs's /etc/passwd and /etc/group, then the host's. Without `spec`: the user behind sudo
+    ($SUDO_UID, $SUDO_GID). Never root unless asked for ("root" or "0"): UsageError.
+    Supplementary groups: those of the rootfs's /etc/group listing the user, and the groups
+    of the environment's GPU nodes (ctx.device_gids)."""
+    if spec is None:
+        uid = environ.get("SUDO_UID", "")
+        if uid.isdigit() and int(uid) != 0:
+            gid = environ.get("SUDO_GID", "")
+            primary = int(gid) if gid.isdigit() else int(uid)
+            return User(int(uid), primary,
+                        tuple(g for g in ctx.device_gids if g != primary))
+        raise UsageError("envctl runs nothing as root unless asked: give --user USER (a name "
+                         "or uid; --user root to run as root); run through sudo, the user "
+                         "behind sudo is the default")
+    name, _, group = spec.partition(":")
+    if not name:
+        raise UsageError(f"--user {spec!r}: give a user name or uid")
+    passwd = _table(ctx.root / "etc" / "passwd")  # name:x:uid:gid:gecos:home:shell
+    if name.isdigit():
+        uid = int(name)
+        entry = next((e for e in passwd.values() if e[2] == name), None)
+    else:
+        entry = passwd.get(name) or _host_user(name)
+        if entry is None or not entry[2].isdigit():
+            raise UsageError(f"--user {spec!r}: no user '{name}' in the environment's "
+                             "/etc/passwd nor on the host")
+        uid = int(entry[2])
+    login = entry[0] if entry else ""
+    primary = int(entry[3]) if entry and entry[3].isdigit() else uid
+    groups = _table(ctx.root / "etc" / "group")  # name:x:gid:member,member
+    gid = _group_id(group, groups, spec) if group else primary
+    extra = {int(g[2]) for g in groups.values() if login and g[2].isdigit()
+             and login in g[3].split(",")}
+    return User(uid, gid, tuple(sorted((extra | set(ctx.device_gids)) - {gid})))
+
+
+def _table(path: Path) -> dict[str, list[str]]:
+    """name -> the fields of each line of a passwd or group file (missing file: empty)."""
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    except OSError as exc:
+        raise HostError(f"read {path}: {exc.strerror}") from exc
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        parts = line.split(":")
+        if len(parts) >= 4 and parts[0] and not parts[0].startswith("#"):
+            out.setdefault(parts[0], parts)
+    return out
+
+
+def _host_user(name: str) -> list[str] | None:
+    import pwd
+
+    try:
+        p = pwd.getpwnam(name)
+    except KeyError:
+        return None
+    return [p.pw_name, "x", str(p.pw_uid), str(p.pw_gid), "", p.pw_dir, p.pw_shell]
+
+
+def _group_id(group: str, groups: dict[str, list[str]], spec: str) -> int:
+    if group.isdigit():
+        return int(group)
+    if group in groups and groups[group][2].isdigit():
+        return int(groups[group][2])
+    import grp
+
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise UsageError(f"--user {spec!r}: no group '{group}' in the environment's "
+                         "/etc/group nor on the host") from None
+
+
+def job_environ(ctx: EnvContext, user: User, extra: dict[str, str] | None = None
+                ) -> dict[str, str]:
+    """The environment's variables (its /etc/environment), HOME (from the rootfs's passwd:
+    /root for root, else / when the user has no entry there), then `extra`."""
+    env = dict(ctx.environ)
+    home = next((e[5] for e in _table(ctx.root / "etc" / "passwd").values()
+                 if len(e) > 5 and e[2] == str(user.uid) and e[5]),
+                "/root" if user.uid == 0 else "/")
+    env.setdefault("HOME", home)
+    env.update(extra or {})
+    return env
+
+
+# ---------------------------------------------------------------- per-launch cgroups
+
+
+def cgroup_adapter(ctx: EnvContext) -> Cgroups:
+    """The cgroupfs adapter for the environment's cgroup parent (stats, kill, …)."""
+    from envctl.host.cgroups import Cgroups
+
+    assert ctx.cgroup is not None
+    return Cgroups.from_env().for_parent(ctx.cgroup.parent)
+
+
+def cgroup_dirs(ctx: EnvContext, name: str) -> list[Path]:
+    """The directories of the launch's cgroup `<parent>/<env>/<name>`, one per hierarchy of
+    the environment's cgroup (cgroupfs driver), as Cgroups.dirs names them; [] without one.
+
+    Found from mountinfo here rather than through envctl.host.cgroups, whose import (the
+    host facts' dataclasses, the spec's unit parsers) costs ~15 ms of every `exec`."""
+    cg = ctx.cgroup
+    if cg is None or cg.driver != "cgroupfs":
+        return []
+    v1, unified = _cgroup_mounts()
+    rel = Path(cg.parent_name, ctx.env, name)
+    if cg.version == 2:
+        return [Path(unified) / rel] if unified else []
+    out: list[Path] = []
+    for c in cg.controllers:
+        if c in v1 and (d := Path(v1[c]) / rel) not in out:
+            out.append(d)
+    return out
+
+
+def _cgroup_mounts() -> tuple[dict[str, str], str | None]:
+    """v1 controller -> mount point, and the cgroup2 mount, at or below ENVCTL_CGROUP_ROOT (as
+    envctl.host.cgroups.detect_layout finds them: the first mount of each, roots only)."""
+    base = os.environ.get("ENVCTL_CGROUP_ROOT", "/sys/fs/cgroup").rstrip("/") or "/"
+    v1: dict[str, str] = {}
+    unified = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, sep, right = line.partition(" - ")
+            tail = right.split()
+            if not sep or len(tail) < 3 or tail[0] not in ("cgroup", "cgroup2"):
+                continue
+            fields = left.split()
+            mnt = fields[4].replace("\\040", " ")
+            if fields[3] != "/" or not (mnt == base or mnt.startswith(base.rstrip("/") + "/")):
+                continue
+            if tail[0] == "cgroup2":
+                unified = unified or mnt
+            else:
+                for opt in tail[2].split(","):
+                    v1.setdefault(opt, mnt)
+    return v1, unified
+
+
+def _delegate(env_dir: Path) -> None:
+    """cgroup v2: a child has only the controllers its parent's cgroup.subtree_control enables,
+    and an environment's cgroup (which holds no process of its own: every launch is in a child)
+    enables none; without them a launch's child would have no memory.events (OOM kills), no
+    memory.peak and no limits of its own. Enabled once, for what the environment has."""
+    try:
+        have = (env_dir / "cgroup.controllers").read_text().split()
+        on = set((env_dir / "cgroup.subtree_control").read_text().split())
+    except OSError:
+        return
+    want = [c for c in ("cpu", "cpuset", "memory", "io", "pids") if c in have and c not in on]
+    if want:
+        _write(env_dir / "cgroup.subtree_control", " ".join(f"+{c}" for c in want))
+
+
+def create_cgroup(ctx: EnvContext, name: str, *, cpus: tuple[int, ...] | None = None
+                  ) -> list[Path]:
+    """Make the launch's cgroup `<env>/<name>` (cgroupfs driver) in each hierarchy of the
+    environment's cgroup and return its directories (Launch.cgroup_dirs). A v1 cpuset child
+    starts empty and takes no task: it gets `cpus` (default: the environment's cpuset) and the
+    environment's memory nodes. With the systemd driver, or no cgroup: [] (systemd_attach)."""
+    if ctx.cgroup is None:
+        # Never outside the environment's limits: a launch without a cgroup would run in the
+        # caller's.
+        raise HostError(f"environment '{ctx.env}' has no cgroup recorded; `envctl up "
+                        f"{ctx.env}` makes it")
+    dirs = cgroup_dirs(ctx, name)
+    made: list[Path] = []
+    try:
+        for d in dirs:
+            if ctx.cgroup.version == 2:
+                _delegate(d.parent)
+            try:
+                d.mkdir()
+            except FileExistsError:
+                pass  # EEXIST: a launch of the same name that died before removing it
+            except FileNotFoundError:
+                raise HostError(f"create cgroup '{ctx.env}/{name}': {d.parent} is gone: the "
+                                f"environment's cgroup; `envctl up {ctx.env}` makes it "
+                                "again") from None
+            made.append(d)
+            cpuset = d.parent / "cpuset.cpus"
+            if ctx.cgroup and ctx.cgroup.version == 1 and cpuset.exists():
+                _write(d / "cpuset.mems", (d.parent / "cpuset.mems").read_text().strip())
+                _write(d / "cpuset.cpus", format_cpus(cpus) if cpus
+                       else cpuset.read_text().strip())
+            elif cpus and (d / "cpuset.cpus").exists():
+                _write(d / "cpuset.cpus", format_cpus(cpus))  # v2, when delegated
+    except OSError as exc:
+        _rmdirs(made)
+        raise HostError(f"create cgroup '{ctx.env}/{name}': {exc.filename}: "
+                        f"{exc.strerror}") from exc
+    except BaseException:
+        _rmdirs(made)
+        raise
+    return dirs
+
+
+def remove_cgroup(ctx: EnvContext, name: str) -> None:
+    """Remove the launch's cgroup; gone already is fine. Empty (the launch's PID namespace
+    died with its init) it is one rmdir per hierarchy; a process still in it (a launch that
+    could not be waited for) is killed first, by the cgroup adapter."""
+    dirs = cgroup_dirs(ctx, name)
+    if _rmdirs(dirs):
+        return
+    controllers = ctx.cgroup.controllers if ctx.cgroup else ()
+    cgroup_adapter(ctx).remove(f"{ctx.env}/{name}", controllers or None)
+
+
+def _rmdirs(dirs: list[Path]) -> bool:
+    """rmdir each (and anything below it, deepest first); False when one stays busy."""
+    deadline = time.monotonic() + 1.0
+    for top in dirs:
+        for d in [Path(p) for p, _, _ in os.walk(top, topdown=False)] or [top]:
+            while True:
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break  # ENOENT: gone already
+                except OSError as exc:
+                    # EBUSY: a task is still there, or the kernel is still tearing the last
+                    # one down (for a moment after its exit).
+                    if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                        if exc.errno == errno.EBUSY:
+                            return False
+                        raise HostError(f"remove cgroup {d}: {exc.strerror}") from exc
+                    time.sleep(0.005)
+    return True
+
+
+def _write(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())  # one write: cgroupfs parses each as one command
+    finally:
+        os.close(fd)
+
+
+def systemd_attach(ctx: EnvContext) -> Callable[[int], None] | None:
+    """For the systemd driver: Launch.attach putting the launcher into a transient scope of
+    the environment's slice (systemd owns that tree: envctl writes none of it); the scope
+    goes when its processes have. None for the cgroupfs driver."""
+    if ctx.cgroup is None or ctx.cgroup.driver != "systemd":
+        return None
+    from envctl.host.systemd import Systemd
+
+    sd = Systemd.from_env().for_parent(ctx.cgroup.parent)
+
+    def attach(pid: int) -> None:
+        sd.attach(ctx.env, pid)
+    return attach
+
+
+# ---------------------------------------------------------------- start
+
+
+@dataclass
+class _Plan:
+    """Everything the children use, computed and opened before the fork."""
+
+    parent: int
+    netns_fd: int
+    mntns_fd: int
+    err_w: int
+    sync_r: int
+    sock: int  # the children's end of the pty socket pair
+    cpus: tuple[int, ...]
+    keep: int  # capability bits kept
+    last_cap: int
+    argv: list[bytes]
+    environ: dict[bytes, bytes]
+    hostname: bytes
+    binds: list[Bind]
+
+
+def start(launch: Launch) -> Started:
+    """Start the launch and return once its job has exec'd (see the module docstring).
+
+    UsageError for a launch that cannot be right (empty argv, a NUL byte, unknown
+    capabilities, CPUs outside the environment's); LaunchError naming the step that failed,
+    CommandNotFound (exit 127) when argv[0] is not in the environment, exit 126 when it cannot
+    be run."""
+    ctx = launch.ctx
+    plan_args = _check(launch)
+    fds: list[int] = []
+    try:
+        netns_fd = _open_ns(ctx.netns, "network namespace", fds) if ctx.netns else -1
+        mntns_fd = _open_ns(ctx.mntns, "mount namespace", fds)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        fds += [err_r, err_w]
+        sync_r = sync_w = -1
+        if launch.attach is not None:
+            sync_r, sync_w = os.pipe2(os.O_CLOEXEC)
+            fds += [sync_r, sync_w]
+        mine = theirs = -1
+        if launch.pty:
+            import socket
+
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            mine, theirs = a.detach(), b.detach()
+            fds += [mine, theirs]
+        if launch.binds:
+            from envctl.host import mounts  # noqa: F401 - for the launcher, before the fork
+        plan = _Plan(os.getpid(), netns_fd, mntns_fd, err_w, sync_r, theirs, **plan_args)
+        with _signals_blocked():
+            pid = os.fork()
+            if pid == 0:
+                _launcher(launch, plan)  # never returns
+        return _started(launch, pid, err_r, err_w, sync_w, mine, fds)
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _check(launch: Launch) -> dict:
+    ctx = launch.ctx
+    if not launch.argv or not all(isinstance(a, str) for a in launch.argv):
+        raise UsageError("give the command to run, as a list of arguments")
+    if not launch.argv[0]:
+        raise UsageError("the command to run is an empty string")
+    for i, arg in enumerate(launch.argv):
+        if "\0" in arg:
+            raise UsageError(f"argument {i} contains a NUL byte, which no program can receive")
+    for key, value in launch.environ.items():
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise UsageError(f"environment variable {key!r}: a name without '=' or NUL, and "
+                             "a value without NUL")
+    if not launch.cwd.startswith("/"):
+        raise UsageError(f"working directory {launch.cwd!r}: an absolute path in the "
+                         "environment")
+    caps = launch.caps if launch.caps is not None else (
+        DEFAULT_CAPS if launch.user.uid == 0 else ())
+    unknown = sorted(c for c in caps if c.upper().removeprefix("CAP_") not in CAPS)
+    if unknown:
+        raise UsageError(f"unknown capabilities {', '.join(unknown)}; known: "
+                         f"{', '.join(CAPS)}")
+    keep = 0
+    for c in caps:
+        keep |= 1 << CAPS[c.upper().removeprefix("CAP_")]
+    cpus = tuple(launch.cpus) if launch.cpus is not None else ctx.cpus
+    outside = sorted(set(cpus) - set(ctx.cpus)) if ctx.cpus else []
+    if outside or not cpus:
+        raise UsageError(f"CPUs {outside or '(none)'}: the environment '{ctx.env}' runs on "
+                         f"CPUs {','.join(map(str, ctx.cpus))}")
+    for b in launch.binds:
+        if not b.target.startswith("/") or any(p in (".", "..") for p in b.target.split("/")):
+            raise UsageError(f"bind target {b.target!r}: an absolute path without . or ..")
+    try:
+        last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    except (OSError, ValueError):
+        last_cap = max(CAPS.values())
+    return {"cpus": cpus, "keep": keep, "last_cap": last_cap,
+            "argv": [os.fsencode(a) for a in launch.argv],
+            "environ": {os.fsencode(k): os.fsencode(v) for k, v in launch.environ.items()},
+            "hostname": ctx.hostname.encode(), "binds": list(launch.binds)}
+
+
+def _open_ns(path: Path, what: str, fds: list[int]) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HostError(f"enter {what} {path}: {exc.strerror}") from exc
+    fds.append(fd)
+    return fd
+
+
+@contextlib.contextmanager
+def _signals_blocked():  # noqa: ANN202 - a context manager
+    """FORWARDED_SIGNALS blocked across a fork: each child installs its own handlers before
+    it takes a signal, and the caller's handlers never run in a child."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _started(launch: Launch, pid: int, err_r: int, err_w: int, sync_w: int, mine: int,
+             fds: list[int]) -> Started:
+    """The caller's side after the fork: attach, take the pty, wait for the exec."""
+    os.close(err_w)
+    fds.remove(err_w)
+    started = Started(pid, os.pidfd_open(pid))
+    try:
+        if launch.attach is not None:
+            launch.attach(pid)
+            os.write(sync_w, b"g")
+        if launch.pty:
+            import socket
+
+            with socket.socket(fileno=os.dup(mine)) as s:
+                _, got, _, _ = socket.recv_fds(s, 16, 1)
+            started.pty = got[0] if got else None
+        report = _read_all(err_r)
+        if report:
+            os.waitpid(pid, 0)
+            started.close()
+            if started.pty is not None:
+                os.close(started.pty)
+            raise _error(launch, report)
+        return started
+    except BaseException:
+        if started.pidfd >= 0:  # not reaped yet
+            started.kill()
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            started.close()
+        raise
+
+
+def _read_all(fd: int) -> bytes:
+    out = b""
+    while chunk := os.read(fd, 4096):
+        out += chunk
+    return out
+
+
+def _error(launch: Launch, report: bytes) -> LaunchError:
+    step, _, rest = report.decode(errors="replace").partition("\0")
+    num, _, detail = rest.partition("\0")
+    no = int(num) if num.isdigit() else 0
+    env = launch.ctx.env
+    prog = launch.argv[0]
+    if step == "exec":
+        if no in (errno.ENOENT, errno.ENOTDIR):
+            where = "no such file in" if "/" in prog else "command not found in"
+            return CommandNotFound(f"{prog}: {where} environment '{env}'"
+                                   + ("" if "/" in prog else
+                                      f" (PATH={launch.environ.get('PATH', DEFAULT_PATH)})"),
+                                   step=step, errno=no, exit_code=127)
+        return LaunchError(f"{prog}: cannot run it in environment '{env}': "
+                           f"{os.strerror(no) if no else detail}", step=step, errno=no,
+                           exit_code=126)
+    cause = os.strerror(no) if no else detail
+    if no and detail:
+        cause = f"{detail}: {cause}"
+    return LaunchError(f"enter environment '{env}': {step}: {cause}", step=step, errno=no)
+
+
+# ---------------------------------------------------------------- the children
+
+
+def _fail(err_w: int, step: str, exc: BaseException) -> NoReturn:
+    """Report the step that failed to the caller and end this process."""
+    if isinstance(exc, OSError):
+        no, detail = exc.errno or 0, str(exc.filename or "")
+    else:
+        no, detail = 0, f"{type(exc).__name__}: {exc}"
+    with contextlib.suppress(BaseException):
+        os.write(err_w, f"{step}\0{no}\0{detail}".encode(errors="replace")[:4000])
+    os._exit(SETUP_FAILED)
+
+
+def _check_call(ret: int, what: str = "") -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), what or None)
+
+
+def _forward_to(target: list[int]):  # noqa: ANN202 - a signal handler
+    def handler(sig: int, frame: object) -> None:
+        if target[0] > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(target[0], sig)
+    return handler
+
+
+def _launcher(launch: Launch, plan: _Plan) -> NoReturn:
+    """The caller's child, in the host's PID namespace (see the module docstring)."""
+    step = "start"
+    try:
+        os.setsid()  # out of the caller's terminal group: signals reach the job once, forwarded
+        _check_call(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
+        if os.getppid() != plan.parent:
+            os._exit(SETUP_FAILED)  # the caller died before the prctl
+        signal.set_wakeup_fd(-1)
+        init = [0]
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, _forward_to(init))
+        if plan.sync_r >= 0:
+            step = "attach"
+            if os.read(plan.sync_r, 1) != b"g":
+                os._exit(SETUP_FAILED)  # the caller gave up
+        if plan.netns_fd >= 0:
+            step = "setns net"
+            _check_call(libc.setns(plan.netns_fd, CLONE_NEWNET), str(launch.ctx.netns))
+        step = "join cgroup"
+        me = str(os.getpid()).encode()
+        for d in launch.cgroup_dirs:
+            fd = os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, me)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, str(d)) from None
+            finally:
+                os.close(fd)
+        step = "setns mnt"
+        _check_call(libc.setns(plan.mntns_fd, CLONE_NEWNS), str(launch.ctx.mntns))
+        step = "unshare"
+        _check_call(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC
+                                 | CLONE_NEWCGROUP))
+        step = "make / private"
+        _check_call(libc.mount(None, b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None))
+        step = "sethostname"
+        _check_call(libc.sethostname(plan.hostname, len(plan.hostname)))
+        for b in plan.binds:
+            step = f"bind {b.target}"
+            _bind(launch.ctx.root, b)
+        step = "fork init"
+        alive_r, alive_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            os.close(alive_w)
+            _init(launch, plan, alive_r)  # never returns
+        init[0] = pid
+        for fd in (plan.err_w, plan.sock, alive_r, plan.netns_fd, plan.mntns_fd, plan.sync_r):
+            if fd >= 0:
+                os.close(fd)
+        if launch.status_fd is not None:
+            os.close(launch.status_fd)
+    except BaseException as exc:
+        _fail(plan.err_w, step, exc)
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
+        _, status = os.waitpid(pid, 0)
+        os._exit(exit_code(status))
+    finally:
+        os._exit(SETUP_FAILED)
+
+
+def _bind(root: Path, b: Bind) -> None:
+    """Bind host path b.source at b.target beneath the rootfs, nosuid,nodev(,ro)."""
+    import stat
+
+    from envctl.host import mounts as m
+
+    src = os.open(b.source, os.O_PATH | os.O_CLOEXEC)
+    try:
+        is_dir = stat.S_ISDIR(os.fstat(src).st_mode)
+        with m.open_mountpoint(str(root), b.target, file=not is_dir) as mp:
+            flags = MS_NOSUID | MS_NODEV | (MS_RDONLY if b.read_only else 0)
+            m.mount_on(mp, "bind", source_fd=src, flags=flags)
+    finally:
+        os.close(src)
+
+
+def _init(launch: Launch, plan: _Plan, alive_r: int) -> NoReturn:
+    """PID 1 of the launch's PID namespace (see the module docstring)."""
+    step = "init"
+    try:
+        _check_call(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
+        # The launcher holds the other end open for as long as it lives: EOF means it died
+        # before the prctl took effect, and nobody would ever kill this namespace.
+        if select.select([alive_r], [], [], 0)[0]:
+            os._exit(SETUP_FAILED)
+        os.close(alive_r)
+        job = [0]
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, _forward_to(job))
+        step = "chdir rootfs"
+        os.chdir(launch.ctx.root)
+        step = "mount /proc"
+        _check_call(libc.mount(b"proc", b"proc", b"proc",
+                               ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC), None), "proc")
+        step = "mask /proc"
+        _mask_proc()
+        step = "pivot_root"
+        _check_call(_pivot_root(b".", b"."), str(launch.ctx.root))
+        step = "detach the old root"
+        _check_call(libc.umount2(b".", MNT_DETACH))
+        os.chdir("/")
+        slave = -1
+        if launch.pty:
+            step = "open a pseudo-terminal"
+            slave = _open_pty(launch, plan)
+        step = "fork the job"
+        pid = os.fork()
+        if pid == 0:
+            _job(launch, plan, slave)  # never returns
+        job[0] = pid
+        for fd in (plan.err_w, slave, plan.sock):
+            if fd >= 0:
+                os.close(fd)
+    except BaseException as exc:
+        _fail(plan.err_w, step, exc)
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
+        while True:  # reap everything; the job's end ends the namespace
+            try:
+                got, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                os._exit(SETUP_FAILED)
+            if got == pid:
+                break
+        if launch.status_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(launch.status_fd, f"{status}\n".encode())
+        os._exit(exit_code(status))
+    finally:
+        os._exit(SETUP_FAILED)
+
+
+def _pivot_root(new: bytes, old: bytes) -> int:
+    return libc.syscall(_NR["pivot_root"], new, old)
+
+
+def _mask_proc() -> None:
+    """/proc's host-wide knobs read-only, its host-wide leaks hidden (cwd: the rootfs)."""
+    for name in PROC_READONLY:
+        p = f"proc/{name}".encode()
+        if os.path.exists(p):
+            _check_call(libc.mount(p, p, None, ctypes.c_ulong(MS_BIND | MS_REC), None), p)
+            _check_call(libc.mount(None, p, None, ctypes.c_ulong(
+                MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC), None), p)
+    for name in PROC_MASKED:
+        p = f"proc/{name}".encode()
+        if os.path.isdir(p):
+            _check_call(libc.mount(b"tmpfs", p, b"tmpfs", ctypes.c_ulong(
+                MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC), None), p)
+        elif os.path.exists(p):
+            _check_call(libc.mount(b"dev/null", p, None, ctypes.c_ulong(MS_BIND), None), p)
+
+
+def _open_pty(launch: Launch, plan: _Plan) -> int:
+    """A new pseudo-terminal in the environment's devpts: the master goes to the caller over
+    the socket, the slave (owned by the job's user) is returned."""
+    import socket
+
+    master = os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(master, TIOCSPTLCK, struct.pack("i", 0))
+        slave = fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY)
+        os.fchown(slave, launch.user.uid, TTY_GID)
+        if launch.winsize:
+            rows, cols = launch.winsize
+            fcntl.ioctl(master, TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        with socket.socket(fileno=os.dup(plan.sock)) as s:
+            socket.send_fds(s, [b"m"], [master])
+        return slave
+    finally:
+        os.close(master)
+
+
+def _job(launch: Launch, plan: _Plan, slave: int) -> NoReturn:
+    """The job: its session, CPUs, capabilities, user, no_new_privs, then the exec."""
+    step = "setsid"
+    try:
+        for sig in (*FORWARDED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE; exec keeps ignores
+        os.setsid()
+        stdio = launch.stdio
+        if slave >= 0:
+            step = "set the controlling terminal"
+            fcntl.ioctl(slave, TIOCSCTTY, 0)
+            stdio = (slave, slave, slave)
+        step = "set up stdin/stdout/stderr"
+        copies = [_dup_or_null(fd) for fd in stdio]  # dup first: the three may overlap 0..2
+        for target, fd in enumerate(copies):
+            os.dup2(fd, target, inheritable=True)
+            os.close(fd)
+        step = "close inherited descriptors"
+        # Everything above stderr closes at the exec; the error pipe stays open until then.
+        _check_call(libc.syscall(_NR["close_range"], 3, ctypes.c_uint(0xFFFFFFFF),
+                                 CLOSE_RANGE_CLOEXEC))
+        os.umask(0o022)
+        step = "set CPU affinity"
+        os.sched_setaffinity(0, plan.cpus)
+        step = "drop capabilities"
+        for cap in range(plan.last_cap + 1):
+            if not plan.keep & (1 << cap):
+                _check_call(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0))
+        _check_call(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0))
+        step = "set user"
+        user = launch.user
+        os.setgroups(list(user.groups))
+        os.setgid(user.gid)
+        os.setuid(user.uid)  # from root to another uid: permitted and effective sets cleared
+        step = "set capabilities"
+        _capset(plan.keep if user.uid == 0 else 0)
+        step = "no_new_privs"
+        _check_call(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
+        step = f"chdir {launch.cwd}"
+        os.chdir(launch.cwd)
+        step = "exec"
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        _exec(plan.argv, plan.environ)
+    except BaseException as exc:
+        _fail(plan.err_w, step, exc)
+    os._exit(SETUP_FAILED)
+
+
+def _dup_or_null(fd: int) -> int:
+    """A copy of `fd`, or of the environment's /dev/null when the caller had it closed."""
+    try:
+        return os.dup(fd)
+    except OSError as exc:
+        if exc.errno != errno.EBADF:
+            raise
+        return os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+
+
+def _capset(bits: int) -> None:
+    """Effective = permitted = `bits`, inheritable none (after an exec a root job's permitted
+    set is its bounding set plus its inheritable set: both are `bits` and nothing)."""
+    head = _CapHeader(CAP_VERSION_3, 0)
+    data = (_CapData * 2)(_CapData(bits & 0xFFFFFFFF, bits & 0xFFFFFFFF, 0),
+                          _CapData(bits >> 32, bits >> 32, 0))
+    _check_call(libc.syscall(_NR["capset"], ctypes.byref(head), data))
+
+
+def _exec(argv: list[bytes], environ: dict[bytes, bytes]) -> None:
+    """execve argv[0], looked up in environ's PATH unless it has a '/'; raises the OSError
+    of the exec that failed: EACCES when a match was found but could not run, else ENOENT."""
+    prog = argv[0]
+    if b"/" in prog:
+        os.execve(prog, argv, environ)
+    denied: OSError | None = None
+    for d in environ.get(b"PATH", DEFAULT_PATH.encode()).split(b":"):
+        try:
+            os.execve(posixpath.join(d or b".", prog), argv, environ)
+        except OSError as exc:
+            if exc.errno == errno.EACCES:
+                denied = exc
+            elif exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP,
+                                   errno.ENAMETOOLONG):
+                raise
+    if denied is not None:
+        raise denied
+    raise OSError(errno.ENOENT, os.strerror(errno.ENOENT), prog)

@@ -1,0 +1,759 @@
+"""The job system's processes: `submit` (stage the executable, start a supervisor), the detached
+supervisor of one job (podman's conmon shape), and `cancel`.
+
+The supervisor is forked from the `envctl submit-job` process itself, twice (the intermediate
+child calls setsid and exits), not started as `python -m …`: the CLI has already loaded the
+environment's context, checked every option and staged the file, so the supervisor starts the
+launch within a millisecond of the fork instead of paying a second interpreter start and a
+second read of the journal (~40 ms here). It needs no systemd, outlives the CLI (its parent
+becomes PID 1 or the nearest subreaper, which reaps it), has /dev/null as stdio and `/` as its
+directory, and closes every inherited descriptor but its own. Because `cli.entry` turns the
+cyclic GC off for the short-lived CLI, the supervisor, which may live for days, turns it on
+again, and it never returns into the CLI's stack: it ends with `os._exit`.
+
+What one supervisor does, in order (each step's failure ends the job FAILED with `error`):
+
+1. writes the record PENDING with its identity (pid and /proc start time) and reports its pid
+   to the CLI on a pipe;
+2. creates the job's cgroup `<env's cgroup>/job-<id>` in every hierarchy of the environment
+   (`launch.create_cgroup`; v1 cpuset: the job's CPUs and the environment's memory nodes);
+3. starts the launch (`runtime.launch.start`) with a status pipe, records RUNNING and its
+   start time, and tells the CLI ("R");
+4. waits on the launch's pidfd, the status pipe and a self-pipe its signal handlers write to:
+   SIGUSR1 (`envctl cancel`, after it wrote `<id>.cancel` with the grace) and SIGTERM/SIGINT
+   cancel; the time limit sends SIGTERM; SIGKILL to the whole cgroup follows after the grace;
+5. when the launcher ends: the job's wait status from the status pipe (from the launcher's
+   exit status when the init died without writing it, e.g. the OOM killer chose the init),
+   CPU time, peak memory and the OOM-kill counter from the job's cgroup; then it kills what
+   is left in the cgroup, removes it, writes the final record (fsynced) and exits.
+
+Killing the supervisor (kill -9) kills the job: the launch's init has PR_SET_PDEATHSIG
+(SIGKILL), and the kernel kills a PID namespace whose init dies. The record stays active and
+is shown as LOST; `cancel` of it removes what is left of its cgroup and writes LOST for good.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import select
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from envctl.errors import EnvctlError, HostError, InputError, UsageError
+from envctl.runtime import jobs
+from envctl.runtime.jobs import Job, State
+
+if TYPE_CHECKING:
+    from envctl.host.cgroups import Cgroups
+    from envctl.host.context import Host
+    from envctl.runtime.context import EnvContext
+    from envctl.runtime.launch import Started, User
+
+# How long `submit-job` waits for the supervisor to report that the job started.
+START_TIMEOUT = 60.0
+# How long `cancel` waits, beyond the grace, for the supervisor to record the end.
+CANCEL_SLACK = 15.0
+
+
+@dataclass
+class Request:
+    """A job as `submit-job` asks for it, before anything is staged or started."""
+
+    exe: Path  # on the host: copied into the job's directory
+    args: list[str] = field(default_factory=list)
+    name: str = ""
+    user: User | None = None  # None: refused (never silently root); see launch.resolve_user
+    user_name: str = ""
+    cpus: tuple[int, ...] | None = None  # None: the environment's
+    gpus: tuple[str, ...] | None = None  # UUIDs; None: the environment's
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    output: Path | None = None
+    error: Path | None = None
+    time_limit: int | None = None
+
+
+# ---------------------------------------------------------------- checking a request
+
+
+def check_request(ctx: EnvContext, req: Request) -> tuple[list[str], str]:
+    """Refuse a bad request before anything changes (InputError, exit 2); the argv the job
+    runs (its argv[0] as seen inside) and the name of the staged file."""
+    exe = req.exe
+    try:
+        st = exe.stat()
+    except OSError as exc:
+        raise InputError(f"submit-job: {exe}: {exc.strerror}") from None
+    if not exe.is_file():
+        raise InputError(f"submit-job: {exe}: not a regular file (give an executable or a "
+                         ".py script)")
+    if not (Path(ctx.root) / "job").is_dir():
+        raise HostError(f"submit-job: environment '{ctx.env}''s rootfs has no /job directory "
+                        f"to bind the job's files on: run `envctl up {ctx.env}` with this "
+                        "envctl, which makes it")
+    staged = exe.name
+    if exe.suffix == ".py":
+        python = find_in_rootfs(ctx, "python3")
+        if python is None:
+            raise InputError(f"submit-job: {exe} is a Python script, but environment "
+                             f"'{ctx.env}' has no python3 in its rootfs (add `rootfs.python: "
+                             "true` to its spec)")
+        argv = [python, f"/job/{staged}", *req.args]
+    else:
+        if not st.st_mode & 0o111:
+            raise InputError(f"submit-job: {exe}: not executable (chmod +x it, or give a .py "
+                             "script)")
+        argv = [f"/job/{staged}", *req.args]
+    if req.cpus is not None:
+        extra = sorted(set(req.cpus) - set(ctx.cpus))
+        if not req.cpus or extra:
+            raise InputError(f"submit-job --cpus: CPU(s) {_cpulist(extra) or 'none'} not among "
+                             f"environment '{ctx.env}''s CPUs ({_cpulist(ctx.cpus)})")
+    if req.gpus is not None:
+        extra = [g for g in req.gpus if g not in ctx.gpus]
+        if extra:
+            held = ", ".join(ctx.gpus) or "none"
+            raise InputError(f"submit-job --gpus: {', '.join(extra)} not among environment "
+                             f"'{ctx.env}''s GPUs ({held})")
+    if not req.workdir.startswith("/"):
+        raise InputError(f"submit-job --workdir '{req.workdir}': an absolute path inside the "
+                         "environment")
+    for opt, path in (("--output", req.output), ("--error", req.error)):
+        if path is not None and not path.parent.is_dir():
+            raise InputError(f"submit-job {opt} {path}: directory {path.parent} does not exist")
+        if path is not None and path.is_dir():
+            raise InputError(f"submit-job {opt} {path}: is a directory")
+    return argv, staged
+
+
+def find_in_rootfs(ctx: EnvContext, name: str) -> str | None:
+    """The path inside the environment of program `name`, searched in its PATH (from its
+    /etc/environment) as the launch will: checked on the host under the rootfs."""
+    path = ctx.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin"
+    for d in path.split(":"):
+        if not d.startswith("/"):
+            continue
+        inside = f"{d.rstrip('/')}/{name}"
+        if os.path.lexists(Path(ctx.root) / inside.lstrip("/")):
+            return inside
+    return None
+
+
+def _cpulist(cpus: Any) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+# ---------------------------------------------------------------- submitting
+
+
+def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = None) -> Job:
+    """Check `req`, allocate an id, stage the executable into `<state>/jobs/<id>/`, open the
+    output files and start the job's supervisor; the record once the job runs (or once it
+    failed to start: FAILED with `error`). Prunes finished records beyond the retention
+    first. Bad input (InputError) changes nothing."""
+    submit_time = time.time() if now is None else now
+    argv, staged = check_request(ctx, req)
+    assert req.user is not None
+    uid, gid = req.user.uid, req.user.gid
+    with jobs.jobs_lock(host.state_dir):
+        jobs.prune(host.state_dir)
+        jid = jobs._allocate_locked(host.state_dir)
+    jdir = jobs.job_dir(host.state_dir, jid)
+    stdout = req.output or jdir / "stdout"
+    stderr = req.error or jdir / "stderr"
+    cgroup = None
+    if ctx.cgroup is not None and ctx.cgroup.driver == "cgroupfs":
+        from envctl.runtime.launch import cgroup_adapter
+
+        cgroup = {"parent": cgroup_adapter(ctx).parent, "name": jobs.cgroup_name(ctx.env, jid)}
+    job = Job(id=jid, env=ctx.env, argv=argv, name=req.name or req.exe.name,
+              user=req.user_name, uid=uid, gid=gid, submit_time=submit_time,
+              boot_id=host.boot_id, stdout=str(stdout), stderr=str(stderr),
+              workdir=req.workdir, time_limit=req.time_limit,
+              cpus=sorted(req.cpus if req.cpus is not None else ctx.cpus),
+              gpus=list(req.gpus if req.gpus is not None else ctx.gpus), cgroup=cgroup)
+    fds: list[int] = []
+    try:
+        jdir.mkdir(mode=0o755, parents=True)
+        _stage(req.exe, jdir / staged, uid, gid)
+        out_fd = _open_output(stdout, uid, gid)
+        fds.append(out_fd)
+        err_fd = out_fd if _same_file(stdout, stderr) else _open_output(stderr, uid, gid)
+        if err_fd != out_fd:
+            fds.append(err_fd)
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(jdir, ignore_errors=True)
+        raise HostError(f"submit job {jid}: {exc.filename or jdir}: {exc.strerror}") from exc
+    try:
+        kind, text = _spawn(host, ctx, req, job, out_fd, err_fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    final = jobs.read(host.state_dir, jid)
+    if kind == "dead" and (final is None or final.active):
+        # The supervisor died before it started the job (it is gone: its pidfd said so), and
+        # nobody else will ever write this record.
+        final = replace(final or job, state=State.FAILED, end_time=time.time(),
+                        error=f"the supervisor died before it started the job ({text})")
+        jobs.write(host.state_dir, final, durable=True)
+    return final or job
+
+
+def _stage(src: Path, dest: Path, uid: int, gid: int) -> None:
+    """Copy the executable in with its permission bits (never set-id ones: it runs with
+    no_new_privs anyway), owned by the job's user so that a mode like 0700 still lets the
+    job run it. /job is bound read-only: the job cannot change it."""
+    shutil.copyfile(src, dest)
+    os.chmod(dest, src.stat().st_mode & 0o777)
+    os.chown(dest, uid, gid)
+
+
+def _open_output(path: Path, uid: int, gid: int) -> int:
+    """Open (truncate, as Slurm's default) an output file for the job; a file envctl creates is
+    the job user's, so that the user behind sudo can read it."""
+    existed = path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
+                 0o644)
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.fchown(fd, uid, gid)
+    return fd
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _spawn(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd: int,
+           err_fd: int) -> tuple[str, str]:
+    """Start the supervisor (double fork) and wait for its report (see `_read_report`)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the intermediate child
+        code = 1
+        try:
+            os.close(r)
+            os.setsid()  # its own session, no terminal: Ctrl-C in the shell does not reach it
+            if os.fork() == 0:  # the grandchild, no session leader: it never gets a terminal
+                _supervisor_main(host, ctx, req, job, out_fd, err_fd, w)  # never returns
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        os.waitpid(pid, 0)  # the intermediate exits at once
+        return _read_report(r)
+    finally:
+        os.close(r)
+
+
+def _read_report(r: int) -> tuple[str, str]:
+    """What the supervisor says, as (kind, text): "R" once the job runs (its record says
+    RUNNING), "E" with why it could not start it (its record is final), "dead" when it died
+    before either, "timeout" when it said nothing in START_TIMEOUT seconds.
+
+    Lines: "P <pid>" first, then "R" or "E <why>". Its pid is watched through a pidfd, not
+    only the pipe, which the launch's processes may still hold open after it died."""
+    buf = b""
+    pidfd = None
+    poller = select.poll()
+    poller.register(r, select.POLLIN)
+    deadline = time.monotonic() + START_TIMEOUT
+    try:
+        while True:
+            lines = buf.split(b"\n")
+            for line in lines[:-1]:
+                text = line.decode(errors="replace")
+                if text.startswith("P ") and pidfd is None:
+                    try:
+                        pidfd = os.pidfd_open(int(text[2:]))
+                    except ProcessLookupError:
+                        return "dead", "it exited without a report"
+                    poller.register(pidfd, select.POLLIN)
+                elif text == "R":
+                    return "R", ""
+                elif text.startswith("E "):
+                    return "E", text[2:]
+            buf = lines[-1]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout", f"no report in {START_TIMEOUT:g} s"
+            events = dict(poller.poll(left * 1000))
+            if r in events:
+                data = os.read(r, 4096)
+                if not data:
+                    return "dead", "it exited without a report"
+                buf += data
+            elif pidfd is not None and pidfd in events:
+                return "dead", "it exited without a report"
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+# ---------------------------------------------------------------- the supervisor
+
+
+class _Supervisor:
+    """The state of one supervisor process (runs only in the forked grandchild)."""
+
+    def __init__(self, host: Host, ctx: EnvContext, req: Request, job: Job, report: int):
+        self.host = host
+        self.ctx = ctx
+        self.req = req
+        self.job = job
+        self.report_fd: int | None = report
+        self.cancel_requested = False
+        self.cg_name = f"job-{job.id}"  # below the environment's cgroup
+        self.cg_dirs: list[Path] | None = None  # made (cgroupfs driver)
+
+    # -- talking to the CLI
+    def tell(self, line: str) -> None:
+        if self.report_fd is None:
+            return
+        with contextlib.suppress(OSError):  # EPIPE: the CLI is gone (Ctrl-C); go on
+            os.write(self.report_fd, (line.replace("\n", " ") + "\n").encode())
+
+    def done_telling(self) -> None:
+        if self.report_fd is not None:
+            os.close(self.report_fd)
+            self.report_fd = None
+
+    def save(self, *, durable: bool = False) -> None:
+        jobs.write(self.host.state_dir, self.job, durable=durable)
+
+    # -- the job's cgroup (cgroupfs driver; with systemd's, a scope systemd makes and removes)
+    def _cgroups(self) -> Cgroups | None:
+        if self.cg_dirs is None:
+            return None
+        from envctl.runtime.launch import cgroup_adapter
+
+        return cgroup_adapter(self.ctx)
+
+    def _cg_path(self) -> str:
+        return jobs.cgroup_name(self.ctx.env, self.job.id)
+
+    def _controllers(self) -> tuple[str, ...] | None:
+        return (self.ctx.cgroup.controllers if self.ctx.cgroup else ()) or None
+
+    # -- running
+    def run(self) -> None:
+        from envctl.runtime.launch import Bind, Launch, create_cgroup, start, systemd_attach
+
+        self.job.supervisor = jobs.identity()
+        self.save()
+        self.tell(f"P {os.getpid()}")
+        try:
+            dirs = create_cgroup(self.ctx, self.cg_name, cpus=tuple(self.job.cpus))
+            if self.ctx.cgroup is not None and self.ctx.cgroup.driver == "cgroupfs":
+                self.cg_dirs = dirs
+            if self.cancel_requested:  # cancelled while PENDING: never started
+                self.finish(None, cancelled=True)
+                self.tell("E cancelled before it started")
+                return
+            status_r, status_w = os.pipe()
+            launch = Launch(
+                ctx=self.ctx, argv=self.job.argv, environ=self.environ, user=self.req.user,
+                cwd=self.job.workdir, cpus=tuple(self.job.cpus), cgroup_dirs=dirs,
+                binds=[Bind(str(jobs.job_dir(self.host.state_dir, self.job.id)), "/job", True)],
+                stdio=(self.devnull, self.out_fd, self.err_fd), status_fd=status_w,
+                attach=systemd_attach(self.ctx))
+            try:
+                started = start(launch)
+            finally:
+                os.close(status_w)
+        except (EnvctlError, OSError) as exc:  # OSError: a cgroup or pipe the kernel refused
+            self.finish(None, error=str(exc), exit_code=getattr(exc, "exit_code", None))
+            self.tell(f"E {exc}")  # after the final record: the CLI reads it next
+            return
+        self.job.state = State.RUNNING
+        self.job.start_time = time.time()
+        self.save()
+        self.tell("R")
+        self.done_telling()
+        status, timed_out, cancelled = self.watch(started, status_r)
+        self.finish(status, cancelled=cancelled, timed_out=timed_out)
+
+    def watch(self, started: Started, status_r: int) -> tuple[int | None, bool, bool]:
+        """Wait until the launch ends, enforcing the time limit and cancel requests; (the
+        job's raw wait status or None, timed out, cancelled)."""
+        poller = select.poll()
+        poller.register(self.wake_r, select.POLLIN)
+        poller.register(status_r, select.POLLIN)
+        poller.register(started.pidfd, select.POLLIN)
+        t0 = time.monotonic()
+        limit_at = t0 + self.job.time_limit if self.job.time_limit else None
+        reason: str | None = None
+        kill_at: float | None = None
+        buf = b""
+        ended = False
+        while not ended:
+            now = time.monotonic()
+            if reason is None and self.cancel_requested:
+                reason = "cancel"
+                kill_at = now + self._cancel_grace()
+                started.signal(signal.SIGTERM)  # the launcher and init forward it to the job
+            if reason is None and limit_at is not None and now >= limit_at:
+                reason = "timeout"
+                kill_at = now + jobs.KILL_GRACE
+                started.signal(signal.SIGTERM)
+            if kill_at is not None and now >= kill_at:
+                kill_at = None
+                self._kill_all(started)
+            due = [t for t in (limit_at if reason is None else None, kill_at) if t is not None]
+            timeout = max(0.0, min(due) - now) * 1000 if due else None
+            for fd, _ in poller.poll(timeout):
+                if fd == self.wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_r, 256)
+                elif fd == status_r:
+                    data = os.read(status_r, 64)
+                    if data:
+                        buf += data
+                    else:
+                        poller.unregister(status_r)
+                elif fd == started.pidfd:
+                    ended = True
+        _, launcher_status = os.waitpid(started.pid, 0)
+        started.close()
+        os.set_blocking(status_r, False)
+        with contextlib.suppress(OSError):  # EAGAIN: the init died without writing
+            buf += os.read(status_r, 64)
+        os.close(status_r)
+        try:
+            status: int | None = int(buf.split()[0])
+        except (IndexError, ValueError):
+            # The init died without a word (the OOM killer chose it; SIGKILL): the launcher
+            # exited with 128+N for the init's signal N (or was killed itself, by _kill_all).
+            code = os.waitstatus_to_exitcode(launcher_status)
+            status = code - 128 if code > 128 else launcher_status
+        return status, reason == "timeout", reason == "cancel"
+
+    def _cancel_grace(self) -> float:
+        try:
+            data = json.loads(jobs.cancel_path(self.host.state_dir, self.job.id).read_text())
+            return max(0.0, float(data.get("grace", jobs.KILL_GRACE)))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return jobs.KILL_GRACE  # SIGTERM to the supervisor itself: the default
+
+    def _kill_all(self, started: Started) -> None:
+        """SIGKILL the launcher: the init dies with it (PDEATHSIG), and the kernel kills the
+        rest of the PID namespace; the job's cgroup too, for good measure."""
+        started.kill()
+        cg = self._cgroups()
+        if cg is not None:
+            with contextlib.suppress(HostError):
+                cg.kill(self._cg_path(), self._controllers(), grace=0)
+
+    def finish(self, status: int | None, *, cancelled: bool = False, timed_out: bool = False,
+               error: str | None = None, exit_code: int | None = None) -> None:
+        """Read the job's usage, remove its cgroup, write the final record."""
+        problems = []
+        stats = None
+        cg = self._cgroups()
+        if cg is not None:
+            try:
+                # Whatever is left (nothing, normally: the namespace died with its init) goes
+                # first, so that the CPU time read is final.
+                cg.kill(self._cg_path(), self._controllers(), grace=0)
+                stats = cg.stats(self._cg_path(), driver="cgroupfs")
+            except HostError as exc:
+                problems.append(str(exc))
+        oom = stats.oom_kills if stats else None
+        state, code, sig = jobs.final_state(wait_status=status, cancelled=cancelled,
+                                            timed_out=timed_out, oom_kills=oom, error=error)
+        if status is None and error is not None and exit_code in (126, 127):
+            code = exit_code  # the program could not be run: not found (127), denied (126)
+        if cg is not None:
+            from envctl.runtime.launch import remove_cgroup
+
+            try:
+                remove_cgroup(self.ctx, self.cg_name)
+            except HostError as exc:
+                problems.append(str(exc))
+        j = self.job
+        j.state, j.exit_code, j.signal = state, code, sig
+        j.end_time = time.time()
+        if stats is not None:
+            j.cpu_seconds = None if stats.cpu_usage_us is None else stats.cpu_usage_us / 1e6
+            j.peak_memory_bytes = stats.memory_peak
+            j.oom_kills = oom
+        j.error = "; ".join([p for p in [error, *problems] if p]) or None
+        self.save(durable=True)
+        with contextlib.suppress(FileNotFoundError):
+            jobs.cancel_path(self.host.state_dir, j.id).unlink()
+
+    # -- process set-up
+    def detach(self, out_fd: int, err_fd: int) -> None:
+        """Become a daemon: stdio on /dev/null, `/` as cwd, every other inherited descriptor
+        closed, the cyclic GC on; then the self-pipe its signal handlers write to."""
+        gc.enable()
+        os.chdir("/")
+        os.umask(0o022)
+        self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        for fd in (0, 1, 2):
+            os.dup2(self.devnull, fd)
+        _close_fds_except({0, 1, 2, self.devnull, out_fd, err_fd, self.report_fd})
+        self.out_fd, self.err_fd = out_fd, err_fd
+        self.wake_r, wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_cancel)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    def _on_cancel(self, signum: int, frame: Any) -> None:
+        self.cancel_requested = True
+
+    @property
+    def environ(self) -> dict[str, str]:
+        from envctl.runtime.launch import job_environ
+
+        extra = {}
+        if self.req.gpus is not None:
+            # The job's GPUs, as CUDA and the NVIDIA runtime read them. The environment's
+            # device nodes all stay: a subset is a choice within the partition, not isolation.
+            extra["CUDA_VISIBLE_DEVICES"] = extra["NVIDIA_VISIBLE_DEVICES"] = (
+                ",".join(self.req.gpus) or "void")
+        extra.update(self.req.env)
+        extra.update({"ENVCTL_JOB_ID": str(self.job.id), "ENVCTL_JOB_NAME": self.job.name})
+        return job_environ(self.ctx, self.req.user, extra)
+
+
+def _close_fds_except(keep: set[int | None]) -> None:
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _supervisor_main(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd: int,
+                     err_fd: int, report: int) -> None:
+    """The grandchild: supervise the job, then leave without returning into the CLI."""
+    code = 0
+    sup = None
+    try:
+        sup = _Supervisor(host, ctx, req, job, report)
+        sup.detach(out_fd, err_fd)
+        sup.run()
+    except BaseException as exc:  # a bug: still end the record, never leave it RUNNING
+        code = 1
+        if sup is not None:
+            with contextlib.suppress(BaseException):
+                sup.finish(None, error=f"supervisor failed: {exc!r}")
+            with contextlib.suppress(BaseException):
+                sup.tell(f"E supervisor failed: {exc!r}")
+    finally:
+        os._exit(code)  # no flush: what the CLI had buffered is the CLI's to print
+
+
+# ---------------------------------------------------------------- cancelling
+
+
+def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
+           wait: bool = True) -> Job:
+    """Cancel one job: SIGTERM, then SIGKILL after `grace` seconds; the record as it ends.
+
+    Race-free against the job ending by itself: the request is written to `<id>.cancel`
+    first, then SIGUSR1 goes to the supervisor through a pidfd pinned and checked against the
+    recorded start time (a reused pid gets nothing). A supervisor that already ended gets
+    nothing either (ESRCH), and the record then says how the job ended. A LOST job (its
+    supervisor is gone) is finalized here: what is left of its cgroup is killed and removed,
+    and the record is written LOST. A finished job is left as it is."""
+    job = jobs.get(host.state_dir, job_id)
+    if not job.active:
+        return job
+    sup = job.supervisor or {}
+    pidfd = _pin_supervisor(job, host.boot_id)
+    if pidfd is None:
+        return _finalize_lost(host, job)
+    try:
+        from envctl.host.files import write_json
+
+        write_json(jobs.cancel_path(host.state_dir, job.id),
+                   {"grace": grace, "time": time.time(), "by": os.getuid()}, durable=False)
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile: its record says how
+            signal.pidfd_send_signal(pidfd, signal.SIGUSR1)
+        if wait:
+            _wait_pidfd(pidfd, grace + CANCEL_SLACK)
+    finally:
+        os.close(pidfd)
+    final = jobs.get(host.state_dir, job.id)
+    if not final.active:
+        # It ended on its own between our look and our request: the request is nobody's.
+        with contextlib.suppress(FileNotFoundError):
+            jobs.cancel_path(host.state_dir, job.id).unlink()
+        return final
+    if wait and not jobs.supervisor_alive(final, host.boot_id):
+        return _finalize_lost(host, final)
+    if wait:
+        raise HostError(f"cancel job {job.id}: supervisor {sup.get('pid')} has not ended it "
+                        f"{grace + CANCEL_SLACK:g} s after SIGUSR1")
+    return final
+
+
+def _pin_supervisor(job: Job, boot_id: str) -> int | None:
+    """A pidfd of the job's supervisor when it is the recorded process, else None."""
+    if not jobs.supervisor_alive(job, boot_id):
+        return None
+    pid = int((job.supervisor or {})["pid"])
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    # Pinned now: check again that this pid is still the recorded supervisor.
+    if not jobs.supervisor_alive(job, boot_id):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _wait_pidfd(pidfd: int, timeout: float | None) -> bool:
+    """Whether the process ended within `timeout` seconds (None: no limit)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else timeout * 1000))
+
+
+def _finalize_lost(host: Host, job: Job) -> Job:
+    """Kill and remove what is left of a LOST job's cgroup and record it LOST for good."""
+    error = "its supervisor is gone (killed, or the host rebooted)"
+    if job.cgroup and job.boot_id == host.boot_id:
+        try:
+            cg = host.cgroups.for_parent(job.cgroup.get("parent", ""))
+            cg.remove(job.cgroup["name"])
+        except (HostError, KeyError) as exc:
+            error += f"; its cgroup: {exc}"
+    with jobs.jobs_lock(host.state_dir):
+        now = jobs.read(host.state_dir, job.id)
+        if now is None or not now.active or jobs.supervisor_alive(now, host.boot_id):
+            return now or job  # somebody else finished it meanwhile
+        lost = replace(now, state=State.LOST, end_time=time.time(), error=error)
+        jobs.write(host.state_dir, lost, durable=True)
+    with contextlib.suppress(FileNotFoundError):
+        jobs.cancel_path(host.state_dir, job.id).unlink()
+    return lost
+
+
+def wait(host: Host, job_ids: list[int], *, timeout: float | None = None) -> list[Job]:
+    """Block until every job has ended (or `timeout` seconds passed); the records as shown
+    (LOST for a supervisor that died without a final record). Waits on each supervisor's
+    pidfd: no polling of the records."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    out = []
+    for jid in job_ids:
+        job = jobs.get(host.state_dir, jid)
+        if job.active:
+            pidfd = _pin_supervisor(job, host.boot_id)
+            if pidfd is not None:
+                try:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    _wait_pidfd(pidfd, left)
+                finally:
+                    os.close(pidfd)
+            job = jobs.get(host.state_dir, jid)
+        out.append(job.shown(host.boot_id))
+    return out
+
+
+def stop_env_jobs(host: Host, env: str, *, grace: float = jobs.KILL_GRACE) -> list[Job]:
+    """For `down --force`: cancel every running job of `env` (all at once, then wait for
+    each); their final records."""
+    running = jobs.active_jobs(host.state_dir, host.boot_id, env)
+    for job in running:
+        cancel(host, job.id, grace=grace, wait=False)
+    return [cancel(host, job.id, grace=grace) for job in running]
+
+
+def refuse_down(host: Host, env: str) -> None:
+    """`down` of an environment whose jobs still run: HostError (exit 1: the command is right,
+    the host's state refuses it for now)."""
+    running = jobs.active_jobs(host.state_dir, host.boot_id, env)
+    if running:
+        ids = " ".join(str(j.id) for j in running)
+        raise HostError(f"down {env}: {len(running)} job(s) still running ({ids}): wait for "
+                        f"them (envctl wait {ids}), cancel them, or use --force, which "
+                        "cancels them first")
+
+
+
+
+# ---------------------------------------------------------------- the command line's request
+
+
+def make_request(host: Host, ctx: EnvContext, exe: str, args: list[str], *,
+                 name: str | None = None, user: str | None = None, cpus: str | None = None,
+                 gpus: str | None = None, env: list[str] | None = None, workdir: str = "/",
+                 output: str | None = None, error: str | None = None,
+                 time_limit: str | None = None,
+                 environ: dict[str, str] | os._Environ[str] = os.environ) -> Request:
+    """A Request from `submit-job`'s options as typed; InputError/UsageError (exit 2) for a
+    bad one. The user rule is exec's (`launch.resolve_user`): the user behind sudo by
+    default, root only when asked for."""
+    from envctl.runtime.launch import resolve_user
+
+    who = resolve_user(user, ctx, environ)
+    variables = {}
+    for item in env or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key or "\0" in item:
+            raise UsageError(f"--env {item!r}: give KEY=VALUE")
+        variables[key] = value
+    return Request(
+        exe=Path(exe), args=list(args), name=name or "", user=who,
+        user_name=_user_name(user, who.uid, ctx, environ),
+        cpus=jobs.parse_cpus(cpus, "--cpus") if cpus is not None else None,
+        gpus=resolve_gpus(host, ctx, gpus) if gpus is not None else None,
+        env=variables, workdir=workdir,
+        output=Path(os.path.abspath(output)) if output else None,
+        error=Path(os.path.abspath(error)) if error else None,
+        time_limit=jobs.parse_duration(time_limit) if time_limit is not None else None)
+
+
+def _user_name(spec: str | None, uid: int, ctx: EnvContext,
+               environ: dict[str, str] | os._Environ[str]) -> str:
+    if spec is not None and not spec.split(":")[0].isdigit():
+        return spec.split(":")[0]
+    if spec is None and environ.get("SUDO_USER"):
+        return environ["SUDO_USER"]
+    for root in (Path(ctx.root), Path("/")):
+        with contextlib.suppress(OSError):
+            for line in (root / "etc" / "passwd").read_text().splitlines():
+                parts = line.split(":")
+                if len(parts) > 2 and parts[2] == str(uid):
+                    return parts[0]
+    return str(uid)
+
+
+def resolve_gpus(host: Host, ctx: EnvContext, text: str) -> tuple[str, ...]:
+    """`--gpus` as UUIDs: each item a UUID of the environment's, or a host GPU index as
+    `envctl gpus` and the spec's `gpus:` list number them (read from the journal's claims)."""
+    from envctl.engine.journal import Journal
+
+    claims = Journal.open(host.state_dir, ctx.env, boot=host.boot_id).claims.get("gpus") or {}
+    uuids = list(claims.get("uuids") or ())
+    indices = list(claims.get("indices") or ())
+    by_index = dict(zip(indices, uuids, strict=False)) if len(indices) == len(uuids) else {}
+    held = ", ".join(f"{i}={u}" for i, u in by_index.items()) or ", ".join(ctx.gpus) or "none"
+    out: list[str] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        uuid = by_index.get(int(item)) if item.isdigit() else item
+        if uuid is None or uuid not in ctx.gpus:
+            raise InputError(f"submit-job --gpus: {item} is not one of environment "
+                             f"'{ctx.env}''s GPUs ({held})")
+        if uuid not in out:
+            out.append(uuid)
+    return tuple(out)

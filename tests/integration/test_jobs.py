@@ -1,0 +1,411 @@
+"""The job system end to end through the CLI, on the real kernel: `submit-job` stages a program
+and a detached supervisor runs it; each way a job can end lands in its state (COMPLETED,
+FAILED with a code or a signal, TIMEOUT, CANCELLED, OUT_OF_MEMORY from the cgroup's OOM
+counter); the job's cgroup is gone afterwards; a killed supervisor leaves a LOST job and no
+process; `down` refuses while jobs run and `down --force` cancels them; 200 jobs in a row leave
+no supervisor, cgroup, mount or namespace behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.root
+
+SPEC = """
+name: box
+kind: cpu
+rootfs:
+  binaries: [sh, cat, sleep, "true", python3]
+  python: true
+resources:
+  memory: {max: 64M}
+"""
+
+
+@pytest.fixture
+def box(sandbox):
+    """The sandbox with environment `box` up (a rootfs with sh and python3, 64M of memory)."""
+    sandbox.write_spec("box", SPEC)
+    res = sandbox.envctl("up", "box")
+    assert res.returncode == 0, res.stderr
+    yield sandbox
+    if sandbox.proc.poll() is None:
+        sandbox.envctl("down", "box", "--force")
+
+
+def script(sb, name: str, text: str, mode: int = 0o755) -> str:
+    path = sb.root / name
+    path.write_text(text)
+    path.chmod(mode)
+    return str(path)
+
+
+def submit(sb, *args: str, user: str | None = "root", env: dict[str, str] | None = None
+           ) -> dict:
+    """`submit-job --json [--user USER] box ARGS…`; the record it prints."""
+    res = sb.envctl("submit-job", "--json", *(["--user", user] if user else []), "box", *args,
+                    env=env)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def record(sb, job_id: int) -> dict:
+    return json.loads((sb.state / "jobs" / f"{job_id}.json").read_text())
+
+
+def wait(sb, *ids: int) -> tuple[int, list[dict]]:
+    res = sb.envctl("wait", "--json", *map(str, ids), timeout=300)
+    return res.returncode, json.loads(res.stdout)
+
+
+def job_cgroups(sb) -> list[str]:
+    return [c for c in sb.cgroups() if "/job-" in c]
+
+
+def ours(sb) -> list[int]:
+    """Processes of this sandbox's jobs: in its cgroups, or started with a path of its own on
+    their command line (the CLI and the supervisors it forks). Other tests may run beside
+    this one on the host: their processes and namespaces are theirs."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            with contextlib.suppress(OSError):
+                if (sb.cgroup_parent in Path(f"/proc/{pid}/cgroup").read_text()
+                        or str(sb.root).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()):
+                    out.append(int(pid))
+    return out
+
+
+def ns_mounts(sb) -> list[str]:
+    """Namespace files bound somewhere in the sandbox (a namespace held without a process)."""
+    text = Path(f"/proc/{sb.pid}/mountinfo").read_text()
+    return sorted(line.split()[4] for line in text.splitlines() if " - nsfs " in line)
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        return bool(p.poll(timeout * 1000))
+    finally:
+        os.close(fd)
+
+
+def alive(identity: dict) -> bool:
+    """Whether the process a record names still exists (a zombie included)."""
+    try:
+        stat = Path(f"/proc/{identity['pid']}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].split()[19] == str(identity["start"])
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def assert_clean_down(sb) -> None:
+    res = sb.envctl("down", "box")
+    assert res.returncode == 0, res.stderr
+    residue = sb.residue()
+    # Job records are history: they outlive the environment (and keep the state directory).
+    assert residue.pop("state_dir", None) in (["jobs", "lock"], None), residue
+    assert residue == {}, residue
+
+
+# ---------------------------------------------------------------- how jobs end
+
+
+def test_exit_codes_signals_and_outputs_land_in_the_record(box):
+    sb = box
+    ok = script(sb, "ok.sh", "#!/bin/sh\necho out \"$@\"\necho err >&2\n")
+    three = script(sb, "three.sh", "#!/bin/sh\necho before\nexit 3\n")
+    killed = script(sb, "killed.sh", "#!/bin/sh\nkill -SEGV $$\n")
+    a = submit(sb, "--name", "first", ok, "-x", "$(id)", "a b")
+    b = submit(sb, three)
+    c = submit(sb, killed)
+    # Printed once the job runs (or, as fast as these are, once it ended).
+    assert all(j["start_time"] and j["state"] != "PENDING" for j in (a, b, c))
+    assert a["argv"] == ["/job/ok.sh", "-x", "$(id)", "a b"] and a["name"] == "first"
+    rc, done = wait(sb, a["id"], b["id"], c["id"])
+    assert rc == 3  # the first non-zero exit
+    first, second, third = done
+    assert (first["state"], first["exit_code"], first["signal"]) == ("COMPLETED", 0, None)
+    assert (second["state"], second["exit_code"], second["signal"]) == ("FAILED", 3, None)
+    # Death by a signal is FAILED with the signal, not OUT_OF_MEMORY: no OOM kill counted.
+    assert (third["state"], third["signal"], third["oom_kills"]) == ("FAILED", 11, 0)
+    for j in done:
+        assert j["submit_time"] <= j["start_time"] <= j["end_time"]
+        assert j["cpu_seconds"] is not None and j["peak_memory_bytes"] > 0
+        assert j["cgroup"]["name"] == f"box/job-{j['id']}"
+    assert Path(first["stdout"]).read_text() == "out -x $(id) a b\n"
+    assert Path(first["stderr"]).read_text() == "err\n"
+    assert Path(second["stdout"]).read_text() == "before\n"
+    logs = sb.envctl("logs", str(a["id"]))
+    assert logs.stdout == "out -x $(id) a b\n"
+    assert sb.envctl("logs", str(a["id"]), "--stderr").stdout == "err\n"
+    assert job_cgroups(sb) == []
+    table = sb.envctl("jobs", "--all").stdout.splitlines()
+    assert table[0].split() == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT",
+                                "START"]
+    assert [row.split()[:5] for row in table[1:]] == [
+        [str(a["id"]), "first", "box", "root", "COMPLETED"],
+        [str(b["id"]), "three.sh", "box", "root", "FAILED"],
+        [str(c["id"]), "killed.sh", "box", "root", "FAILED"]]
+    assert sb.envctl("jobs").stdout.splitlines()[1:] == []  # none active
+    assert_clean_down(sb)
+
+
+def test_time_limit_ends_in_timeout(box):
+    sb = box
+    sleeper = script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n")
+    j = submit(sb, "--time-limit", "1s", sleeper)
+    assert j["time_limit"] == 1
+    rc, (done,) = wait(sb, j["id"])
+    assert (done["state"], done["signal"]) == ("TIMEOUT", signal.SIGTERM)
+    assert 1.0 <= done["end_time"] - done["start_time"] < 10.0
+    assert rc == 128 + signal.SIGTERM
+    assert job_cgroups(sb) == []
+    assert_clean_down(sb)
+
+
+def test_cancel_ends_in_cancelled_and_kills_what_ignores_sigterm(box):
+    sb = box
+    # A job that ignores SIGTERM: the grace runs out, SIGKILL ends it.
+    stubborn = script(sb, "stubborn.sh", "#!/bin/sh\ntrap '' TERM\nsleep 1000 &\nwait\n"
+                      "while :; do sleep 1000; done\n")
+    j = submit(sb, stubborn)
+    res = sb.envctl("cancel", "--json", "--grace", "0.5", str(j["id"]))
+    assert res.returncode == 0, res.stderr
+    (done,) = json.loads(res.stdout)
+    assert done["state"] == "CANCELLED" and done["end_time"] is not None
+    assert done["signal"] == signal.SIGKILL
+    assert job_cgroups(sb) == []
+    assert not (sb.state / "jobs" / f"{j['id']}.cancel").exists()
+    # Cancelling it again, or any finished job, changes nothing.
+    again = sb.envctl("cancel", str(j["id"]))
+    assert again.returncode == 0 and "was CANCELLED" in again.stdout
+    assert record(sb, j["id"]) == done
+    assert sb.envctl("cancel", "999").returncode == 2
+    assert_clean_down(sb)
+
+
+def test_a_memory_hog_ends_out_of_memory_from_the_oom_counter(box):
+    sb = box
+    hog = script(sb, "hog.py", "import sys\nb = b'x' * (200 << 20)\nprint(len(b))\n", 0o644)
+    j = submit(sb, hog)
+    rc, (done,) = wait(sb, j["id"])
+    assert done["state"] == "OUT_OF_MEMORY", done
+    assert done["oom_kills"] >= 1 and done["signal"] == signal.SIGKILL
+    # The peak is the limit's, not the 200M asked for (give or take the kernel's per-CPU
+    # charge batches).
+    assert 48 << 20 < done["peak_memory_bytes"] < 72 << 20
+    assert rc == 128 + signal.SIGKILL
+    assert job_cgroups(sb) == []
+    assert_clean_down(sb)
+
+
+def test_a_python_job_runs_with_the_environments_python_and_sees_job_read_only(box):
+    sb = box
+    prog = script(sb, "probe.py", """
+import errno, os, sys
+print(sys.executable)
+print(sorted(os.listdir('/job')))
+try:
+    open('/job/x', 'w')
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+print(os.environ['ENVCTL_JOB_ID'], os.getcwd(), os.getuid(), sys.argv[1:])
+""", 0o600)
+    j = submit(sb, "--workdir", "/tmp", prog, "--flag")
+    assert j["argv"][1:] == ["/job/probe.py", "--flag"] and j["argv"][0].endswith("/python3")
+    rc, (done,) = wait(sb, j["id"])
+    assert rc == 0, Path(done["stderr"]).read_text()
+    lines = Path(done["stdout"]).read_text().splitlines()
+    assert lines[0] == j["argv"][0]
+    assert lines[1] == str(["probe.py", "stderr", "stdout"])
+    assert lines[2] == "EROFS"
+    assert lines[3] == f"{j['id']} /tmp 0 ['--flag']"
+    # The staged copy kept the mode.
+    assert (sb.state / "jobs" / str(j["id"]) / "probe.py").stat().st_mode & 0o777 == 0o600
+    assert_clean_down(sb)
+
+
+def test_user_defaults_to_the_sudo_user_and_never_silently_root(box):
+    sb = box
+    prog = script(sb, "who.py", "import os\nprint(os.getuid(), os.getgid())\n", 0o644)
+    refused = sb.envctl("submit-job", "box", prog)
+    assert refused.returncode == 2 and "--user root" in refused.stderr
+    assert not (sb.state / "jobs" / "1.json").exists()  # bad input changes nothing
+    j = submit(sb, prog, user=None, env={"SUDO_UID": "65534", "SUDO_GID": "65534",
+                                         "SUDO_USER": "nobody"})
+    rc, (done,) = wait(sb, j["id"])
+    assert rc == 0 and done["user"] == "nobody" and done["uid"] == 65534
+    assert Path(done["stdout"]).read_text() == "65534 65534\n"
+    assert os.stat(done["stdout"]).st_uid == 65534  # the user behind sudo can read it
+    assert_clean_down(sb)
+
+
+def test_bad_requests_are_refused_before_anything_changes(box):
+    sb = box
+    ok = script(sb, "ok.sh", "#!/bin/sh\n")
+    noexec = script(sb, "noexec.sh", "#!/bin/sh\n", 0o644)
+    for args, words in [
+        (["--cpus", "0-99", ok], "--cpus"),
+        (["--gpus", "0", ok], "--gpus"),
+        (["--time-limit", "soon", ok], "--time-limit"),
+        (["--env", "NOEQUALS", ok], "--env"),
+        (["--output", "/nonexistent/dir/out", ok], "--output"),
+        ([noexec], "not executable"),
+        ([str(sb.root / "missing")], "No such file"),
+    ]:
+        res = sb.envctl("submit-job", "--user", "root", "box", *args)
+        assert res.returncode == 2 and words in res.stderr, (args, res.stderr)
+    assert not (sb.state / "jobs").exists() or not list((sb.state / "jobs").glob("*.json"))
+    assert_clean_down(sb)
+
+
+def test_a_job_that_cannot_start_is_failed_with_why(box):
+    sb = box
+    perl = script(sb, "needs-perl.pl", "#!/usr/bin/perl\nprint 1;\n")
+    res = sb.envctl("submit-job", "--user", "root", "box", perl)
+    assert res.returncode == 1 and "did not start" in res.stderr, res.stderr
+    jid = int(res.stdout)
+    done = record(sb, jid)
+    assert (done["state"], done["exit_code"], done["start_time"]) == ("FAILED", 127, None)
+    assert "no such file" in done["error"]
+    assert job_cgroups(sb) == []
+    assert wait(sb, jid)[0] == 127
+    assert_clean_down(sb)
+
+
+def test_options_cpus_env_and_one_output_file(box):
+    sb = box
+    prog = script(sb, "aff.py", "import os, sys\nprint(sorted(os.sched_getaffinity(0)), "
+                  "os.environ['GREETING'])\nprint('to stderr', file=sys.stderr)\n", 0o644)
+    out = sb.root / "both.log"
+    j = submit(sb, "--cpus", "0", "--env", "GREETING=hi there", "-o", str(out), "-e",
+               str(out), prog)
+    assert j["cpus"] == [0] and j["stdout"] == j["stderr"] == str(out)
+    rc, _ = wait(sb, j["id"])
+    assert rc == 0
+    assert sorted(out.read_text().splitlines()) == ["[0] hi there", "to stderr"]
+    assert_clean_down(sb)
+
+
+def test_logs_follow_until_the_job_ends(box):
+    sb = box
+    prog = script(sb, "talk.sh", "#!/bin/sh\necho one\nsleep 0.5\necho two\n")
+    j = submit(sb, prog)
+    res = sb.envctl("logs", "-f", str(j["id"]), timeout=30)
+    assert res.returncode == 0 and res.stdout == "one\ntwo\n", res.stderr
+    assert record(sb, j["id"])["state"] == "COMPLETED"
+    assert_clean_down(sb)
+
+
+def test_submit_wait_exits_with_the_jobs_code(box):
+    sb = box
+    prog = script(sb, "seven.sh", "#!/bin/sh\nexit 7\n")
+    res = sb.envctl("submit-job", "--user", "root", "--wait", "box", prog)
+    assert res.returncode == 7 and res.stdout.strip().isdigit()
+    assert "FAILED" in res.stderr
+    assert_clean_down(sb)
+
+
+# ---------------------------------------------------------------- supervisors and down
+
+
+def test_kill_9_of_the_supervisor_leaves_a_lost_job_and_no_process(box):
+    sb = box
+    sleeper = script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n")
+    held = ns_mounts(sb)
+    j = submit(sb, sleeper)
+    cg = next(Path(c) for c in job_cgroups(sb) if c.endswith(f"/box/job-{j['id']}"))
+    assert len(ours(sb)) >= 4, "no supervisor, launcher, init and job running"
+    sup = j["supervisor"]["pid"]
+    os.kill(sup, signal.SIGKILL)
+    assert wait_gone(sup)
+    # The launch's init dies with its launcher, the PID namespace with its init: nothing of
+    # the job is left, in its cgroup or anywhere, and no namespace is held by a mount.
+    assert wait_until(lambda: not ours(sb)), "the job outlived its supervisor"
+    assert not (cg / "cgroup.procs").read_text().strip()
+    assert ns_mounts(sb) == held
+    shown = json.loads(sb.envctl("jobs", "--json").stdout)
+    assert [(x["id"], x["state"]) for x in shown] == [(j["id"], "LOST")]
+    assert record(sb, j["id"])["state"] == "RUNNING"  # read-only commands write nothing
+    rc, (waited,) = wait(sb, j["id"])
+    assert waited["state"] == "LOST" and rc == 1
+    # cancel finalizes it: what is left of its cgroup goes, the record says LOST for good.
+    res = sb.envctl("cancel", str(j["id"]))
+    assert res.returncode == 0 and "LOST" in res.stdout, res.stderr
+    final = record(sb, j["id"])
+    assert final["state"] == "LOST" and final["end_time"] is not None
+    assert job_cgroups(sb) == []
+    assert_clean_down(sb)
+
+
+def test_down_refuses_while_jobs_run_and_force_cancels_them(box):
+    sb = box
+    sleeper = script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n")
+    j = submit(sb, sleeper)
+    res = sb.envctl("down", "box")
+    assert res.returncode == 1 and f"({j['id']})" in res.stderr, res.stderr
+    assert record(sb, j["id"])["state"] == "RUNNING"
+    assert sb.run("test", "-e", str(sb.run_dir / "mnt.d" / "box")).returncode == 0
+    res = sb.envctl("down", "box", "--force", env={"ENVCTL_KILL_GRACE": "1"})
+    assert res.returncode == 0, res.stderr
+    assert record(sb, j["id"])["state"] == "CANCELLED"
+    assert not ours(sb)
+    residue = sb.residue()
+    assert residue.pop("state_dir", None) == ["jobs", "lock"], residue
+    assert residue == {}
+
+
+def test_200_short_jobs_back_to_back_leave_nothing_behind(box):
+    sb = box
+    true = sb.root / "true"
+    true.write_bytes(Path("/bin/true").read_bytes())
+    true.chmod(0o755)
+    held = ns_mounts(sb)
+    before_mounts = sb.mounts_under("/")
+    t0 = time.monotonic()
+    res = sb.run("sh", "-c", 'for i in $(seq 200); do "$0" -m envctl submit-job --user root '
+                 'box "$1" >/dev/null || exit 1; done', sys.executable, str(true), timeout=600)
+    assert res.returncode == 0, res.stderr
+    submitted = time.monotonic() - t0
+    rc, done = wait(sb, *range(1, 201))
+    total = time.monotonic() - t0
+    print(f"\n200 jobs: submitted in {submitted:.1f} s, all ended after {total:.1f} s")
+    assert rc == 0
+    assert [j["id"] for j in done] == list(range(1, 201))
+    assert {j["state"] for j in done} == {"COMPLETED"}
+    for j in done:
+        assert j["exit_code"] == 0 and j["signal"] is None and j["error"] is None
+        assert j["submit_time"] <= j["start_time"] <= j["end_time"]
+        assert j["argv"] == ["/job/true"] and j["cpu_seconds"] is not None
+    # Every supervisor has exited (and PID 1, their parent since the double fork, reaped it);
+    # no process of a job is left, so no PID or mount namespace of one either.
+    assert wait_until(lambda: not any(alive(j["supervisor"]) for j in done))
+    assert not ours(sb)
+    assert job_cgroups(sb) == []
+    assert ns_mounts(sb) == held
+    assert sb.mounts_under("/") == before_mounts
+    assert_clean_down(sb)

@@ -1,0 +1,392 @@
+"""The job system's pure parts and its records, without root: ids, retention, the LOST view,
+how a job's end maps to a state, durations, the command line's argument split, and following
+an output file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from envctl.errors import HostError, InputError, StateCorrupt, UsageError
+from envctl.host.context import Host
+from envctl.runtime import jobs
+from envctl.runtime import supervisor as sv
+from envctl.runtime.context import EnvContext
+from envctl.runtime.jobs import Job, State
+
+BOOT = "boot-a"
+
+
+def me() -> dict[str, int]:
+    return jobs.identity()
+
+
+def job(jid: int, state: State = State.COMPLETED, **kw) -> Job:
+    return Job(id=jid, env="box", argv=["/job/x"], state=state, boot_id=BOOT, **kw)
+
+
+# ---------------------------------------------------------------- ids and records
+
+
+def test_ids_increase_and_are_never_reused_even_after_pruning(tmp_path):
+    assert [jobs.allocate_id(tmp_path) for _ in range(3)] == [1, 2, 3]
+    for jid in (1, 2, 3):
+        jobs.write(tmp_path, job(jid))
+    with jobs.jobs_lock(tmp_path):
+        assert jobs.prune(tmp_path, keep=0) == []  # below the batch threshold: nothing read
+    for jid in range(4, 20):
+        assert jobs.allocate_id(tmp_path) == jid
+        jobs.write(tmp_path, job(jid))
+    with jobs.jobs_lock(tmp_path):
+        pruned = jobs.prune(tmp_path, keep=0)
+    assert pruned == list(range(1, 20))
+    assert jobs.allocate_id(tmp_path) == 20
+
+
+def test_a_lost_counter_restarts_above_every_record_and_job_directory(tmp_path):
+    jobs.write(tmp_path, job(7))
+    jobs.job_dir(tmp_path, 9).mkdir(parents=True)
+    assert jobs.allocate_id(tmp_path) == 10
+    (jobs.jobs_dir(tmp_path) / ".next").write_text("garbage\n")
+    with pytest.raises(StateCorrupt, match="job counter"):
+        jobs.allocate_id(tmp_path)
+
+
+def test_records_round_trip_and_a_damaged_one_is_named(tmp_path):
+    j = job(3, State.FAILED, exit_code=3, cpus=[0, 1], gpus=["GPU-1"], supervisor=me())
+    jobs.write(tmp_path, j)
+    assert jobs.read(tmp_path, 3) == j
+    assert jobs.get(tmp_path, "3") == j
+    assert jobs.read(tmp_path, 4) is None
+    with pytest.raises(UsageError, match="no job 4"):
+        jobs.get(tmp_path, 4)
+    with pytest.raises(UsageError, match="not a job id"):
+        jobs.get(tmp_path, "x1")
+    jobs.record_path(tmp_path, 5).write_text("{not json")
+    with pytest.raises(StateCorrupt, match="5.json"):
+        jobs.read(tmp_path, 5)
+    jobs.record_path(tmp_path, 6).write_text('{"id": 6, "env": "box", "argv": [], '
+                                             '"state": "WEIRD"}')
+    with pytest.raises(StateCorrupt):
+        jobs.read(tmp_path, 6)
+    # Listing skips what it cannot read instead of failing on it.
+    assert [x.id for x in jobs.all_jobs(tmp_path)] == [3]
+
+
+def test_prune_keeps_the_newest_finished_and_every_active_job(tmp_path):
+    for jid in range(1, 18):
+        state = State.RUNNING if jid in (2, 3) else State.COMPLETED
+        jobs.write(tmp_path, job(jid, state))
+        jobs.job_dir(tmp_path, jid).mkdir()
+        (jobs.job_dir(tmp_path, jid) / "stdout").write_text("x")
+    jobs.cancel_path(tmp_path, 1).write_text("{}")
+    with jobs.jobs_lock(tmp_path):
+        gone = jobs.prune(tmp_path, keep=5)
+    # 15 finished, keep the 5 newest; the two running ones stay whatever their age.
+    assert gone == [1, *range(4, 13)]
+    left = sorted(x.id for x in jobs.all_jobs(tmp_path))
+    assert left == [2, 3, 13, 14, 15, 16, 17]
+    assert not jobs.job_dir(tmp_path, 1).exists() and jobs.job_dir(tmp_path, 2).exists()
+    assert not jobs.cancel_path(tmp_path, 1).exists()
+
+
+# ---------------------------------------------------------------- LOST
+
+
+def test_an_active_job_is_lost_when_its_supervisor_is_gone_or_from_another_boot(tmp_path):
+    live = me()
+    assert job(1, State.RUNNING, supervisor=live).shown(BOOT).state is State.RUNNING
+    reused = {"pid": live["pid"], "start": live["start"] + 1}  # the pid, another process
+    assert job(1, State.RUNNING, supervisor=reused).shown(BOOT).state is State.LOST
+    assert job(1, State.RUNNING, supervisor=live).shown("boot-b").state is State.LOST
+    assert job(1, State.PENDING, supervisor=None).shown(BOOT).state is State.LOST
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone = {"pid": dead.pid, "start": 1}
+    assert job(1, State.RUNNING, supervisor=gone).shown(BOOT).state is State.LOST
+    # A finished record is what it is, whoever wrote it.
+    assert job(1, State.COMPLETED, supervisor=gone).shown(BOOT).state is State.COMPLETED
+    # Listing shows LOST ones by default (they want `cancel`), finished ones with --all;
+    # nothing is written back.
+    jobs.write(tmp_path, job(1, State.RUNNING, supervisor=gone))
+    jobs.write(tmp_path, job(2, State.RUNNING, supervisor=live))
+    jobs.write(tmp_path, job(3, State.COMPLETED))
+    shown = jobs.listing(tmp_path, BOOT)
+    assert [(x.id, x.state) for x in shown] == [(1, State.LOST), (2, State.RUNNING)]
+    assert [x.id for x in jobs.listing(tmp_path, BOOT, finished=True)] == [1, 2, 3]
+    assert jobs.listing(tmp_path, BOOT, env="other") == []
+    assert jobs.read(tmp_path, 1).state is State.RUNNING
+    assert [x.id for x in jobs.active_jobs(tmp_path, BOOT, "box")] == [2]
+
+
+def test_a_zombie_supervisor_is_gone():
+    proc = subprocess.Popen(["true"])
+    try:
+        # Not reaped yet: /proc still lists it, as Z, until wait().
+        assert jobs.proc_start_time(proc.pid) is not None
+        ident = jobs.identity(proc.pid)
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        assert jobs.proc_start_time(proc.pid)[0] == "Z"
+        assert not jobs.supervisor_alive(job(1, State.RUNNING, supervisor=ident), BOOT)
+    finally:
+        proc.wait()
+
+
+def test_wait_and_cancel_of_a_lost_job(tmp_path):
+    host = Host(state_dir=tmp_path)
+    host.__dict__["boot_id"] = BOOT
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    jobs.write(tmp_path, job(1, State.RUNNING, supervisor={"pid": dead.pid, "start": 1}))
+    jobs.write(tmp_path, job(2, State.COMPLETED, exit_code=0))
+    got = sv.wait(host, [2, 1])
+    assert [(x.id, x.state) for x in got] == [(2, State.COMPLETED), (1, State.LOST)]
+    assert [x.exit_status() for x in got] == [0, 1]
+    assert jobs.read(tmp_path, 1).state is State.RUNNING  # wait writes nothing
+    final = sv.cancel(host, 1)
+    assert final.state is State.LOST and final.end_time is not None
+    assert jobs.read(tmp_path, 1) == final
+    assert sv.cancel(host, 2) == jobs.read(tmp_path, 2)  # finished: left as it is
+
+
+# ---------------------------------------------------------------- how a job ended
+
+
+def exited(code: int) -> int:
+    return code << 8
+
+
+@pytest.mark.parametrize("status,kw,want", [
+    (exited(0), {}, (State.COMPLETED, 0, None)),
+    (exited(3), {}, (State.FAILED, 3, None)),
+    (signal.SIGSEGV, {}, (State.FAILED, None, signal.SIGSEGV)),
+    # SIGKILL is not OOM by itself, and exit 137 is not either: only the counter says so.
+    (signal.SIGKILL, {}, (State.FAILED, None, signal.SIGKILL)),
+    (exited(137), {}, (State.FAILED, 137, None)),
+    (signal.SIGKILL, {"oom_kills": 1}, (State.OUT_OF_MEMORY, None, signal.SIGKILL)),
+    # A job that survived the OOM kill of a child and exited 0 completed.
+    (exited(0), {"oom_kills": 2}, (State.COMPLETED, 0, None)),
+    (signal.SIGTERM, {"timed_out": True}, (State.TIMEOUT, None, signal.SIGTERM)),
+    (signal.SIGTERM, {"cancelled": True}, (State.CANCELLED, None, signal.SIGTERM)),
+    (exited(0), {"cancelled": True}, (State.CANCELLED, 0, None)),
+    (signal.SIGKILL, {"cancelled": True, "oom_kills": 1},
+     (State.CANCELLED, None, signal.SIGKILL)),
+    (None, {"error": "exec failed"}, (State.FAILED, None, None)),
+    (None, {"cancelled": True}, (State.CANCELLED, None, None)),
+])
+def test_final_state(status, kw, want):
+    args = {"cancelled": False, "timed_out": False, "oom_kills": 0, **kw}
+    assert jobs.final_state(wait_status=status, **args) == want
+
+
+def test_exit_status_for_wait():
+    assert job(1, State.COMPLETED, exit_code=0).exit_status() == 0
+    assert job(1, State.FAILED, exit_code=3).exit_status() == 3
+    assert job(1, State.FAILED, signal=11).exit_status() == 139
+    assert job(1, State.CANCELLED, exit_code=0).exit_status() == 1
+    assert job(1, State.LOST).exit_status() == 1
+
+
+# ---------------------------------------------------------------- values and the table
+
+
+@pytest.mark.parametrize("text,secs", [
+    ("90", 90), ("90s", 90), ("15m", 900), ("1h30m", 5400), ("2d", 172800),
+    ("1h0m5s", 3605), ("10:00", 600), ("1:30:00", 5400), ("2-01:00:00", 176400), (" 5M ", 300),
+])
+def test_parse_duration(text, secs):
+    assert jobs.parse_duration(text) == secs
+
+
+@pytest.mark.parametrize("text", ["", "0", "soon", "1x", "h", "1:2:3:4", "-5", "1.5h", "0s"])
+def test_parse_duration_refuses(text):
+    with pytest.raises(UsageError, match="--time-limit"):
+        jobs.parse_duration(text)
+
+
+def test_format_elapsed_and_exit():
+    assert [jobs.format_elapsed(s) for s in (None, 0, 59.9, 61, 3600, 90061)] == [
+        "-", "0:00", "0:59", "1:01", "1:00:00", "1-01:01:01"]
+    assert jobs.format_exit(job(1, State.RUNNING)) == "-"
+    assert jobs.format_exit(job(1, State.FAILED, exit_code=3)) == "3:0"
+    assert jobs.format_exit(job(1, State.FAILED, signal=9)) == "0:9"
+
+
+def test_table_rows():
+    rows = jobs.table([job(4, State.RUNNING, name="bench", user="alice", start_time=100.0)],
+                      now=190.0)
+    assert rows[0] == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "START"]
+    assert rows[1][:7] == ["4", "bench", "box", "alice", "RUNNING", "1:30", "-"]
+
+
+def test_parse_cpus():
+    assert jobs.parse_cpus("0-2,5") == (0, 1, 2, 5)
+    assert jobs.parse_cpus("3") == (3,)
+    for bad in ("", "a", "3-1", "1-", "1,,2"):
+        with pytest.raises(UsageError):
+            jobs.parse_cpus(bad, "--cpus")
+
+
+# ---------------------------------------------------------------- the command line
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["submit-job", "box", "./x", "--name", "y"], ["submit-job", "box", "./x", "--", "--name",
+                                                  "y"]),
+    (["submit-job", "--name", "n", "box", "-t", "5", "./x", "-a"],
+     ["submit-job", "--name", "n", "box", "-t", "5", "./x", "--", "-a"]),
+    (["-C", "dir", "submit-job", "box", "--env=A=1", "./x", "--debug"],
+     ["-C", "dir", "submit-job", "box", "--env=A=1", "./x", "--", "--debug"]),
+    (["submit-job", "box", "--wait", "./x"], ["submit-job", "box", "--wait", "./x", "--"]),
+    (["submit-job", "box", "--", "./x", "-a"], ["submit-job", "box", "--", "./x", "-a"]),
+    (["submit-job", "box"], ["submit-job", "box"]),
+    (["submit-job", "box", "./x", "--", "-a"], ["submit-job", "box", "./x", "--", "-a"]),
+    (["exec", "box", "--", "x", "--name"], ["exec", "box", "--", "x", "--name"]),
+])
+def test_split_job_args(argv, want):
+    from envctl.cli import split_job_args
+
+    assert split_job_args(argv) == want
+
+
+def test_submit_value_options_match_the_command():
+    import typer
+
+    from envctl import cli
+
+    command = typer.main.get_command(cli.app).commands["submit-job"]
+    takes_value = {o for p in command.params if not getattr(p, "is_flag", False)
+                   and p.param_type_name == "option" for o in p.opts}
+    assert takes_value == cli.SUBMIT_VALUE_OPTIONS
+
+
+def test_an_argument_like_an_option_reaches_the_job(monkeypatch):
+    """Parsed by the real CLI up to the point it would submit: the job's argv is literal."""
+    from envctl import cli
+    from envctl.runtime import supervisor
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_make_request(host, ctx, exe, args, **kw):
+        seen.update(exe=exe, args=args, **kw)
+        raise Stop
+
+    monkeypatch.setattr(supervisor, "make_request", fake_make_request)
+    monkeypatch.setattr("envctl.runtime.context.EnvContext.load", lambda host, env: None)
+    with pytest.raises(Stop):
+        cli.main(["submit-job", "-t", "1m", "box", "--name", "n", "./x", "--name",
+                  "$(rm -rf /)", "-t", "a;b"])
+    assert seen["exe"] == "./x" and seen["name"] == "n" and seen["time_limit"] == "1m"
+    assert seen["args"] == ["--name", "$(rm -rf /)", "-t", "a;b"]
+
+
+# ---------------------------------------------------------------- checking a request
+
+
+def ctx_for(root: Path, **kw) -> EnvContext:
+    return EnvContext(env="box", root=root, mntns=root / "ns", netns=None, hostname="box",
+                      environ={"PATH": "/usr/bin:/bin"}, cpus=(0, 1), **kw)
+
+
+def test_check_request(tmp_path):
+    root = tmp_path / "root"
+    (root / "usr" / "bin").mkdir(parents=True)
+    exe = tmp_path / "x.sh"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    py = tmp_path / "p.py"
+    py.write_text("print(1)\n")
+    ctx = ctx_for(root, gpus=("GPU-a",))
+    with pytest.raises(HostError, match="no /job"):
+        sv.check_request(ctx, sv.Request(exe=exe))
+    (root / "job").mkdir()
+    assert sv.check_request(ctx, sv.Request(exe=exe, args=["-a"])) == (["/job/x.sh", "-a"],
+                                                                       "x.sh")
+    with pytest.raises(InputError, match="no python3"):
+        sv.check_request(ctx, sv.Request(exe=py))
+    (root / "usr" / "bin" / "python3").write_text("")
+    assert sv.check_request(ctx, sv.Request(exe=py))[0] == ["/usr/bin/python3", "/job/p.py"]
+    exe.chmod(0o644)
+    with pytest.raises(InputError, match="not executable"):
+        sv.check_request(ctx, sv.Request(exe=exe))
+    exe.chmod(0o755)
+    with pytest.raises(InputError, match="CPU.*2"):
+        sv.check_request(ctx, sv.Request(exe=exe, cpus=(1, 2)))
+    with pytest.raises(InputError, match="GPU-b"):
+        sv.check_request(ctx, sv.Request(exe=exe, gpus=("GPU-b",)))
+    with pytest.raises(InputError, match="workdir"):
+        sv.check_request(ctx, sv.Request(exe=exe, workdir="tmp"))
+    with pytest.raises(InputError, match="does not exist"):
+        sv.check_request(ctx, sv.Request(exe=exe, output=tmp_path / "no" / "out"))
+    with pytest.raises(InputError, match="No such file"):
+        sv.check_request(ctx, sv.Request(exe=tmp_path / "missing"))
+    with pytest.raises(InputError, match="regular file"):
+        sv.check_request(ctx, sv.Request(exe=tmp_path))
+
+
+def test_gpus_by_host_index_or_uuid(tmp_path):
+    from envctl.engine.journal import Journal
+
+    host = Host(state_dir=tmp_path)
+    host.__dict__["boot_id"] = ""
+    journal = Journal.open(tmp_path, "box")
+    journal.set_meta({"claims": {"gpus": {"all": False, "indices": [2, 3],
+                                          "uuids": ["GPU-c", "GPU-d"]}}})
+    ctx = ctx_for(tmp_path, gpus=("GPU-c", "GPU-d"))
+    assert sv.resolve_gpus(host, ctx, "3,GPU-c,3") == ("GPU-d", "GPU-c")
+    with pytest.raises(InputError, match="2=GPU-c, 3=GPU-d"):
+        sv.resolve_gpus(host, ctx, "0")
+    with pytest.raises(InputError):
+        sv.resolve_gpus(host, ctx, "GPU-x")
+
+
+# ---------------------------------------------------------------- following output
+
+
+def test_follow_copies_until_the_supervisor_ends(tmp_path):
+    out = tmp_path / "stdout"
+    out.write_bytes(b"first\n")
+    fake = subprocess.Popen(["sleep", "600"])  # stands in for the job's supervisor
+    try:
+        running = job(1, State.RUNNING, supervisor=jobs.identity(fake.pid))
+        jobs.write(tmp_path, running)
+        got: list[bytes] = []
+        copied = threading.Event()
+
+        def write(chunk: bytes) -> None:
+            got.append(chunk)
+            if b"".join(got).endswith(b"second\n"):
+                copied.set()
+
+        t = threading.Thread(target=jobs.follow, args=(tmp_path, running, out, write),
+                             kwargs={"boot_id": BOOT, "recheck": 600})
+        t.start()
+        with open(out, "ab") as f:
+            f.write(b"second\n")
+        assert copied.wait(30), "a write was not followed (no inotify wake-up)"
+        with open(out, "ab") as f:
+            f.write(b"last\n")
+        fake.kill()
+        fake.wait()
+        t.join(30)
+        assert not t.is_alive(), "follow did not end with the supervisor"
+        assert b"".join(got) == b"first\nsecond\nlast\n"
+    finally:
+        fake.kill()
+        fake.wait()
+
+
+def test_follow_of_a_finished_job_prints_the_file_and_returns(tmp_path):
+    out = tmp_path / "stdout"
+    out.write_bytes(b"all of it\n")
+    got: list[bytes] = []
+    jobs.follow(tmp_path, job(1, State.COMPLETED), out, got.append, boot_id=BOOT)
+    assert b"".join(got) == b"all of it\n"

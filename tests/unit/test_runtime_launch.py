@@ -1,0 +1,372 @@
+"""The runtime's entry path without root: what it reads of an environment's journal, users,
+the job's environment, argument parsing of `envctl exec`, launch checks, error mapping, the
+cgroup directories of a launch, and that `exec` starts without the spec, the planner, pydantic
+or YAML. (The launch itself, on the real kernel: tests/integration/test_exec.py.)"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from envctl.errors import StateCorrupt, UsageError
+from envctl.host.context import Host
+from envctl.runtime import context as rc
+from envctl.runtime import launch as rl
+from envctl.runtime.exec import parse_args
+
+REPO = Path(__file__).resolve().parents[2]
+BOOT = "boot-now"
+
+
+def entry(kind: str, key: str, boot: str = BOOT, **fields) -> dict:
+    return {"key": key, "resource": {"kind": kind, **fields}, "memo": {}, "status": "applied",
+            "boot": boot}
+
+
+def write_journal(state: Path, env: str, entries: list[dict], *, meta: dict | None = None,
+                  log: list[dict] | None = None) -> None:
+    d = state / "journal"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{env}.json").write_text(json.dumps({"version": 1, "env": env, "entries": entries,
+                                               "meta": meta or {}, "log": 1}))
+    if log:
+        (d / f"{env}.1.log").write_text("".join(json.dumps(r) + "\n" for r in log))
+
+
+def box_entries(root: Path, *, cpus: str = "1-2", boot: str = BOOT) -> list[dict]:
+    return [
+        entry("rootfs", "rootfs:box", boot="old", env="box", root=str(root)),
+        entry("mntns", "mntns:box", boot=boot, env="box"),
+        entry("netns", "netns:box", boot=boot, name="box"),
+        entry("cgroup", "cgroup:box", boot=boot, env="box", version=1, parent="p",
+              controllers=["cpu", "cpuset", "memory"],
+              settings=[["cpuset", "cpuset.cpus", cpus], ["cpuset", "cpuset.mems", "0"]]),
+        entry("env-dev", "env-dev:box", boot=boot, env="box", root=str(root),
+              nodes=[["nvidia0", 195, 0, 0o660, 44], ["nvidiactl", 195, 255, 0o660, 44],
+                     ["nvidia-uvm", "nvidia-uvm", 0, 0o660, 44]]),
+    ]
+
+
+@pytest.fixture
+def rootfs(tmp_path) -> Path:
+    root = tmp_path / "rootfs"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "environment").write_text("PATH=/usr/bin:/bin\nFOO=a=b c\n\nENVIRONMENT=box\n")
+    (root / "etc" / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
+        "alice:x:1500:1500::/home/alice:/bin/sh\n")
+    (root / "etc" / "group").write_text("root:x:0:\ntty:x:5:alice\nnogroup:x:65534:\n"
+                                        "alice:x:1500:\nvideo:x:44:bob,alice\n")
+    return root
+
+
+def ctx_of(root: Path, **kw) -> rc.EnvContext:
+    base = {"env": "box", "root": root, "mntns": Path("/nonexistent"), "netns": None,
+            "hostname": "box", "environ": {"PATH": "/bin"}, "cpus": (0, 1, 2, 3)}
+    return rc.EnvContext(**{**base, **kw})
+
+
+# ---------------------------------------------------------------- the journal
+
+
+def test_read_journal_replays_the_log_and_drops_other_boots(tmp_path, rootfs):
+    state = tmp_path / "state"
+    entries = box_entries(rootfs)
+    write_journal(state, "box", entries[:2], meta={"claims": {"gpus": {"uuids": ["GPU-1"]}}},
+                  log=[{"put": entries[2]}, {"put": entries[3]}, {"drop": "netns:box"},
+                       {"put": entry("netns", "netns:box", name="other")},
+                       {"meta": {"claims": {"gpus": {"uuids": ["GPU-2"]}}}}])
+    found, claims = rc.read_journal(state, "box", BOOT)
+    assert found["netns"]["name"] == "other"
+    assert found["rootfs"]["root"] == str(rootfs)  # on disk: kept from another boot
+    assert claims == {"gpus": {"uuids": ["GPU-2"]}}
+    # Another boot: the namespaces are gone, the environment is not up.
+    found, _ = rc.read_journal(state, "box", "boot-later")
+    assert set(found) == {"rootfs"}  # mntns, netns, cgroup and env-dev went with the boot
+
+
+def test_read_journal_sees_what_the_engines_journal_holds(tmp_path, rootfs):
+    """The runtime's reader against journals the engine wrote: folded, with a log after the
+    fold, with a torn last line; damage before a good record is StateCorrupt for both."""
+    from envctl.engine.journal import Entry, Journal
+    from envctl.resources.cgroup import Cgroup
+    from envctl.resources.mounts import MountNamespace
+    from envctl.resources.netns import NetNamespace
+    from envctl.resources.rootfs import RootfsTree
+
+    state = tmp_path / "state"
+
+    def put(j: Journal, res, boot: str = BOOT) -> None:
+        j.put(Entry(f"{res.kind}:{res.ident()}", res.to_dict(), {}, "applied",
+                    boot=boot))
+
+    def same() -> None:
+        engine = Journal.open(state, "box", boot=BOOT)
+        want: dict[str, dict] = {}
+        for e in engine.entries:
+            want.setdefault(e.resource["kind"], e.resource)
+        found, claims = rc.read_journal(state, "box", BOOT)
+        assert found == want and claims == engine.claims
+
+    j = Journal.open(state, "box", boot=BOOT)
+    put(j, RootfsTree("box", str(rootfs)), boot="old")
+    put(j, MountNamespace("box"))
+    put(j, NetNamespace("box"), boot="old")  # another boot's: dropped by both
+    j.set_meta({"claims": {"gpus": {"uuids": ["GPU-1"]}}})
+    j.save()
+    same()
+    # After the fold: a log of changes the file does not hold yet.
+    j = Journal.open(state, "box", boot=BOOT)
+    put(j, NetNamespace("other"))
+    put(j, Cgroup("box", 1, ("cpu", "cpuset"), (("cpuset", "cpuset.cpus", "0-1"),), "p"))
+    j.drop("mntns:box")
+    put(j, MountNamespace("box"))
+    j.set_meta({"claims": {}})
+    same()
+    logs = sorted((state / "journal").glob("box.*.log"))
+    assert len(logs) == 1
+    with logs[0].open("ab") as f:
+        f.write(b'{"put": {"key": "torn')  # a crash while appending
+    same()
+    with logs[0].open("ab") as f:
+        f.write(b'\n{"drop": "netns:box"}\n')  # ... and a good record after the damage
+    with pytest.raises(StateCorrupt, match="damaged and records follow"):
+        Journal.open(state, "box", boot=BOOT)
+    with pytest.raises(StateCorrupt, match="damaged and records follow"):
+        rc.read_journal(state, "box", BOOT)
+
+
+def test_load_reads_what_a_launch_needs(tmp_path, rootfs, monkeypatch):
+    state, run = tmp_path / "state", tmp_path / "run"
+    write_journal(state, "box", box_entries(rootfs),
+                  meta={"claims": {"gpus": {"uuids": ["GPU-a", "GPU-b"]}}})
+    host = Host(state_dir=state, run_dir=run, netns_dir=tmp_path / "netns")
+    host.__dict__["boot_id"] = BOOT
+    # Everything but the holder, which only the kernel makes: a plain file holds nothing.
+    (run / "mnt.d").mkdir(parents=True)
+    (run / "mnt.d" / "box").touch()
+    with pytest.raises(rc.HostError, match="holds no mount namespace; `envctl up box`"):
+        rc.EnvContext.load(host, "box")
+    monkeypatch.setattr(rc, "_check_holder", lambda env, path: None)
+    ctx = rc.EnvContext.load(host, "box")
+    assert ctx.root == rootfs and ctx.mntns == run / "mnt.d" / "box"
+    assert ctx.netns == tmp_path / "netns" / "box" and ctx.hostname == "box"
+    assert ctx.environ == {"PATH": "/usr/bin:/bin", "FOO": "a=b c", "ENVIRONMENT": "box"}
+    assert ctx.cgroup == rc.EnvCgroup("cgroupfs", "p", 1, ("cpu", "cpuset", "memory"))
+    assert ctx.cpus == (1, 2) and ctx.gpus == ("GPU-a", "GPU-b") and ctx.device_gids == (44,)
+
+
+def test_load_refuses_what_is_not_up_or_has_no_rootfs(tmp_path, rootfs):
+    state = tmp_path / "state"
+    host = Host(state_dir=state, run_dir=tmp_path / "run")
+    host.__dict__["boot_id"] = BOOT
+    with pytest.raises(UsageError, match="environment 'box' is not up: bring it up"):
+        rc.EnvContext.load(host, "box")
+    with pytest.raises(UsageError, match="not an environment name"):
+        rc.EnvContext.load(host, "../etc")
+    write_journal(state, "box", box_entries(rootfs)[1:])
+    with pytest.raises(UsageError, match="has no root filesystem"):
+        rc.EnvContext.load(host, "box")
+    write_journal(state, "box", box_entries(rootfs, boot="before-the-reboot"))
+    with pytest.raises(UsageError, match="is not up"):
+        rc.EnvContext.load(host, "box")
+    (state / "journal" / "box.json").write_text('{"version": 1, "entries": [{"key": 1}]}')
+    with pytest.raises(StateCorrupt):
+        rc.EnvContext.load(host, "box")
+
+
+def test_cpu_lists_read_and_written_as_the_spec_units_do():
+    from envctl.spec.units import format_cpu_list, parse_cpu_list
+
+    for text in ("0", "0-3", "0-3,8,10-11", "5,1,2", " 2 - 3 , 7", ""):
+        assert rc.parse_cpus(text) == (parse_cpu_list(text) if text.strip() else ())
+    for cpus in ((0,), (0, 1, 2, 3), (0, 2, 4), (1, 2, 3, 7, 9, 10)):
+        assert rc.format_cpus(cpus) == format_cpu_list(cpus)
+
+
+def test_constants_kept_in_step_with_their_owners():
+    from envctl.facts import DEFAULT_PARENT
+    from envctl.resources.mounts import MNT_DIR
+
+    assert rc.DEFAULT_PARENT == DEFAULT_PARENT and rc.MNT_DIR == MNT_DIR
+
+
+# ---------------------------------------------------------------- users and variables
+
+
+def test_users(rootfs):
+    ctx = ctx_of(rootfs)
+    assert rl.resolve_user("root", ctx, {}) == rl.User(0, 0, ())
+    assert rl.resolve_user("0", ctx, {}) == rl.User(0, 0, ())
+    assert rl.resolve_user("nobody", ctx, {}) == rl.User(65534, 65534, ())
+    assert rl.resolve_user("65534", ctx, {}) == rl.User(65534, 65534, ())
+    # Supplementary groups from the environment's /etc/group; a group asked for by name.
+    assert rl.resolve_user("alice", ctx, {}) == rl.User(1500, 1500, (5, 44))
+    assert rl.resolve_user("alice:video", ctx, {}) == rl.User(1500, 44, (5,))
+    assert rl.resolve_user("4242:4343", ctx, {}) == rl.User(4242, 4343, ())
+    assert rl.resolve_user("4242", ctx, {}) == rl.User(4242, 4242, ())  # no entry: gid = uid
+    # Without --user: the user behind sudo, never root.
+    assert rl.resolve_user(None, ctx, {"SUDO_UID": "1000", "SUDO_GID": "100"}) == \
+        rl.User(1000, 100, ())
+    for environ in ({}, {"SUDO_UID": "0", "SUDO_GID": "0"}, {"SUDO_UID": ""}):
+        with pytest.raises(UsageError, match="runs nothing as root unless asked: give --user"):
+            rl.resolve_user(None, ctx, environ)
+    with pytest.raises(UsageError, match="no user 'no-such-user-xyz'"):
+        rl.resolve_user("no-such-user-xyz", ctx, {})
+    with pytest.raises(UsageError, match="no group 'no-such-group-xyz'"):
+        rl.resolve_user("alice:no-such-group-xyz", ctx, {})
+    # The groups of the environment's GPU nodes: every job may use its environment's GPUs.
+    gpu = ctx_of(rootfs, device_gids=(44, 107))
+    assert rl.resolve_user("alice", gpu, {}) == rl.User(1500, 1500, (5, 44, 107))
+    assert rl.resolve_user("4242", gpu, {}) == rl.User(4242, 4242, (44, 107))
+    assert rl.resolve_user(None, gpu, {"SUDO_UID": "1000", "SUDO_GID": "44"}) == \
+        rl.User(1000, 44, (107,))
+
+
+def test_job_environ(rootfs):
+    ctx = ctx_of(rootfs, environ={"PATH": "/bin", "FOO": "1"})
+    assert rl.job_environ(ctx, rl.User(0, 0)) == {"PATH": "/bin", "FOO": "1", "HOME": "/root"}
+    assert rl.job_environ(ctx, rl.User(1500, 1500), {"FOO": "2"})["HOME"] == "/home/alice"
+    assert rl.job_environ(ctx, rl.User(777, 777))["HOME"] == "/"
+
+
+# ---------------------------------------------------------------- checks and errors
+
+
+def test_launch_checks_refuse_what_cannot_be_right(rootfs):
+    ctx = ctx_of(rootfs, cpus=(2, 3))
+    root = rl.User(0, 0)
+
+    def check(**kw):
+        base = {"ctx": ctx, "argv": ["sh"], "environ": {"PATH": "/bin"}, "user": root}
+        return rl._check(rl.Launch(**{**base, **kw}))
+
+    plan = check()
+    assert plan["cpus"] == (2, 3) and plan["keep"] == 0xA80425FB  # Docker's default set
+    assert check(user=rl.User(1000, 1000))["keep"] == 0  # other users: none
+    assert check(caps=("CAP_NET_ADMIN", "kill"))["keep"] == (1 << 12) | (1 << 5)
+    assert plan["argv"] == [b"sh"] and plan["environ"] == {b"PATH": b"/bin"}
+    for kw, message in (({"argv": []}, "give the command"), ({"argv": [""]}, "empty string"),
+                        ({"argv": ["a", "b\0c"]}, "argument 1 contains a NUL"),
+                        ({"environ": {"A=B": "1"}}, "environment variable 'A=B'"),
+                        ({"cwd": "tmp"}, "an absolute path"),
+                        ({"caps": ("SYS_WIZARD",)}, "unknown capabilities SYS_WIZARD"),
+                        ({"cpus": (1, 2)}, r"CPUs \[1\]: the environment 'box' runs on CPUs 2,3"),
+                        ({"binds": [rl.Bind("/x", "/a/../etc")]}, "bind target")):
+        with pytest.raises(UsageError, match=message):
+            check(**kw)
+
+
+def test_capability_numbers_are_the_kernels():
+    assert rl.CAPS["CHOWN"] == 0 and rl.CAPS["SYS_CHROOT"] == 18 and rl.CAPS["SYS_ADMIN"] == 21
+    assert rl.CAPS["MKNOD"] == 27 and rl.CAPS["SETFCAP"] == 31
+    assert rl.CAPS["CHECKPOINT_RESTORE"] == 40
+    assert len(rl.DEFAULT_CAPS) == 14 and "SYS_ADMIN" not in rl.DEFAULT_CAPS
+
+
+def test_errors_before_the_exec_name_the_step(rootfs):
+    launch = rl.Launch(ctx_of(rootfs), ["frob", "-x"], {"PATH": "/usr/bin"}, rl.User(0, 0))
+    err = rl._error(launch, f"exec\0{errno.ENOENT}\0frob".encode())
+    assert isinstance(err, rl.CommandNotFound) and err.exit_code == 127
+    assert str(err) == "frob: command not found in environment 'box' (PATH=/usr/bin)"
+    launch.argv = ["/opt/frob"]
+    err = rl._error(launch, f"exec\0{errno.ENOENT}\0/opt/frob".encode())
+    assert err.exit_code == 127 and "no such file" in str(err)
+    err = rl._error(launch, f"exec\0{errno.EACCES}\0/opt/frob".encode())
+    assert err.exit_code == 126 and str(err).endswith("Permission denied")
+    err = rl._error(launch, f"pivot_root\0{errno.EINVAL}\0/srv/root".encode())
+    assert (err.step, err.errno, err.exit_code) == ("pivot_root", errno.EINVAL, 1)
+    assert str(err) == "enter environment 'box': pivot_root: /srv/root: Invalid argument"
+
+
+def test_exit_codes_as_a_shell_reports_them():
+    assert rl.exit_code(3 << 8) == 3
+    assert rl.exit_code(9) == 137 and rl.exit_code(15) == 143
+
+
+# ---------------------------------------------------------------- cgroups
+
+
+def test_cgroup_dirs_are_where_the_cgroup_adapter_puts_them(rootfs):
+    from envctl.host.cgroups import Cgroups, detect_layout
+
+    lay = detect_layout()
+    if lay.version not in (1, 2):
+        pytest.skip("no cgroup hierarchy here")
+    ctx = ctx_of(rootfs, cgroup=rc.EnvCgroup("cgroupfs", "p", lay.version, lay.controllers()))
+    assert rl.cgroup_dirs(ctx, "exec-1") == Cgroups(lay, "p").dirs("box/exec-1")
+    v1, unified = rl._cgroup_mounts()
+    assert unified == lay.unified and {c: v1[c] for c in lay.v1} == lay.v1
+    assert rl.cgroup_dirs(ctx_of(rootfs), "exec-1") == []  # no cgroup
+    sliced = ctx_of(rootfs, cgroup=rc.EnvCgroup("systemd", "p", lay.version))
+    assert rl.cgroup_dirs(sliced, "exec-1") == [] and rl.create_cgroup(sliced, "x") == []
+
+
+# ---------------------------------------------------------------- the exec command
+
+
+def test_exec_arguments_as_the_typer_command_reads_them():
+    assert parse_args(["exec", "box", "--", "ls", "-l"]) == ("box", ["ls", "-l"], None)
+    assert parse_args(["exec", "box", "--user", "65534", "--", "id"]) == \
+        ("box", ["id"], "65534")
+    assert parse_args(["exec", "-u", "root", "box", "--", "--", "-x"]) == \
+        ("box", ["--", "-x"], "root")
+    assert parse_args(["exec", "--user=0", "box", "true"]) == ("box", ["true"], "0")
+    # Anything else is the typer CLI's to answer (help, other options, missing parts).
+    for args in (["exec", "--help"], ["exec", "box", "-h", "--", "x"], ["exec", "box"],
+                 ["exec", "box", "--"], ["exec", "box", "--user"], ["--debug", "exec", "b"],
+                 ["status"], []):
+        assert parse_args(args) is None, args
+
+
+def test_cli_exec_refuses_an_environment_that_is_not_up(tmp_path):
+    env = {**os.environ, "ENVCTL_STATE_DIR": str(tmp_path / "state"),
+           "ENVCTL_RUN_DIR": str(tmp_path / "run"), "PYTHONPATH": str(REPO / "src")}
+    for entry_point in (["-m", "envctl"], ["-c", "from envctl.runtime.exec import fast_entry; "
+                                                  "fast_entry()"]):
+        res = subprocess.run([sys.executable, *entry_point, "exec", "box", "--user", "root",
+                              "--", "true"], capture_output=True, text=True, env=env)
+        assert res.returncode == 2, res.stderr
+        assert res.stderr == "error: environment 'box' is not up: bring it up with " \
+                             "`envctl up box`\n"
+
+
+FORBIDDEN = ("pydantic", "yaml", "envctl.spec", "envctl.plan", "envctl.workspace",
+             "envctl.render", "envctl.app", "rich", "pyroute2", "envctl.facts",
+             "envctl.resources", "envctl.engine", "envctl.host.cgroups")
+
+
+@pytest.mark.parametrize("entry_point", [["-m", "envctl"], [
+    "-c", "from envctl.runtime.exec import fast_entry; fast_entry()"]])
+def test_exec_imports_neither_specs_nor_planner_nor_resource_kinds(tmp_path, rootfs,
+                                                                   entry_point):
+    """`exec` reads the journal of an environment with every usual kind in it, and imports
+    none of the spec, the planner, pydantic, YAML, rich, the engine or any resource kind."""
+    state = tmp_path / "state"
+    # Made in this boot as far as the journal says ("": journals from before boots were kept).
+    entries = box_entries(rootfs, boot="") + [
+        entry("sysctl", "sysctl:x", name="net.ipv4.ip_forward", value="1"),
+        entry("governor", "governor:0", policy="policy0", cpus="0", governor="performance"),
+        entry("mount", "mount:box:/", env="box", root=str(rootfs), target="/",
+              source=str(rootfs)),
+        entry("cgroup-devices", "cgroup-devices:box", env="box", version=1, rules=[]),
+        entry("veth", "veth:box", name="v")]
+    write_journal(state, "box", entries)
+    env = {**os.environ, "ENVCTL_STATE_DIR": str(state), "ENVCTL_RUN_DIR": str(tmp_path / "run"),
+           "PYTHONPATH": str(REPO / "src")}
+    res = subprocess.run([sys.executable, "-X", "importtime", *entry_point, "exec", "box",
+                          "--user", "root", "--", "true"], capture_output=True, text=True,
+                         env=env)
+    # Read the journal all the way to its mount namespace holder, which is not there.
+    assert res.returncode == 1, res.stderr
+    assert "mount namespace" in res.stderr and "`envctl up box` makes it again" in res.stderr
+    modules = {line.split("|")[-1].strip() for line in res.stderr.splitlines()
+               if line.startswith("import time:") and "cumulative" not in line}
+    assert "envctl.runtime.context" in modules
+    assert sorted(m for m in modules if m.startswith(FORBIDDEN)) == []
