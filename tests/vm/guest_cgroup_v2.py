@@ -4,6 +4,7 @@ teardown of sub-cgroups a process made and of processes that ignore SIGTERM incl
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -240,3 +241,6 @@ def test_a_job_over_its_environments_memory_is_out_of_memory_on_v2(clean, tmp_pa
         assert record["state"] == "OUT_OF_MEMORY", record
     finally:
         sb.envctl("down", "lim", check=True)
+    # Job records are history and outlive `down` (docs/runtime.md): the only thing left.
+    assert sorted(p.name for p in sb.state.iterdir()) == ["jobs", "lock"]
+    shutil.rmtree(sb.state)
