@@ -22,17 +22,6 @@ def plan_dirs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     plan.add(BaseDirectory("run"))
     plan.add(Directory("run", spec.name, 0o755))
     _resolve(spec, facts, plan)
-    _not_yet(spec, plan)
-
-
-def _not_yet(spec: EnvSpec, plan: Plan) -> None:
-    """Say which spec sections this version validates but does not yet make, never skip quietly."""
-    pending = []
-    if spec.service is not None:
-        pending.append("service")
-    if pending:
-        plan.warn(f"{', '.join(pending)}: validated, but this version of envctl does not set "
-                  "them up yet")
 
 
 def _resolve(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:

@@ -28,6 +28,7 @@ MODULES = {
     "netns": "netns",
     "netns-dir": "netns",
     "rootfs": "rootfs",
+    "service": "service",
     "shared-dir": "dirs",
     "sysctl": "sysctl",
     "veth": "veth",
