@@ -362,6 +362,24 @@ def _cgroup_mounts() -> tuple[dict[str, str], str | None]:
     return v1, unified
 
 
+def final_status(started: Started, status_r: int, buf: bytes) -> int:
+    """The job's raw wait status once its launcher has ended (a supervisor's poll loop saw the
+    pidfd): what the init wrote to the status pipe (`buf`, plus what is left in it), or, when
+    the init died without a word (the OOM killer chose it; SIGKILL), the launcher's exit 128+N
+    read as signal N. Reaps the launcher and closes its pidfd and the pipe."""
+    _, launcher_status = os.waitpid(started.pid, 0)
+    started.close()
+    os.set_blocking(status_r, False)
+    with contextlib.suppress(OSError):  # EAGAIN: the init died without writing
+        buf += os.read(status_r, 64)
+    os.close(status_r)
+    try:
+        return int(buf.split()[0])
+    except (IndexError, ValueError):
+        code = os.waitstatus_to_exitcode(launcher_status)
+        return code - 128 if code > 128 else launcher_status
+
+
 def _delegate(env_dir: Path) -> None:
     """cgroup v2: a child has only the controllers its parent's cgroup.subtree_control enables,
     and an environment's cgroup (which holds no process of its own: every launch is in a child)

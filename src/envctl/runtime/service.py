@@ -558,18 +558,9 @@ class _Supervisor:
                         poller.unregister(status_r)
                 elif fd == started.pidfd:
                     ended = True
-        _, launcher_status = os.waitpid(started.pid, 0)
-        started.close()
-        os.set_blocking(status_r, False)
-        with contextlib.suppress(OSError):  # EAGAIN: the init died without writing
-            buf += os.read(status_r, 64)
-        os.close(status_r)
-        try:
-            return int(buf.split()[0])
-        except (IndexError, ValueError):
-            # The init died without a word: the launcher exited with 128+N for its signal N.
-            code = os.waitstatus_to_exitcode(launcher_status)
-            return (code - 128) if code > 128 else launcher_status
+        from envctl.runtime.launch import final_status
+
+        return final_status(started, status_r, buf)
 
 
 def _last_exit(status: int | None, error: str | None, code: int | None) -> dict[str, Any]:

@@ -423,19 +423,9 @@ class _Supervisor:
                         poller.unregister(status_r)
                 elif fd == started.pidfd:
                     ended = True
-        _, launcher_status = os.waitpid(started.pid, 0)
-        started.close()
-        os.set_blocking(status_r, False)
-        with contextlib.suppress(OSError):  # EAGAIN: the init died without writing
-            buf += os.read(status_r, 64)
-        os.close(status_r)
-        try:
-            status: int | None = int(buf.split()[0])
-        except (IndexError, ValueError):
-            # The init died without a word (the OOM killer chose it; SIGKILL): the launcher
-            # exited with 128+N for the init's signal N (or was killed itself, by _kill_all).
-            code = os.waitstatus_to_exitcode(launcher_status)
-            status = code - 128 if code > 128 else launcher_status
+        from envctl.runtime.launch import final_status
+
+        status: int | None = final_status(started, status_r, buf)
         return status, reason == "timeout", reason == "cancel"
 
     def _cancel_grace(self) -> float:
