@@ -463,9 +463,9 @@ def gpus(
     """
     from envctl import gpus as ops_gpus
     from envctl.host.context import Host
-    from envctl.host.gpus import gpu_root
 
-    host, root = Host.from_env(), gpu_root()
+    host = Host.from_env()
+    root = host.gpu_root  # ENVCTL_GPU_ROOT, as every command reads it
     found = ops_gpus.survey(host, root)
     report = ops_gpus.gpu_report(host, root, found=found)
     written = None

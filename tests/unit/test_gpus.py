@@ -138,8 +138,11 @@ def test_nvml_mode_from_the_environment():
     assert hg.nvml_mode({"ENVCTL_NVML": "off"}) == "off"
     with pytest.raises(InputError, match="ENVCTL_NVML is 'on': allowed values are auto, off"):
         hg.nvml_mode({"ENVCTL_NVML": "on"})
-    assert hg.gpu_root({}) == Path("/")
-    assert hg.gpu_root({"ENVCTL_GPU_ROOT": "/tmp/x"}) == Path("/tmp/x")
+    from envctl.host.context import Host
+
+    assert Host.from_env({}).gpu_root == Path("/")
+    assert Host.from_env({"ENVCTL_GPU_ROOT": ""}).gpu_root == Path("/")
+    assert Host.from_env({"ENVCTL_GPU_ROOT": "/tmp/x"}).gpu_root == Path("/tmp/x")
 
 
 # ---------------------------------------------------------------- discovery

@@ -46,7 +46,7 @@ class Host:
             else None,
             modprobe=environ.get("ENVCTL_MODPROBE", "modprobe"),
             rmmod=environ.get("ENVCTL_RMMOD", "rmmod"),
-            gpu_root=Path(environ.get("ENVCTL_GPU_ROOT", "/")),
+            gpu_root=Path(environ.get("ENVCTL_GPU_ROOT") or "/"),
         )
 
     @cached_property

@@ -1,8 +1,8 @@
 """NVIDIA GPU discovery, read-only: the driver's /proc files, its /dev nodes and NVML.
 
-Everything is read under a root (`ENVCTL_GPU_ROOT`, default "/") so tests point it at a fake
-tree. What is read, in the formats the driver writes (kernel-open/nvidia/nv-procfs.c and
-nv.c / nv-frontend.c of NVIDIA's open-gpu-kernel-modules):
+Everything is read under a root (Host.gpu_root: `ENVCTL_GPU_ROOT`, default "/") so tests
+point it at a fake tree. What is read, in the formats the driver writes
+(kernel-open/nvidia/nv-procfs.c and nv.c / nv-frontend.c of NVIDIA's open-gpu-kernel-modules):
 
 - `proc/devices`, character section, "%3d %s": major 195 is named `nvidia-frontend` by drivers
   with the frontend module and `nvidia` (plus `nvidiactl`) by newer ones; `nvidia-uvm`,
@@ -47,11 +47,6 @@ _UUID = re.compile(r"(?:GPU|MIG)-[A-Za-z0-9-]+")
 _PCI = re.compile(r"([0-9a-fA-F]+):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])")
 
 
-def gpu_root(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
-    """The root discovery reads under: ENVCTL_GPU_ROOT, default "/"."""
-    return Path(environ.get("ENVCTL_GPU_ROOT") or "/")
-
-
 def nvml_mode(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
     """ENVCTL_NVML: "auto" (the default: NVML when the driver is there) or "off" (/proc only)."""
     mode = environ.get("ENVCTL_NVML") or "auto"
@@ -59,8 +54,6 @@ def nvml_mode(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
         raise InputError(f"ENVCTL_NVML is '{mode}': allowed values are {', '.join(NVML_MODES)}")
     return mode
 
-
-GPU_ROOT = gpu_root()
 
 
 # ---------------------------------------------------------------- parsers (pure)
