@@ -446,3 +446,25 @@ def _on_a_terminal(sb, script: str, *, typed: bytes) -> tuple[bytes, int]:
         os.close(master)
         proc.kill()
         proc.wait()
+
+
+def test_the_spec_chooses_the_capabilities_root_keeps(sandbox):
+    """runtime.capabilities replaces the default set for root (read from the journal at each
+    launch); another user still keeps none."""
+    sb = sandbox
+    sb.write_spec("box", "name: box\nkind: cpu\nrootfs: {binaries: [cat]}\n"
+                         "runtime: {capabilities: [cap_chown, NET_BIND_SERVICE]}\n")
+    assert sb.envctl("up", "box").returncode == 0
+    status = ex(sb, "cat", "/proc/self/status").stdout
+    want = (1 << 0) | (1 << 10)  # CAP_CHOWN, CAP_NET_BIND_SERVICE
+    for field in ("CapBnd", "CapEff", "CapPrm"):
+        assert int(status_field(status, field), 16) == want, field
+    status = ex(sb, "cat", "/proc/self/status", user="65534").stdout
+    assert int(status_field(status, "CapBnd"), 16) == 0
+    # An empty list: root keeps nothing either.
+    sb.write_spec("box", "name: box\nkind: cpu\nrootfs: {binaries: [cat]}\n"
+                         "runtime: {capabilities: []}\n")
+    assert sb.envctl("up", "box").returncode == 0
+    status = ex(sb, "cat", "/proc/self/status").stdout
+    assert int(status_field(status, "CapEff"), 16) == 0
+    down_box(sb)

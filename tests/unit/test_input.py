@@ -160,6 +160,9 @@ def accepted(body: str):
      ["absolute"]),
     ("gpus: {count: 1, group: 'Bad Group'}", "gpus.group", ["numeric gid"]),
     ("gpus: {count: 1, toolkit: cuda}", "gpus.toolkit", ["absolute"]),
+    ("runtime: {capabilities: [SYS_FLY]}", "runtime.capabilities[0]", ["not a Linux capability"]),
+    ("runtime: {capabilities: [CHOWN, cap_chown]}", "runtime.capabilities",
+     ["listed twice"]),
     ("rootfs: {env: {A: null}}", "rootfs.env.A", ["text, a number"]),
     ("rootfs: {env: {A: [1]}}", "rootfs.env.A", ["text, a number"]),
     ("rootfs: {env: {1A: x}}", "rootfs.env.1A", ["letters, digits"]),
@@ -200,6 +203,8 @@ def test_legitimate_edge_values_are_accepted():
         .rootfs.files[0].mode == 0o640
     assert accepted("rootfs: {env: {A: \"tab\\tand spaces\", B: 1.5, C: true}}").rootfs.env \
         == {"A": "tab\tand spaces", "B": "1.5", "C": "true"}
+    assert accepted("runtime: {capabilities: [cap_sys_nice, KILL]}").runtime.capabilities \
+        == ("SYS_NICE", "KILL")
     gpus = accepted("gpus: [MIG-GPU-5f2c/1/0, GPU-8e2a-11]").gpus
     assert gpus.uuids == ("MIG-GPU-5f2c/1/0", "GPU-8e2a-11")
     assert accepted("gpus: {indices: [0, 253]}").gpus.indices == (0, 253)

@@ -67,6 +67,9 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
     elif gpus.wanted:
         out["gpus"] = {"all": gpus.all, "indices": list(gpus.indices),
                        "uuids": list(gpus.uuids)}
+    if spec.runtime.capabilities is not None:
+        # Not a claim: recorded with them so that every launch reads it from the journal.
+        out["capabilities"] = list(spec.runtime.capabilities)
     return out
 
 

@@ -71,6 +71,8 @@ class EnvContext:
     # Groups owning the device nodes of its /dev beyond the safe set (its GPUs: mode 0660,
     # group `gpus.group`): every job is a member, so that its GPUs are its jobs' to use.
     device_gids: tuple[int, ...] = ()
+    # The capabilities its root jobs keep (the spec's runtime.capabilities); None: the default.
+    caps: tuple[str, ...] | None = None
 
     @classmethod
     def load(cls, host: Host, env: str) -> EnvContext:
@@ -93,10 +95,12 @@ class EnvContext:
         cgroup, cpus = _cgroup(found)
         nodes = (found.get("env-dev") or {}).get("nodes") or ()
         gids = tuple(sorted({int(n[4]) for n in nodes if int(n[4]) != 0}))
+        caps = claims.get("capabilities")
         return cls(env=env, root=root, mntns=mntns,
                    netns=host.netns_dir / netns["name"] if netns else None, hostname=env,
                    environ=read_environment(root), cgroup=cgroup,
-                   cpus=cpus or online_cpus(host.sys), gpus=tuple(gpus), device_gids=gids)
+                   cpus=cpus or online_cpus(host.sys), gpus=tuple(gpus), device_gids=gids,
+                   caps=tuple(caps) if isinstance(caps, list) else None)
 
 
 def read_journal(state_dir: Path, env: str, boot: str

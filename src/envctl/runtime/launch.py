@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
+from envctl.caps import DEFAULT, NUMBERS
 from envctl.errors import HostError, UsageError
 from envctl.host.libc import libc
 from envctl.runtime.context import DEFAULT_PATH, EnvContext, format_cpus
@@ -66,21 +67,10 @@ from envctl.runtime.context import DEFAULT_PATH, EnvContext, format_cpus
 if TYPE_CHECKING:
     from envctl.host.cgroups import Cgroups
 
-# The capabilities a root job keeps in its bounding, permitted and effective sets: Docker's
-# default set (moby oci/caps/defaults.go). No SYS_ADMIN (mount, setns, …), SYS_PTRACE,
-# SYS_MODULE, NET_ADMIN, SYS_TIME, …: a root job owns its files and processes, not the host.
-# Jobs of other users keep none (nothing in the bounding set either).
-DEFAULT_CAPS = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "NET_RAW", "SETGID",
-                "SETUID", "SETFCAP", "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "KILL",
-                "AUDIT_WRITE")
-CAPS = {name: n for n, name in enumerate((
-    "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
-    "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW",
-    "IPC_LOCK", "IPC_OWNER", "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE",
-    "SYS_PACCT", "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME",
-    "SYS_TTY_CONFIG", "MKNOD", "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP",
-    "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG", "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ",
-    "PERFMON", "BPF", "CHECKPOINT_RESTORE"))}
+# The default set a root job keeps, and every capability by name (envctl.caps: shared with
+# the spec's runtime.capabilities).
+DEFAULT_CAPS = DEFAULT
+CAPS = NUMBERS
 # What the init (and the launcher) pass on to the job; others go to them alone.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
                      signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
@@ -572,8 +562,11 @@ def _check(launch: Launch) -> dict:
     if not launch.cwd.startswith("/"):
         raise UsageError(f"working directory {launch.cwd!r}: an absolute path in the "
                          "environment")
+    # Root keeps the spec's set (runtime.capabilities, recorded in the journal) or the
+    # default; any other user keeps none, whatever the spec says.
     caps = launch.caps if launch.caps is not None else (
-        DEFAULT_CAPS if launch.user.uid == 0 else ())
+        (launch.ctx.caps if launch.ctx.caps is not None else DEFAULT_CAPS)
+        if launch.user.uid == 0 else ())
     unknown = sorted(c for c in caps if c.upper().removeprefix("CAP_") not in CAPS)
     if unknown:
         raise UsageError(f"unknown capabilities {', '.join(unknown)}; known: "

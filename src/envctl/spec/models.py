@@ -726,6 +726,32 @@ class Service(Strict):
         return v
 
 
+# ---------------------------------------------------------------- runtime
+
+
+def _capability(v: Any) -> Any:
+    from envctl.caps import NUMBERS
+
+    name = v.upper().removeprefix("CAP_") if isinstance(v, str) else v
+    if name not in NUMBERS:
+        raise ValueError(f"{_shown(v)} is not a Linux capability (CHOWN, NET_BIND_SERVICE, "
+                         "SYS_NICE, … with or without CAP_)")
+    return name
+
+
+class Runtime(Strict):
+    """How programs run inside the environment (exec, jobs, the service)."""
+
+    # The capabilities root jobs keep in their bounding set; unset: Docker's default set
+    # (envctl.caps.DEFAULT); [] none at all. Other users' jobs keep none whatever this says.
+    capabilities: tuple[Annotated[str, BeforeValidator(_capability)], ...] | None = None
+
+    @field_validator("capabilities")
+    @classmethod
+    def _once(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return None if v is None else _unique(v, "capability")
+
+
 # ---------------------------------------------------------------- the environment
 
 
@@ -740,6 +766,7 @@ class EnvSpec(Strict):
     mounts: list[Mount] = []
     host: HostTuning = HostTuning()
     service: Service | None = None
+    runtime: Runtime = Runtime()
 
     @model_validator(mode="after")
     def _consistent(self) -> EnvSpec:
