@@ -277,3 +277,35 @@ def test_a_slice_somebody_started_is_refused_and_left_running(sb):
         for u in (unit, parent):  # slices stay active until stopped
             with contextlib.suppress(subprocess.CalledProcessError):
                 subprocess.run(["systemctl", "stop", u], check=True)
+
+
+def test_exec_and_a_job_run_in_transient_scopes_of_the_slice(sb, tmp_path):
+    """With the systemd driver a launch is moved into a transient scope of the environment's
+    slice through systemd (never by writing systemd's cgroup tree); the scope goes with it."""
+    parent, unit, cg = names(sb)
+    sb.write_spec("lim", 'name: lim\nkind: cpu\nrootfs: {binaries: [sh, sleep, "true"]}\n'
+                         "resources:\n  driver: systemd\n  memory: {max: 64M}\n")
+    assert sb.envctl("up", "lim", timeout=300).returncode == 0
+    proc = sb.popen(sys.executable, "-m", "envctl", "exec", "lim", "--user", "root", "--",
+                    "sleep", "60")
+    try:
+        def scopes() -> list[Path]:
+            return [p for p in cg.glob("*.scope") if (p / "cgroup.procs").read_text().strip()]
+
+        assert wait_for(lambda: scopes()), f"no scope under {cg}: {proc.stderr.read()}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert wait_for(lambda: not list(cg.glob("*.scope"))), "the exec's scope stayed"
+    job = tmp_path / "job.sh"
+    job.write_text("#!/bin/sh\nexit 3\n")
+    job.chmod(0o755)
+    res = sb.envctl("submit-job", "lim", "--user", "root", "--wait", str(job), timeout=120)
+    assert res.returncode == 3, res.stderr
+    assert wait_for(lambda: not list(cg.glob("*.scope"))), "the job's scope stayed"
+    sb.envctl("down", "lim", check=True, timeout=300)
+    # Job records are history and outlive `down`: the only thing left.
+    assert sorted(p.name for p in sb.state.iterdir()) == ["jobs", "lock"]
+    import shutil
+
+    shutil.rmtree(sb.state)
