@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from envctl.errors import EnvctlError, HostError
 from envctl.host.files import read_json, write_json
+from envctl.runtime.daemon import read_report, wait_fd
 from envctl.runtime.jobs import identity, proc_start_time
 
 if TYPE_CHECKING:
@@ -73,7 +74,6 @@ RESET_AFTER = 30.0
 # SIGTERM -> SIGKILL when the supervisor stops the service (ENVCTL_KILL_GRACE overrides it).
 DEFAULT_GRACE = 10.0
 # How long `start` waits for the supervisor to say the command runs (or could not start).
-START_TIMEOUT = 60.0
 # How long `stop` waits beyond the recorded grace before it SIGKILLs the supervisor.
 STOP_SLACK = 5.0
 # The log is rotated to service.log.1 at a (re)start once it is larger than this.
@@ -190,12 +190,6 @@ def _pin(state: dict[str, Any], boot_id: str) -> int | None:
     return fd
 
 
-def _wait_fd(fd: int, timeout: float | None) -> bool:
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
-
-
 # ---------------------------------------------------------------- start and stop
 
 
@@ -230,7 +224,7 @@ def start(host: Host, service: Service) -> dict[str, Any]:
     os.close(w)
     try:
         os.waitpid(pid, 0)  # the intermediate exits at once
-        kind, text = _read_report(r)
+        kind, text = read_report(r)
     finally:
         os.close(r)
     if kind == "R":
@@ -248,46 +242,6 @@ def start(host: Host, service: Service) -> dict[str, Any]:
     raise HostError(f"start the service of '{service.env}': its supervisor {text}")
 
 
-def _read_report(r: int) -> tuple[str, str]:
-    """("R", "") once the command runs, ("E", "CODE why") when its first launch failed,
-    ("dead", why) when the supervisor died first, ("timeout", why). The supervisor is watched
-    through a pidfd too: the launch's processes may hold the pipe open after it died."""
-    buf = b""
-    pidfd = None
-    poller = select.poll()
-    poller.register(r, select.POLLIN)
-    deadline = time.monotonic() + START_TIMEOUT
-    try:
-        while True:
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                text = line.decode(errors="replace")
-                if text.startswith("P ") and pidfd is None:
-                    try:
-                        pidfd = os.pidfd_open(int(text[2:]))
-                    except ProcessLookupError:
-                        return "dead", "exited without a report"
-                    poller.register(pidfd, select.POLLIN)
-                elif text == "R":
-                    return "R", ""
-                elif text.startswith("E "):
-                    return "E", text[2:]
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return "timeout", f"said nothing in {START_TIMEOUT:g} s"
-            events = dict(poller.poll(left * 1000))
-            if r in events:
-                data = os.read(r, 4096)
-                if not data:
-                    return "dead", "exited without a report"
-                buf += data
-            elif pidfd is not None and pidfd in events:
-                return "dead", "exited without a report"
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
-
-
 def stop(host: Host, env: str) -> None:
     """Stop the service of `env`: SIGTERM to its supervisor through a pidfd pinned against the
     recorded start time, then wait (its grace plus STOP_SLACK) for it to exit, SIGKILL if it
@@ -301,10 +255,10 @@ def stop(host: Host, env: str) -> None:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(pidfd, signal.SIGTERM)
                 grace = float(state.get("grace") or DEFAULT_GRACE)
-                if not _wait_fd(pidfd, grace + STOP_SLACK):
+                if not wait_fd(pidfd, grace + STOP_SLACK):
                     with contextlib.suppress(ProcessLookupError):
                         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                    _wait_fd(pidfd, STOP_SLACK)
+                    wait_fd(pidfd, STOP_SLACK)
             finally:
                 os.close(pidfd)
         _remove_cgroup(host, env, state)
@@ -459,7 +413,7 @@ class _Supervisor:
             left = end - time.monotonic()
             if left <= 0:
                 return True
-            if _wait_fd(self.wake_r, left):
+            if wait_fd(self.wake_r, left):
                 self._drain()
         return False
 

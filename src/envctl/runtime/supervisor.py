@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from envctl.errors import EnvctlError, HostError, InputError, UsageError
 from envctl.runtime import jobs
+from envctl.runtime.daemon import read_report, wait_fd
 from envctl.runtime.jobs import Job, State
 
 if TYPE_CHECKING:
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
     from envctl.runtime.launch import Started, User
 
 # How long `submit-job` waits for the supervisor to report that the job started.
-START_TIMEOUT = 60.0
 # How long `cancel` waits, beyond the grace, for the supervisor to record the end.
 CANCEL_SLACK = 15.0
 
@@ -235,7 +235,7 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def _spawn(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd: int,
            err_fd: int) -> tuple[str, str]:
-    """Start the supervisor (double fork) and wait for its report (see `_read_report`)."""
+    """Start the supervisor (double fork) and wait for its report (see daemon.read_report)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the intermediate child
@@ -251,53 +251,9 @@ def _spawn(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd: int,
     os.close(w)
     try:
         os.waitpid(pid, 0)  # the intermediate exits at once
-        return _read_report(r)
+        return read_report(r)
     finally:
         os.close(r)
-
-
-def _read_report(r: int) -> tuple[str, str]:
-    """What the supervisor says, as (kind, text): "R" once the job runs (its record says
-    RUNNING), "E" with why it could not start it (its record is final), "dead" when it died
-    before either, "timeout" when it said nothing in START_TIMEOUT seconds.
-
-    Lines: "P <pid>" first, then "R" or "E <why>". Its pid is watched through a pidfd, not
-    only the pipe, which the launch's processes may still hold open after it died."""
-    buf = b""
-    pidfd = None
-    poller = select.poll()
-    poller.register(r, select.POLLIN)
-    deadline = time.monotonic() + START_TIMEOUT
-    try:
-        while True:
-            lines = buf.split(b"\n")
-            for line in lines[:-1]:
-                text = line.decode(errors="replace")
-                if text.startswith("P ") and pidfd is None:
-                    try:
-                        pidfd = os.pidfd_open(int(text[2:]))
-                    except ProcessLookupError:
-                        return "dead", "it exited without a report"
-                    poller.register(pidfd, select.POLLIN)
-                elif text == "R":
-                    return "R", ""
-                elif text.startswith("E "):
-                    return "E", text[2:]
-            buf = lines[-1]
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return "timeout", f"no report in {START_TIMEOUT:g} s"
-            events = dict(poller.poll(left * 1000))
-            if r in events:
-                data = os.read(r, 4096)
-                if not data:
-                    return "dead", "it exited without a report"
-                buf += data
-            elif pidfd is not None and pidfd in events:
-                return "dead", "it exited without a report"
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
 
 
 # ---------------------------------------------------------------- the supervisor
@@ -576,7 +532,7 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
         with contextlib.suppress(ProcessLookupError):  # ended meanwhile: its record says how
             signal.pidfd_send_signal(pidfd, signal.SIGUSR1)
         if wait:
-            _wait_pidfd(pidfd, grace + CANCEL_SLACK)
+            wait_fd(pidfd, grace + CANCEL_SLACK)
     finally:
         os.close(pidfd)
     final = jobs.get(host.state_dir, job.id)
@@ -608,12 +564,6 @@ def _pin_supervisor(job: Job, boot_id: str) -> int | None:
         return None
     return fd
 
-
-def _wait_pidfd(pidfd: int, timeout: float | None) -> bool:
-    """Whether the process ended within `timeout` seconds (None: no limit)."""
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(None if timeout is None else timeout * 1000))
 
 
 def _finalize_lost(host: Host, job: Job) -> Job:
@@ -649,7 +599,7 @@ def wait(host: Host, job_ids: list[int], *, timeout: float | None = None) -> lis
             if pidfd is not None:
                 try:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    _wait_pidfd(pidfd, left)
+                    wait_fd(pidfd, left)
                 finally:
                     os.close(pidfd)
             job = jobs.get(host.state_dir, jid)

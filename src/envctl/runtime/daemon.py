@@ -1,0 +1,63 @@
+"""What the detached supervisors (a job's, an environment's service's) share with the command
+that starts them: the start report read over a pipe, and waiting on a descriptor."""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+
+# How long a starting supervisor may take to say it runs (or why it cannot).
+START_TIMEOUT = 60.0
+
+
+def wait_fd(fd: int, timeout: float | None) -> bool:
+    """Whether `fd` (a pidfd: the process ended; a pipe: data or EOF) became readable within
+    `timeout` seconds (None: no limit)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
+
+
+def read_report(r: int) -> tuple[str, str]:
+    """What the supervisor says, as (kind, text): "R" once the job runs (its record says
+    RUNNING), "E" with why it could not start it (its record is final), "dead" when it died
+    before either, "timeout" when it said nothing in START_TIMEOUT seconds.
+
+    Lines: "P <pid>" first, then "R" or "E <why>". Its pid is watched through a pidfd, not
+    only the pipe, which the launch's processes may still hold open after it died."""
+    buf = b""
+    pidfd = None
+    poller = select.poll()
+    poller.register(r, select.POLLIN)
+    deadline = time.monotonic() + START_TIMEOUT
+    try:
+        while True:
+            lines = buf.split(b"\n")
+            for line in lines[:-1]:
+                text = line.decode(errors="replace")
+                if text.startswith("P ") and pidfd is None:
+                    try:
+                        pidfd = os.pidfd_open(int(text[2:]))
+                    except ProcessLookupError:
+                        return "dead", "it exited without a report"
+                    poller.register(pidfd, select.POLLIN)
+                elif text == "R":
+                    return "R", ""
+                elif text.startswith("E "):
+                    return "E", text[2:]
+            buf = lines[-1]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout", f"no report in {START_TIMEOUT:g} s"
+            events = dict(poller.poll(left * 1000))
+            if r in events:
+                data = os.read(r, 4096)
+                if not data:
+                    return "dead", "it exited without a report"
+                buf += data
+            elif pidfd is not None and pidfd in events:
+                return "dead", "it exited without a report"
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
