@@ -143,6 +143,8 @@ def test_the_rootfs_plan_mounts_in_order_and_writes_etc():
 
 @pytest.mark.parametrize("body, match", [
     ("rootfs: {binaries: [bash]}\nmounts: [{source: x, target: /proc/x}]", "managed by envctl"),
+    ("rootfs: {binaries: [bash]}\nmounts: [{source: x, target: /tmp/scratch}]",
+     "managed by envctl"),
     ("rootfs: {files: [{path: /tmp/x, content: a}]}", "mounted over"),
 ])
 def test_targets_envctl_mounts_over_are_plan_errors(body, match):

@@ -95,10 +95,10 @@ def plan_rootfs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
                                RO))
     data: list[Mount] = []
     for i, m in enumerate(spec.mounts):
-        if m.target in ("/dev", "/proc", "/sys", "/tmp") or \
-                m.target.startswith(("/dev/", "/proc/", "/sys/")):
+        if m.target in ("/dev", "/proc", "/sys", "/tmp") or m.target.startswith(HIDDEN):
             plan.error(("mounts", i, "target"), f"{m.target} is managed by envctl (/dev, /proc, "
-                       "/sys and /tmp are mounted in every environment)")
+                       "/sys and /tmp are mounted in every environment, over anything below "
+                       "them)")
             continue
         source = data_path(spec, facts, m.source)
         if m.create:
