@@ -151,9 +151,8 @@ class HostFacts:
     groups: dict[str, int] = field(default_factory=dict)
     # The host's /etc/resolv.conf, which environments' rootfs get a copy of.
     resolv_conf: str = ""
-    # Where envctl keeps state and run files on this host (ENVCTL_STATE_DIR, ENVCTL_RUN_DIR),
-    # for resources that need absolute paths (a rootfs under the state directory).
+    # Where envctl keeps state on this host (ENVCTL_STATE_DIR), for resources that need
+    # absolute paths (a rootfs and data directories under the state directory).
     state_dir: str = "/var/lib/envctl"
-    run_dir: str = "/run/envctl"
     # Extra facts contributed by resource families (cgroup layout, GPUs, firewall, …).
     extra: dict[str, object] = field(default_factory=dict, compare=False)

@@ -227,9 +227,12 @@ def test_table_rows():
 def test_parse_cpus():
     assert jobs.parse_cpus("0-2,5") == (0, 1, 2, 5)
     assert jobs.parse_cpus("3") == (3,)
-    for bad in ("", "a", "3-1", "1-", "1,,2"):
+    assert jobs.parse_cpus("1,,2") == (1, 2)  # read as a spec's list is
+    for bad in ("", "a", "3-1", "1-", "99999999-"):
         with pytest.raises(UsageError):
             jobs.parse_cpus(bad, "--cpus")
+    with pytest.raises(UsageError, match="runs backwards"):
+        jobs.parse_cpus("3-1", "--cpus")
 
 
 # ---------------------------------------------------------------- the command line

@@ -133,8 +133,7 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
            kmod: KernelModules | None = None, cpufreq: bool = False,
            rootfs: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] | None = None,
            gpu_root: Path | None = None, groups: frozenset[str] = frozenset(),
-           state_dir: Path = Path("/var/lib/envctl"),
-           run_dir: Path = Path("/run/envctl")) -> HostFacts:
+           state_dir: Path = Path("/var/lib/envctl")) -> HostFacts:
     """Read the facts once; cheap enough (a handful of small files) for every command.
     Modules (through `kmod`), cpufreq, rootfs closures (`rootfs`: env -> binaries, libraries,
     python) and GPUs (under `gpu_root`) are read only when a spec asks about them."""
@@ -146,7 +145,6 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
         groups=read_groups(groups),
         resolv_conf=(_read(Path("/etc/resolv.conf")) or "") if rootfs else "",
         state_dir=str(state_dir),
-        run_dir=str(run_dir),
         cpus=cpus,
         memory_bytes=read_memory(proc_root),
         numa_nodes=read_numa_nodes(sys_root),

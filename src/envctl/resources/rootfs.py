@@ -210,7 +210,7 @@ class RootfsTree(Resource):
         if old is not None and old.root != self.root:
             # The spec moved the tree: the old one goes first, as `remove` takes it. What stays
             # of it (directories holding others' files) is no longer envctl's.
-            left, problems = _take_down(self.env, old)
+            _, problems = _take_down(self.env, old)
             if problems:
                 # Not dropped: what could not go would be in no manifest afterwards.
                 raise HostError(f"rootfs {self.env}: moving the tree from {old.root}: "

@@ -469,14 +469,17 @@ def table(jobs: list[Job], *, now: float | None = None) -> list[list[str]]:
 
 
 def parse_cpus(text: str, what: str = "CPUs") -> tuple[int, ...]:
-    """A CPU list as the kernel writes one (`0-3,6`); UsageError otherwise."""
-    out: set[int] = set()
-    for part in text.replace(" ", "").split(","):
-        lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
-            raise UsageError(f"{what} '{text}': a CPU list such as 0-3,6")
-        out.update(range(int(lo), int(hi if dash else lo) + 1))
-    return tuple(sorted(out))
+    """A CPU list as the kernel writes one (`0-3,6`), read as a spec's is; UsageError
+    otherwise. (Not on `exec`'s path, so the spec's parser and its import are affordable.)"""
+    from envctl.spec.units import parse_cpu_list
+
+    try:
+        cpus = parse_cpu_list(text, most=65_535)  # spec.models.CPU_MAX, without pydantic
+    except ValueError as exc:
+        raise UsageError(f"{what} '{text}': {exc}; a CPU list such as 0-3,6") from None
+    if not cpus:
+        raise UsageError(f"{what} '{text}': a CPU list such as 0-3,6")
+    return cpus
 
 
 # ---------------------------------------------------------------- following output
