@@ -583,47 +583,17 @@ def submit_job(
 
     Example: sudo envctl submit-job cpu-compute -t 1h ./bench --size 4096
     """
-    from envctl.errors import NeedsRootError
-    from envctl.host.context import Host
-    from envctl.runtime import supervisor as sv
-    from envctl.runtime.context import EnvContext
-    from envctl.runtime.jobs import State
+    from envctl.runtime.submit import submit
 
-    host = Host.from_env()
-    ctx = EnvContext.load(host, env)
-    req = sv.make_request(host, ctx, exe, list(args or []), name=name, user=user, cpus=cpus,
-                          gpus=gpus, env=env_vars, workdir=workdir, output=output, error=error,
-                          time_limit=time_limit)
-    if os.geteuid() != 0:
-        raise NeedsRootError("envctl submit-job enters the environment's namespaces and "
-                             "cgroup and needs root: run it with sudo")
-    job = sv.submit(host, ctx, req)
-    if job.state is State.FAILED and job.start_time is None:
-        if json_:
-            _emit_json(job.to_json())
-        else:
-            print(job.id, flush=True)
-        _stderr(f"error: job {job.id} did not start: {job.error}")
-        raise typer.Exit(1)
-    if wait:
-        if not json_:
-            print(job.id, flush=True)
-        job = sv.wait(host, [job.id])[0]
-    if json_:
-        _emit_json(job.to_json())
-    elif not wait:
-        print(job.id)
-    else:
-        _stderr(f"job {job.id} {job.state} (exit {_exit_text(job)})")
-    if wait:
-        raise typer.Exit(job.exit_status())
+    raise typer.Exit(submit(env, exe, list(args or []), name=name, time_limit=time_limit,
+                            cpus=cpus, gpus=gpus, env_vars=env_vars, workdir=workdir,
+                            output=output, error=error, user=user, wait=wait, json_=json_))
 
 
-# submit-job's options that take a value. Everything after the program belongs to the job, so
+# submit-job's options that take a value (envctl.runtime.submit.VALUE_OPTIONS, which its fast
+# path parses the same way). Everything after the program belongs to the job, so
 # `main` puts a `--` right after it (split_job_args): `envctl submit-job E ./x --name y` gives
 # ./x the argument `--name`, as sbatch gives a script everything after it.
-SUBMIT_VALUE_OPTIONS = {"--name", "-J", "--time-limit", "-t", "--cpus", "--gpus", "--env",
-                        "--workdir", "-D", "--output", "-o", "--error", "-e", "--user", "-u"}
 
 
 def split_job_args(argv: list[str]) -> list[str]:
@@ -635,6 +605,8 @@ def split_job_args(argv: list[str]) -> list[str]:
         i += 2 if GLOBAL_OPTIONS.get(name) and "=" not in argv[i] else 1
     if i >= len(argv) or argv[i] != "submit-job":
         return argv
+    from envctl.runtime.submit import VALUE_OPTIONS
+
     j, positionals = i + 1, 0
     while j < len(argv):
         word = argv[j]
@@ -642,7 +614,7 @@ def split_job_args(argv: list[str]) -> list[str]:
             return argv
         if word.startswith("-") and word != "-":
             name = word.split("=", 1)[0]
-            takes = (name in SUBMIT_VALUE_OPTIONS or GLOBAL_OPTIONS.get(name, False)) \
+            takes = (name in VALUE_OPTIONS or GLOBAL_OPTIONS.get(name, False)) \
                 and "=" not in word and not (len(name) > 2 and name[1] != "-")
             j += 2 if takes else 1
             continue

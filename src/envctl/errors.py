@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
+
+from envctl.record import Record
 
 
 class EnvctlError(Exception):
@@ -18,8 +19,7 @@ class InputError(EnvctlError):
     exit_code = 2
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(Record, frozen=True):
     """One finding about a spec: where it is and what is wrong."""
 
     file: str

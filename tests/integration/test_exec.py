@@ -88,8 +88,9 @@ def two_cpus() -> bool:
 
 
 def up_box(sb, programs, *, network: bool = False) -> None:
-    bins = ["sh", "cat", "ls", "true", "sleep", "mkdir", "mknod", "mount", "touch", "stty", "grep",
-            programs["argv"]] + ([programs["escape"]] if programs["escape"] else [])
+    bins = ["sh", "bash", "cat", "ls", "true", "sleep", "mkdir", "mknod", "mount", "touch", "stty",
+            "grep", "timeout", "ip", programs["argv"]]
+    bins += [programs["escape"]] if programs["escape"] else []
     spec = "name: box\nkind: cpu\nrootfs:\n  binaries: [" + ", ".join(
         f'"{b}"' for b in bins) + "]\n  env: {FOO: bar}\n"
     if two_cpus():
@@ -225,6 +226,68 @@ def test_arguments_reach_the_program_literally(sandbox, programs):
     left = ex(sb, "ls", "/tmp").stdout.split()
     assert not [f for f in left if f.startswith("pwned")], left
     assert not list(Path("/tmp").glob("pwned*"))
+    down_box(sb)
+
+
+# Accepts connections on the address and port given and prints a line for each; prints
+# "listening" once bound.
+LISTEN = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen()
+print("listening", flush=True)
+while True:
+    c, peer = s.accept()
+    print("hit", peer[0], flush=True)
+    c.close()
+"""
+
+
+def test_another_isolated_environment_is_out_of_reach(sandbox, programs):
+    """From inside `exec`, the environment reaches its gateway but not a second environment
+    on the same bridge (isolate: true, the default), not even at a port that is listening."""
+    sb = sandbox
+    up_box(sb, programs, network=True)
+    sb.write_spec("peer", "name: peer\nkind: cpu\n"
+                  "network: {address: 10.231.0.3, bridge_address: 10.231.0.1/24}\n")
+    res = sb.envctl("up", "peer")
+    assert res.returncode == 0, res.stderr
+    port = 9000 + os.getpid() % 1000
+    gateway = sb.popen(sys.executable, "-c", LISTEN, "10.231.0.1", str(port))
+    peer = sb.popen("ip", "netns", "exec", "peer", sys.executable, "-c", LISTEN, "10.231.0.3",
+                    str(port))
+    try:
+        for proc in (gateway, peer):
+            assert proc.stdout.readline() == "listening\n", proc.stderr.read()
+
+        def connect(address: str) -> subprocess.CompletedProcess:
+            # bash's /dev/tcp: a plain connect(2); a dropped SYN is cut short by `timeout`.
+            return ex(sb, "timeout", "5", "bash", "-c", f"exec 3<>/dev/tcp/{address}/{port}")
+
+        res = connect("10.231.0.1")
+        assert res.returncode == 0, res.stderr  # the same path works to the gateway
+        assert gateway.stdout.readline().startswith("hit 10.231.0.2")
+        # The peer listens (reachable from the host side) but not from the environment.
+        res = sb.run("bash", "-c", f"exec 3<>/dev/tcp/10.231.0.3/{port}")
+        assert res.returncode == 0, res.stderr
+        assert peer.stdout.readline().startswith("hit 10.231.0.1")
+        res = connect("10.231.0.3")
+        assert res.returncode != 0, res.stdout
+        peer.kill()
+        assert "hit" not in peer.stdout.read()  # the attempt never arrived
+        # Nor through a route of its own via the host: the environment cannot add one (no
+        # CAP_NET_ADMIN in the default set), and the host's forwarding drops it anyway.
+        res = ex(sb, "ip", "route", "add", "10.231.0.3/32", "via", "10.231.0.1")
+        assert res.returncode != 0 and "Operation not permitted" in res.stderr
+    finally:
+        for proc in (gateway, peer):
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+    assert sb.envctl("down", "peer").returncode == 0
     down_box(sb)
 
 

@@ -238,3 +238,32 @@ def test_more_count_specs_than_gpus_brought_up_together_are_refused_before_any_c
     assert res.returncode == 2, res.stderr
     assert "gc.yaml" in res.stderr and "0 of this host's 2 are free" in res.stderr
     assert sb.residue() == {}
+
+
+def test_from_inside_an_unassigned_gpu_cannot_be_opened(gpu_host):
+    """`envctl exec` as root (CAP_MKNOD kept): the other GPU's node is not in /dev, and making
+    it with mknod is refused by the environment's device rules (a node made anyway could not
+    be opened: every writable place is nodev); the assigned one opens (ENXIO: the fake node
+    has no driver behind it, but the device rules let it through)."""
+    sb, env = gpu_host
+    sb.write_spec("gpu-a", gpu_spec("gpu-a", "1").replace("[bash, ls, cat, stat]",
+                                                          "[bash, ls, cat, stat, mknod]"))
+    res = sb.envctl("up", "gpu-a", env=env)
+    assert res.returncode == 0, res.stderr
+
+    def ex(script: str) -> subprocess.CompletedProcess:
+        return sb.run(sys.executable, "-m", "envctl", "exec", "gpu-a", "--user", "root", "--",
+                      "bash", "-c", script, env=env)
+
+    res = ex("ls /dev/nvidia1")
+    assert res.returncode != 0 and "No such file" in res.stderr
+    res = ex("exec 3<>/dev/nvidia0")
+    assert res.returncode != 0 and "No such device or address" in res.stderr  # ENXIO: allowed
+    res = ex("mknod /tmp/nv1 c 195 1")
+    assert res.returncode != 0 and "Operation not permitted" in res.stderr, res.stderr
+    res = ex("mknod /tmp/null c 1 3")  # mknod itself works for an allowed device …
+    assert res.returncode == 0, res.stderr
+    res = ex("exec 3<>/tmp/null")  # … and a node made there is still useless: /tmp is nodev
+    assert res.returncode != 0 and "Permission denied" in res.stderr
+    assert sb.envctl("down", "gpu-a", env=env).returncode == 0
+    assert sb.residue() == {}

@@ -257,15 +257,43 @@ def test_split_job_args(argv, want):
     assert split_job_args(argv) == want
 
 
-def test_submit_value_options_match_the_command():
+def test_submit_options_of_the_fast_path_match_the_command():
+    """The fast parser (envctl.runtime.submit) knows exactly the typer command's options."""
     import typer
 
     from envctl import cli
+    from envctl.runtime.submit import FLAGS, VALUE_OPTIONS
 
     command = typer.main.get_command(cli.app).commands["submit-job"]
-    takes_value = {o for p in command.params if not getattr(p, "is_flag", False)
-                   and p.param_type_name == "option" for o in p.opts}
-    assert takes_value == cli.SUBMIT_VALUE_OPTIONS
+    options = [p for p in command.params if p.param_type_name == "option"]
+    takes_value = {o for p in options if not p.is_flag for o in p.opts}
+    flags = {o for p in options if p.is_flag for o in p.opts} - {"--help"}
+    assert takes_value == set(VALUE_OPTIONS)
+    assert flags == set(FLAGS)
+
+
+
+def test_submit_fast_parser_reads_what_typer_reads():
+    import inspect
+
+    from envctl.runtime.submit import parse_args, submit
+
+    every = ["submit-job", "-J", "n", "--time-limit=5m", "--cpus", "0", "--gpus", "0",
+             "--env", "A=1", "--env=B=2", "-D", "/tmp", "-o", "/o", "--error", "/e", "-u",
+             "root", "-W", "--json", "box", "./x", "--name", "-y", "--", "$(id)"]
+    got = parse_args(every)
+    assert got == {"env": "box", "exe": "./x", "args": ["--name", "-y", "--", "$(id)"],
+                   "name": "n", "time_limit": "5m", "cpus": "0", "gpus": "0",
+                   "env_vars": ["A=1", "B=2"], "workdir": "/tmp", "output": "/o",
+                   "error": "/e", "user": "root", "wait": True, "json_": True}
+    inspect.signature(submit).bind(**got)  # every keyword is one `submit` takes
+    assert parse_args(["submit-job", "box", "--", "./x", "-a"])["args"] == ["-a"]
+    assert parse_args(["submit-job", "box", "./x"])["args"] == []
+    # Left to typer, which answers with its own messages:
+    for args in (["submit-job", "--help"], ["submit-job", "box"], ["submit-job", "-Jn", "b", "x"],
+                 ["submit-job", "--debug", "b", "x"],
+                 ["submit-job", "--name"], ["exec", "b", "x"], ["submit-job", "-t=5", "b", "x"]):
+        assert parse_args(args) is None, args
 
 
 def test_an_argument_like_an_option_reaches_the_job(monkeypatch):

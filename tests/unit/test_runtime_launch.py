@@ -337,17 +337,24 @@ def test_cli_exec_refuses_an_environment_that_is_not_up(tmp_path):
                              "`envctl up box`\n"
 
 
+# The launch path's latency budget (docs/benchmarks.md): none of these on the way to a launch.
+# typer/click: the fast paths skip the CLI; dataclasses/inspect/typing: envctl.record.
 FORBIDDEN = ("pydantic", "yaml", "envctl.spec", "envctl.plan", "envctl.workspace",
              "envctl.render", "envctl.app", "rich", "pyroute2", "envctl.facts",
-             "envctl.resources", "envctl.engine", "envctl.host.cgroups")
+             "envctl.resources", "envctl.engine", "envctl.host.cgroups", "typer", "click",
+             "dataclasses", "inspect", "typing")
 
 
-@pytest.mark.parametrize("entry_point", [["-m", "envctl"], [
-    "-c", "from envctl.runtime.exec import fast_entry; fast_entry()"]])
+@pytest.mark.parametrize("entry_point", [
+    ["-m", "envctl", "exec", "box", "--user", "root", "--", "true"],
+    ["-c", "from envctl.runtime.exec import fast_entry; fast_entry()", "exec", "box", "--user",
+     "root", "--", "true"],
+    ["-m", "envctl", "submit-job", "box", "--user", "root", "/bin/true"]])
 def test_exec_imports_neither_specs_nor_planner_nor_resource_kinds(tmp_path, rootfs,
                                                                    entry_point):
-    """`exec` reads the journal of an environment with every usual kind in it, and imports
-    none of the spec, the planner, pydantic, YAML, rich, the engine or any resource kind."""
+    """`exec` and `submit-job` read the journal of an environment with every usual kind in
+    it, and import none of the spec, the planner, pydantic, YAML, rich, the engine, any
+    resource kind, the typer CLI, or dataclasses and typing."""
     state = tmp_path / "state"
     # Made in this boot as far as the journal says ("": journals from before boots were kept).
     entries = box_entries(rootfs, boot="") + [
@@ -360,9 +367,8 @@ def test_exec_imports_neither_specs_nor_planner_nor_resource_kinds(tmp_path, roo
     write_journal(state, "box", entries)
     env = {**os.environ, "ENVCTL_STATE_DIR": str(state), "ENVCTL_RUN_DIR": str(tmp_path / "run"),
            "PYTHONPATH": str(REPO / "src")}
-    res = subprocess.run([sys.executable, "-X", "importtime", *entry_point, "exec", "box",
-                          "--user", "root", "--", "true"], capture_output=True, text=True,
-                         env=env)
+    res = subprocess.run([sys.executable, "-X", "importtime", *entry_point],
+                         capture_output=True, text=True, env=env)
     # Read the journal all the way to its mount namespace holder, which is not there.
     assert res.returncode == 1, res.stderr
     assert "mount namespace" in res.stderr and "`envctl up box` makes it again" in res.stderr

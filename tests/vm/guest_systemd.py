@@ -309,3 +309,42 @@ def test_exec_and_a_job_run_in_transient_scopes_of_the_slice(sb, tmp_path):
     import shutil
 
     shutil.rmtree(sb.state)
+
+
+def test_the_service_runs_restarts_and_stops_in_scopes_of_the_slice(sb):
+    """The environment's service with the systemd driver: it runs in a transient scope of the
+    slice (made through systemd), is started again in a new scope when it is killed, and
+    `down` stops it and leaves no scope."""
+    parent, unit, cg = names(sb)
+    sb.write_spec("lim", 'name: lim\nkind: cpu\nrootfs: {binaries: [sh, sleep]}\n'
+                         "resources:\n  driver: systemd\n  memory: {max: 64M}\n"
+                         "service: {command: [sleep, '100000'], restart: always, "
+                         "restart_sec: 0.2}\n")
+    res = sb.envctl("up", "lim", timeout=300)
+    assert res.returncode == 0, res.stderr
+    state_file = sb.run_dir / "lim" / "service.json"
+
+    def running() -> dict | None:
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, ValueError):
+            return None
+        return state if state.get("state") == "running" and state.get("pid") else None
+
+    def scope_of(pid: int) -> str:
+        line = Path(f"/proc/{pid}/cgroup").read_text().strip().split("\n")[-1]
+        return line.split(":", 2)[2]
+
+    assert wait_for(running), f"the service did not start: {state_file.read_text()}"
+    first = running()
+    where = scope_of(first["pid"])
+    assert where.startswith(f"/{parent}/{unit}/") and ".scope" in where, where
+    os.kill(first["pid"], 9)
+    assert wait_for(lambda: (s := running()) and s["pid"] != first["pid"]), \
+        f"not restarted: {state_file.read_text()}"
+    second = running()
+    again = scope_of(second["pid"])
+    assert again.startswith(f"/{parent}/{unit}/") and ".scope" in again, again
+    assert wait_for(lambda: not (ROOT / where.lstrip("/")).exists()), "the old scope stayed"
+    sb.envctl("down", "lim", check=True, timeout=300)
+    assert not Path(f"/proc/{second['pid']}").exists()  # the fixture checks the slices

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+
+from envctl.record import Factory, Record
 
 DEFAULT_STATE_DIR = Path("/var/lib/envctl")
 DEFAULT_RUN_DIR = Path("/run/envctl")
 
 
-@dataclass
-class Host:
+class Host(Record):
     """Paths of the host (overridable so tests can point at a sandbox) and lazy adapters."""
 
     state_dir: Path = DEFAULT_STATE_DIR
@@ -21,7 +21,7 @@ class Host:
     proc: Path = Path("/proc")
     sys: Path = Path("/sys")
     netns_dir: Path = Path("/run/netns")
-    options: dict[str, str] = field(default_factory=dict)
+    options: dict[str, str] = Factory(dict)
     # Kernel modules: a root holding proc/modules, sys/module and lib/modules (None: the real
     # ones) and the argv (shlex-split) of the tools; tests point all of them at fakes.
     kmod_root: Path | None = None

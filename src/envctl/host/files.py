@@ -18,7 +18,10 @@ import errno
 import json
 import os
 from pathlib import Path
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: see envctl/record.py
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def write_all(fd: int, data: bytes) -> None:

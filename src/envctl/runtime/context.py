@@ -12,13 +12,15 @@ import fcntl
 import json
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from envctl.errors import HostError, StateCorrupt, UsageError
+from envctl.record import Factory, Record
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): see record.py
 if TYPE_CHECKING:
+    from typing import Any
+
     from envctl.host.context import Host
 
 # <run>/MNT_DIR/ENV holds an environment's mount namespace (envctl.resources.mounts.MNT_DIR).
@@ -38,8 +40,7 @@ CLONE_NEWNS = 0x00020000
 NS_GET_NSTYPE = 0xB703
 
 
-@dataclass(frozen=True)
-class EnvCgroup:
+class EnvCgroup(Record, frozen=True):
     """The environment's cgroup as `up` made it: `driver` "cgroupfs" (a `cgroup` step: the
     directories `<root>/<parent>/<env>`) or "systemd" (a `cgroup-slice` step: a slice);
     `parent` "" means the parent of this run's adapter (ENVCTL_CGROUP_PARENT)."""
@@ -55,8 +56,7 @@ class EnvCgroup:
         return self.parent or os.environ.get("ENVCTL_CGROUP_PARENT", DEFAULT_PARENT)
 
 
-@dataclass(frozen=True)
-class EnvContext:
+class EnvContext(Record, frozen=True):
     """An environment that is up, as a launch enters it."""
 
     env: str
@@ -64,7 +64,7 @@ class EnvContext:
     mntns: Path  # the holder of its persistent mount namespace: <run>/mnt.d/<env>
     netns: Path | None  # its network namespace (<netns_dir>/<name>), None without a network
     hostname: str
-    environ: dict[str, str] = field(default_factory=dict)  # the rootfs's /etc/environment
+    environ: dict[str, str] = Factory(dict)  # the rootfs's /etc/environment
     cgroup: EnvCgroup | None = None
     cpus: tuple[int, ...] = ()  # its cpuset (dedicated CPUs), or every online CPU
     gpus: tuple[str, ...] = ()  # UUIDs of the GPUs it holds

@@ -21,9 +21,8 @@ import signal
 import struct
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from envctl.errors import EnvctlError, NeedsRootError
+from envctl.errors import NeedsRootError
 from envctl.runtime.context import EnvContext
 from envctl.runtime.launch import (
     FORWARDED_SIGNALS,
@@ -37,6 +36,7 @@ from envctl.runtime.launch import (
     systemd_attach,
 )
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: see record.py
 if TYPE_CHECKING:
     from envctl.host.context import Host
 
@@ -205,25 +205,12 @@ def parse_args(args: list[str]) -> tuple[str, list[str], str | None] | None:
 
 
 def fast_entry(argv: list[str] | None = None) -> None:
-    """`envctl exec …` without the typer CLI (~50 ms less): run and leave with the command's
-    exit code, as envctl.cli.entry does. Returns, doing nothing, when the arguments are not
-    plain `exec` ones."""
+    """`envctl exec …` without the typer CLI: run and leave with the command's exit code.
+    Returns, doing nothing, when the arguments are not plain `exec` ones."""
     parsed = parse_args(list(sys.argv[1:] if argv is None else argv))
     if parsed is None:
         return
-    import gc
+    from envctl.runtime.fastpath import run_fast
 
-    gc.disable()
     env, command, user = parsed
-    try:
-        code = run(env, command, user=user)
-    except EnvctlError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        code = exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
-    with contextlib.suppress(BrokenPipeError):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
+    run_fast(lambda: run(env, command, user=user))

@@ -54,17 +54,20 @@ import select
 import signal
 import struct
 import time
+from collections import namedtuple
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from envctl.caps import DEFAULT, NUMBERS
 from envctl.errors import HostError, UsageError
 from envctl.host.libc import libc
+from envctl.record import Factory, Record
 from envctl.runtime.context import DEFAULT_PATH, EnvContext, format_cpus
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): see record.py
 if TYPE_CHECKING:
+    from typing import NoReturn
+
     from envctl.host.cgroups import Cgroups
 
 # The default set a root job keeps, and every capability by name (envctl.caps: shared with
@@ -109,26 +112,21 @@ class _CapData(ctypes.Structure):
 # ---------------------------------------------------------------- the API
 
 
-class User(NamedTuple):
-    """Who the job runs as: uid, primary gid and supplementary groups."""
+class User(namedtuple("User", "uid gid groups", defaults=((),))):
+    """Who the job runs as: uid, primary gid and supplementary groups (a tuple of ints)."""
 
-    uid: int
-    gid: int
-    groups: tuple[int, ...] = ()
+    __slots__ = ()
 
 
-class Bind(NamedTuple):
+class Bind(namedtuple("Bind", "source target read_only", defaults=(True,))):
     """A per-launch bind mount: host path `source` at `target` inside the rootfs (the target
     must exist in the tree: the tree is read-only, no mount point can be made), always
     nosuid,nodev, read-only unless `read_only` is False."""
 
-    source: str
-    target: str
-    read_only: bool = True
+    __slots__ = ()
 
 
-@dataclass
-class Launch:
+class Launch(Record):
     """What to run in which environment, and how. See the module docstring."""
 
     ctx: EnvContext
@@ -137,7 +135,7 @@ class Launch:
     user: User
     cwd: str = "/"
     cpus: tuple[int, ...] | None = None  # CPU affinity: a subset of ctx.cpus (None: all)
-    cgroup_dirs: list[Path] = field(default_factory=list)  # the launcher joins each (cgroupfs)
+    cgroup_dirs: list[Path] = Factory(list)  # the launcher joins each (cgroupfs)
     caps: tuple[str, ...] | None = None  # bounding set kept; None: DEFAULT_CAPS for uid 0
     binds: Sequence[Bind] = ()
     stdio: tuple[int, int, int] = (0, 1, 2)  # the job's stdin, stdout, stderr (without pty)
@@ -149,8 +147,7 @@ class Launch:
     attach: Callable[[int], None] | None = None
 
 
-@dataclass
-class Started:
+class Started(Record):
     """A launch whose job has exec'd: `pid` and `pidfd` are the launcher's (the caller's
     child, which exits with the job's exit code); `pty` the pseudo-terminal's master."""
 
@@ -487,8 +484,7 @@ def systemd_attach(ctx: EnvContext) -> Callable[[int], None] | None:
 # ---------------------------------------------------------------- start
 
 
-@dataclass
-class _Plan:
+class _Plan(Record):
     """Everything the children use, computed and opened before the fork."""
 
     parent: int

@@ -312,9 +312,7 @@ class _Supervisor:
         self.dir = host.run_dir / service.env
         cgroup = None
         if ctx.cgroup.driver == "cgroupfs":
-            from envctl.runtime.launch import cgroup_adapter
-
-            cgroup = {"parent": cgroup_adapter(ctx).parent,
+            cgroup = {"parent": ctx.cgroup.parent_name,
                       "name": f"{service.env}/{CGROUP_NAME}",
                       "controllers": list(ctx.cgroup.controllers)}
         self.state: dict[str, Any] = {
