@@ -336,6 +336,11 @@ class _Supervisor:
         self.save()
         self.tell("R")
         self.done_telling()
+        # The cyclic GC, off in the CLI, goes on for a process that may live for days: after
+        # the start, which it would only slow down, and with what the CLI left frozen (never
+        # scanned, never copied on write by a collection).
+        gc.freeze()
+        gc.enable()
         status, timed_out, cancelled = self.watch(started, status_r)
         self.finish(status, cancelled=cancelled, timed_out=timed_out)
 
@@ -441,8 +446,8 @@ class _Supervisor:
     # -- process set-up
     def detach(self, out_fd: int, err_fd: int) -> None:
         """Become a daemon: stdio on /dev/null, `/` as cwd, every other inherited descriptor
-        closed, the cyclic GC on; then the self-pipe its signal handlers write to."""
-        gc.enable()
+        closed; then the self-pipe its signal handlers write to. (The cyclic GC goes on once
+        the job runs: `run`.)"""
         os.chdir("/")
         os.umask(0o022)
         self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
