@@ -171,6 +171,24 @@ def status_warnings(ws: Workspace | None, host: Host, names: list[str]) -> dict[
     return out
 
 
+def status_isolation(ws: Workspace | None, host: Host, names: list[str]) -> dict[str, dict]:
+    """Per environment: how its programs run ({"level": native|gvisor, "platform": …}), as
+    its last `up` recorded it, else as its spec says."""
+    out = {}
+    for name in names:
+        try:
+            journal = Journal.open(host.state_dir, name, boot=host.boot_id)
+        except StateCorrupt:
+            journal = None
+        if journal is not None and journal.entries:
+            out[name] = journal.claims.get("isolation") or {"level": "native"}
+        elif ws is not None and name in ws.names():
+            runtime = ws.get(name).runtime
+            out[name] = {"level": runtime.isolation} if runtime.isolation == "native" else \
+                {"level": runtime.isolation, "platform": runtime.gvisor.platform}
+    return out
+
+
 def cgroup_usage(host: Host, rows: dict[str, list[Step]]) -> dict[str, dict]:
     """Per environment: the cgroup driver in use and, when its cgroup exists, its usage."""
     out: dict[str, dict] = {}

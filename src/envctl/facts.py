@@ -116,6 +116,17 @@ class GpuHostFacts:
 
 
 @dataclass(frozen=True)
+class RunscFacts:
+    """gVisor's runsc on this host (read only when a spec asks for `isolation: gvisor`)."""
+
+    path: str = ""  # "" when runsc is not installed
+    version: str = ""  # `runsc --version`'s first line
+    platforms: tuple[str, ...] = ()  # what its --platform accepts (ptrace, kvm, systrap)
+    nvproxy: bool = False  # whether it has --nvproxy (GPUs inside the sandbox)
+    problem: str = ""  # why it could not be read, when it is installed
+
+
+@dataclass(frozen=True)
 class HostFacts:
     """What the planner may know about the host; tests build these by hand."""
 
@@ -154,5 +165,7 @@ class HostFacts:
     # Where envctl keeps state on this host (ENVCTL_STATE_DIR), for resources that need
     # absolute paths (a rootfs and data directories under the state directory).
     state_dir: str = "/var/lib/envctl"
+    # gVisor's runsc (read only when a spec asks for isolation: gvisor; None: not read).
+    runsc: RunscFacts | None = None
     # Extra facts contributed by resource families (cgroup layout, GPUs, firewall, …).
     extra: dict[str, object] = field(default_factory=dict, compare=False)

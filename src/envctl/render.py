@@ -115,13 +115,18 @@ def render_outcomes(console: Console, outcomes: list[Outcome], *, verb: str) -> 
 
 def render_status(console: Console, rows: dict[str, list[Step]],
                   warnings: dict[str, list[str]] | None = None, *,
-                  cgroups: dict[str, dict] | None = None) -> None:
+                  cgroups: dict[str, dict] | None = None,
+                  isolation: dict[str, dict] | None = None) -> None:
     if not rows:
         console.print("no environments")
     for env, steps in rows.items():
         state = env_state(steps)
         colour = {"up": "green", "down": "dim", "degraded": "yellow"}[state]
         console.print(f"[bold]{env}[/]  [{colour}]{state}[/]")
+        sandbox = (isolation or {}).get(env) or {}
+        if sandbox.get("level", "native") != "native":  # native: the default, not shown
+            platform = f" ({sandbox['platform']})" if sandbox.get("platform") else ""
+            console.print(f"  {'isolation':<12} {sandbox['level']}{platform}")
         if (cgroups or {}).get(env):
             console.print(f"  {'cgroup':<12} {_cgroup_line(cgroups[env])}")
         for s in steps:

@@ -214,7 +214,8 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
                    cpufreq=any(s.host.governor for s in specs), rootfs=rootfs,
                    gpu_root=host.gpu_root if gpus else None,
                    groups=frozenset(s.gpus.group for s in gpus),
-                   state_dir=host.state_dir)
+                   state_dir=host.state_dir,
+                   runsc=any(s.runtime.isolation == "gvisor" for s in specs))
     if not gpus:
         return facts
     facts = dataclasses.replace(facts, gpu_held=_gpus_held(host))

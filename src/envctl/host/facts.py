@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from envctl.facts import GpuHostFacts, HostFacts, ModuleFact, RootfsFacts
+from envctl.facts import GpuHostFacts, HostFacts, ModuleFact, RootfsFacts, RunscFacts
 from envctl.host.cgroups import read_cgroup_facts
 from envctl.host.procfs import sysctl_path
 from envctl.spec.sysctls import canonical
@@ -118,6 +118,12 @@ def read_gpus(root: Path) -> GpuHostFacts:
     return dataclasses.replace(found, libraries=tuple(driver_libraries(found.driver, root)))
 
 
+def _read_runsc() -> RunscFacts:
+    from envctl.host.runsc import read_runsc
+
+    return read_runsc()
+
+
 def read_groups(names: frozenset[str]) -> dict[str, int]:
     import grp
 
@@ -133,7 +139,7 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
            kmod: KernelModules | None = None, cpufreq: bool = False,
            rootfs: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] | None = None,
            gpu_root: Path | None = None, groups: frozenset[str] = frozenset(),
-           state_dir: Path = Path("/var/lib/envctl")) -> HostFacts:
+           state_dir: Path = Path("/var/lib/envctl"), runsc: bool = False) -> HostFacts:
     """Read the facts once; cheap enough (a handful of small files) for every command.
     Modules (through `kmod`), cpufreq, rootfs closures (`rootfs`: env -> binaries, libraries,
     python) and GPUs (under `gpu_root`) are read only when a spec asks about them."""
@@ -155,6 +161,7 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
         cpufreq=freq,
         cpufreq_policies=read_cpufreq_policies(sys_root, sorted(freq)),
         cgroup=read_cgroup_facts(proc_root=proc_root, sys_root=sys_root),
+        runsc=_read_runsc() if runsc else None,
         # Anti-spoofing uses nft's bridge family whatever the backend of the NAT rules.
         extra={"nft": _nft_installed()},
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from envctl.plan import base, cgroup, gpus, host, network, rootfs
+from envctl.plan import base, cgroup, gpus, host, isolation, network, rootfs
 from envctl.plan.builder import Plan
 from envctl.resources.service import Service
 
@@ -35,7 +35,7 @@ def plan_service(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
 
 
 SECTIONS = (base.plan_dirs, host.plan_host, gpus.plan_gpus, network.plan_network,
-            rootfs.plan_rootfs, cgroup.plan_cgroup, plan_service)
+            rootfs.plan_rootfs, cgroup.plan_cgroup, plan_service, isolation.plan_isolation)
 
 
 def plan_env(spec: EnvSpec, facts: HostFacts) -> Plan:

@@ -73,6 +73,10 @@ class EnvContext(Record, frozen=True):
     device_gids: tuple[int, ...] = ()
     # The capabilities its root jobs keep (the spec's runtime.capabilities); None: the default.
     caps: tuple[str, ...] | None = None
+    # How its programs run (the spec's runtime.isolation): "native", or "gvisor" through
+    # runsc on `platform` (envctl.runtime.gvisor).
+    isolation: str = "native"
+    platform: str = ""
 
     @classmethod
     def load(cls, host: Host, env: str) -> EnvContext:
@@ -96,11 +100,14 @@ class EnvContext(Record, frozen=True):
         nodes = (found.get("env-dev") or {}).get("nodes") or ()
         gids = tuple(sorted({int(n[4]) for n in nodes if int(n[4]) != 0}))
         caps = claims.get("capabilities")
+        sandbox = claims.get("isolation") or {}
         return cls(env=env, root=root, mntns=mntns,
                    netns=host.netns_dir / netns["name"] if netns else None, hostname=env,
                    environ=read_environment(root), cgroup=cgroup,
                    cpus=cpus or online_cpus(host.sys), gpus=tuple(gpus), device_gids=gids,
-                   caps=tuple(caps) if isinstance(caps, list) else None)
+                   caps=tuple(caps) if isinstance(caps, list) else None,
+                   isolation=sandbox.get("level", "native"),
+                   platform=sandbox.get("platform", ""))
 
 
 def read_journal(state_dir: Path, env: str, boot: str

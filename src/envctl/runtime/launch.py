@@ -502,13 +502,21 @@ class _Plan(Record):
     binds: list[Bind]
 
 
-def start(launch: Launch) -> Started:
+def start(launch: Launch, *, init: Callable[[Launch, _Plan, int], NoReturn] | None = None
+          ) -> Started:
     """Start the launch and return once its job has exec'd (see the module docstring).
 
     UsageError for a launch that cannot be right (empty argv, a NUL byte, unknown
     capabilities, CPUs outside the environment's); LaunchError naming the step that failed,
     CommandNotFound (exit 127) when argv[0] is not in the environment, exit 126 when it cannot
-    be run."""
+    be run. `init` replaces the init the launcher forks (envctl.runtime.gvisor's runs runsc);
+    an environment with `isolation: gvisor` is started through envctl.runtime.gvisor."""
+    if init is None and launch.ctx.isolation == "gvisor":
+        import sys
+
+        from envctl.runtime import gvisor
+
+        return gvisor.start(launch, sys.modules[__name__])  # reuses this module's steps
     ctx = launch.ctx
     plan_args = _check(launch)
     fds: list[int] = []
@@ -534,7 +542,7 @@ def start(launch: Launch) -> Started:
         with _signals_blocked():
             pid = os.fork()
             if pid == 0:
-                _launcher(launch, plan)  # never returns
+                _launcher(launch, plan, init)  # never returns
         return _started(launch, pid, err_r, err_w, sync_w, mine, fds)
     finally:
         for fd in fds:
@@ -698,7 +706,8 @@ def _forward_to(target: list[int]):  # noqa: ANN202 - a signal handler
     return handler
 
 
-def _launcher(launch: Launch, plan: _Plan) -> NoReturn:
+def _launcher(launch: Launch, plan: _Plan,
+              init_main: Callable[[Launch, _Plan, int], NoReturn] | None = None) -> NoReturn:
     """The caller's child, in the host's PID namespace (see the module docstring)."""
     step = "start"
     try:
@@ -744,7 +753,7 @@ def _launcher(launch: Launch, plan: _Plan) -> NoReturn:
         pid = os.fork()
         if pid == 0:
             os.close(alive_w)
-            _init(launch, plan, alive_r)  # never returns
+            (init_main or _init)(launch, plan, alive_r)  # never returns
         init[0] = pid
         for fd in (plan.err_w, plan.sock, alive_r, plan.netns_fd, plan.mntns_fd, plan.sync_r):
             if fd >= 0:

@@ -739,17 +739,38 @@ def _capability(v: Any) -> Any:
     return name
 
 
+class Gvisor(Strict):
+    """How gVisor runs the environment's programs (`isolation: gvisor`)."""
+
+    # runsc's platform: how the sandbox's kernel (the Sentry) intercepts system calls. ptrace
+    # runs anywhere; kvm needs /dev/kvm (hardware virtualisation); systrap is newer runsc's
+    # default. Checked at plan time against the platforms the host's runsc offers.
+    platform: Literal["ptrace", "kvm", "systrap"] = "ptrace"
+
+
 class Runtime(Strict):
     """How programs run inside the environment (exec, jobs, the service)."""
 
     # The capabilities root jobs keep in their bounding set; unset: Docker's default set
     # (envctl.caps.DEFAULT); [] none at all. Other users' jobs keep none whatever this says.
     capabilities: tuple[Annotated[str, BeforeValidator(_capability)], ...] | None = None
+    # native: namespaces + pivot_root on the host's kernel (envctl.runtime.launch); gvisor:
+    # the same environment, entered through gVisor's runsc (envctl.runtime.gvisor).
+    isolation: Literal["native", "gvisor"] = "native"
+    gvisor: Gvisor = Gvisor()
 
     @field_validator("capabilities")
     @classmethod
     def _once(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
         return None if v is None else _unique(v, "capability")
+
+    @model_validator(mode="after")
+    def _gvisor_used(self) -> Runtime:
+        # A gvisor section that nothing reads is a mistake the operator should hear of.
+        if "gvisor" in self.model_fields_set and self.isolation != "gvisor":
+            raise ValueError("runtime.gvisor is set but runtime.isolation is "
+                             f"'{self.isolation}'; add isolation: gvisor or drop the section")
+        return self
 
 
 # ---------------------------------------------------------------- the environment

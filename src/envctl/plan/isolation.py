@@ -1,0 +1,54 @@
+"""Planning `runtime.isolation`: whether this host can run the environment's programs the way
+its spec asks (gVisor: runsc installed, the platform offered, GPUs passed through). Adds no
+step: the level is recorded with the claims and read by every launch (envctl.runtime.gvisor)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from envctl.plan.rootfs import wants_rootfs
+
+if TYPE_CHECKING:
+    from envctl.facts import HostFacts
+    from envctl.plan.builder import Plan
+    from envctl.spec.models import EnvSpec
+
+# The Debian package that ships runsc (envctl.host.runsc.PACKAGE; not imported: plan/ never
+# imports host/).
+RUNSC_PACKAGE = "runsc"
+
+
+def plan_isolation(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
+    rt = spec.runtime
+    if rt.isolation == "native":
+        return
+    platform = rt.gvisor.platform
+    plan.resolved["isolation"] = f"gvisor ({platform})"
+    if not wants_rootfs(spec):
+        plan.error(("runtime", "isolation"), "gVisor runs the environment's programs in its "
+                   "root filesystem, and this spec has none: give it a rootfs section (e.g. "
+                   "rootfs: {binaries: [sh]})")
+    runsc = facts.runsc
+    if runsc is None:
+        return  # not read (a caller that plans without the host): nothing to check against
+    if not runsc.path:
+        plan.error(("runtime", "isolation"), "isolation: gvisor needs gVisor's runsc, which "
+                   f"is not installed on this host (Debian package '{RUNSC_PACKAGE}': apt-get "
+                   "install runsc)")
+        return
+    if runsc.problem:
+        plan.error(("runtime", "isolation"), f"isolation: gvisor: {runsc.problem}")
+        return
+    if platform not in runsc.platforms:
+        plan.error(("runtime", "gvisor", "platform"), (
+            f"platform '{platform}' is not offered by this host's runsc ({runsc.version}), "
+            f"which offers {', '.join(runsc.platforms)}"))
+    if spec.gpus.wanted and not runsc.nvproxy:
+        plan.error(("runtime", "isolation"), (
+            f"a GPU environment cannot run under gVisor with this host's runsc "
+            f"({runsc.version}): it has no --nvproxy, so the sandbox would see no GPU; use "
+            "isolation: native, or a runsc with nvproxy (gVisor release 2023-06 or later)"))
+    elif spec.gpus.wanted:
+        plan.error(("runtime", "isolation"), (
+            "GPUs under gVisor (runsc --nvproxy) are not wired into envctl yet: the sandbox "
+            "would see no GPU; use isolation: native"))
