@@ -531,3 +531,32 @@ def test_the_spec_chooses_the_capabilities_root_keeps(sandbox):
     status = ex(sb, "cat", "/proc/self/status").stdout
     assert int(status_field(status, "CapEff"), 16) == 0
     down_box(sb)
+
+
+# Starts a launch with a pseudo-terminal whose init fails at once (launch.start's `init` hook,
+# as envctl.runtime.gvisor uses it): the caller must get the error, not wait for a terminal.
+FAILING_INIT = """
+import os, sys
+from envctl.host.context import Host
+from envctl.runtime import launch as L
+from envctl.runtime.context import EnvContext
+
+def init(launch, plan, alive_r):
+    L._fail(plan.err_w, "the test's step", OSError(5, "made to fail"))
+
+ctx = EnvContext.load(Host.from_env(), "box")
+launch = L.Launch(ctx, ["true"], {}, L.User(0, 0), pty=True)
+try:
+    L.start(launch, init=init)
+except L.LaunchError as exc:
+    print("error:", exc)
+"""
+
+
+def test_a_launch_with_a_terminal_that_fails_reports_instead_of_hanging(sandbox, programs):
+    sb = sandbox
+    up_box(sb, programs)
+    res = sb.run(sys.executable, "-c", FAILING_INIT, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("error:") and "the test's step" in res.stdout, res.stdout
+    down_box(sb)

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,57 @@ def test_a_job_sees_gvisors_kernel_and_nothing_of_the_host(box):
     assert "Starting gVisor" in dmesg.stdout
     uname = sb.envctl("exec", "box", "--user", "root", "--", "uname", "-r")
     assert uname.stdout.strip() != os.uname().release
+    # status names the isolation level.
+    (env,) = sb.envctl_json("status", "box")
+    assert env["isolation"] == {"level": "gvisor", "platform": "ptrace"}
+    assert "isolation    gvisor (ptrace)" in sb.envctl("status", "box").stdout
+    assert_clean_down(sb)
+
+
+LISTEN = ("import socket, sys\ns = socket.socket()\n"
+          "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+          "s.bind((sys.argv[1], int(sys.argv[2])))\ns.listen()\nprint('listening', flush=True)\n"
+          "while True:\n    c, a = s.accept()\n    print('hit', a[0], flush=True)\n    c.close()\n")
+
+
+def test_only_its_own_network_is_reachable(box):
+    """A sandboxed job reaches its gateway but not a second, isolated environment on the same
+    bridge, even at a port that listens (the host side reaches it)."""
+    sb = box
+    sb.write_spec("peer", "name: peer\nkind: cpu\nnetwork: {bridge: gvbr0, bridge_address: "
+                  "10.231.0.1/24, address: 10.231.0.3}\n")
+    res = sb.envctl("up", "peer")
+    assert res.returncode == 0, res.stderr
+    port = 9000 + os.getpid() % 1000
+    gateway = sb.popen(sys.executable, "-c", LISTEN, "10.231.0.1", str(port))
+    peer = sb.popen("ip", "netns", "exec", "peer", sys.executable, "-c", LISTEN, "10.231.0.3",
+                    str(port))
+    try:
+        for proc in (gateway, peer):
+            assert proc.stdout.readline() == "listening\n", proc.stderr.read()
+        connect = ("import socket, sys\ns = socket.socket(); s.settimeout(5)\n"
+                   "print(s.connect_ex((sys.argv[1], int(sys.argv[2]))))\n")
+
+        def inside(address: str) -> str:
+            res = sb.envctl("exec", "box", "--user", "root", "--", "python3", "-c", connect,
+                            address, str(port))
+            assert res.returncode == 0, res.stderr
+            return res.stdout.strip()
+
+        assert inside("10.231.0.1") == "0"
+        assert gateway.stdout.readline().startswith("hit 10.231.0.2")
+        assert sb.run("bash", "-c", f"exec 3<>/dev/tcp/10.231.0.3/{port}").returncode == 0
+        assert peer.stdout.readline().startswith("hit 10.231.0.1")  # the peer does listen
+        assert inside("10.231.0.3") != "0"
+        peer.kill()
+        assert "hit" not in peer.stdout.read()  # the sandbox's attempt never arrived
+    finally:
+        for proc in (gateway, peer):
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+    assert sb.envctl("down", "peer").returncode == 0
     assert_clean_down(sb)
 
 
@@ -145,6 +197,14 @@ def test_exit_codes_signals_and_outputs_land_in_the_record(box):
     d = submit(sb, "--output", str(both), "--error", str(both), ok)
     wait(sb, d["id"])
     assert sorted(both.read_text().splitlines()) == ["err", "out"]
+    # A missing working directory is refused, as natively (runsc alone would make it).
+    res = sb.envctl("submit-job", "--json", "--user", "root", "--workdir", "/tmp/nope", "box",
+                    ok)
+    assert res.returncode == 1 and "chdir /tmp/nope" in res.stderr, res.stderr
+    assert "No such file" in res.stderr
+    listed = sb.envctl("exec", "box", "--user", "root", "--", "python3", "-c",
+                       "import os; print(os.listdir('/tmp'))")
+    assert listed.stdout == "[]\n", listed.stderr
     assert job_cgroups(sb) == [] and runsc_left(sb) == []
     assert not list((sb.run_dir / "box" / "gvisor").iterdir())
     assert_clean_down(sb)
@@ -214,3 +274,4 @@ def sys_python() -> str:
     import sys
 
     return sys.executable
+

@@ -70,7 +70,8 @@ def test_the_level_goes_from_spec_to_claims_to_the_launch_context(tmp_path):
     assert plan.resolved["isolation"] == "gvisor (ptrace)"
     claims = spec_claims(s, HOST)
     assert claims["isolation"] == {"level": "gvisor", "platform": "ptrace"}
-    # EnvContext.load reads it back from the journal's claims (as `exec` and jobs do).
+    # The journal's claims hand it back as EnvContext.load reads them (the integration tests
+    # show a launch then runs under gVisor: its kernel is gVisor's).
     import json
 
     from envctl.runtime.context import read_journal
@@ -88,6 +89,19 @@ def test_a_platform_the_hosts_runsc_lacks_is_a_plan_error():
                           "host's runsc (runsc version 0.0~20221219.0), which offers ptrace, "
                           "kvm")
     plan_env(spec("kvm"), HOST)  # offered (whether /dev/kvm works is the launch's to say)
+
+
+def test_the_kvm_platform_may_open_dev_kvm_and_ptrace_may_not():
+    """runsc runs in the launch's cgroup: its Sentry opens /dev/kvm through the environment's
+    device rules, which allow it for the kvm platform only."""
+    def device_rules(platform: str) -> list[str]:
+        plan = plan_env(spec(platform), HOST)
+        found = [r for res in plan.resources for r in getattr(res, "rules", ()) or ()]
+        assert found, [res.describe() for res in plan.resources]
+        return found
+
+    assert "c 10:232 rw" in device_rules("kvm")
+    assert "c 10:232 rw" not in device_rules("ptrace")
 
 
 def test_runsc_missing_names_the_package():

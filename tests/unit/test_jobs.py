@@ -273,6 +273,34 @@ def test_submit_options_of_the_fast_path_match_the_command():
 
 
 
+@pytest.mark.parametrize("argv", [
+    ["submit-job", "box", "./x"], ["submit-job", "box", "./x", "-a", "--name", "n"],
+    ["submit-job", "box", "./x", "--", "-a"], ["submit-job", "box", "./x", "--", "--"],
+    ["submit-job", "box", "--", "./x", "--", "-a"], ["submit-job", "-J", "n", "box", "./x", "--"],
+    ["submit-job", "box", "-t", "5m", "--env", "A=1", "--env=B=2", "-W", "./x", "$(id)", ";"],
+    ["submit-job", "--json", "-u", "root", "box", "-o", "/o", "./x", "-o", "/p"]])
+def test_the_fast_path_and_the_typer_command_submit_the_same(monkeypatch, argv):
+    """Both parsers on the same command line end in the same `submit` call."""
+    from envctl import cli
+    from envctl.runtime import submit as submit_mod
+
+    calls = []
+
+    def fake(env, exe, args, **kw):
+        calls.append({"env": env, "exe": exe, "args": list(args), **kw})
+        return 0
+
+    monkeypatch.setattr(submit_mod, "submit", fake)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(list(argv))
+    assert exc.value.code == 0
+    fast = submit_mod.parse_args(list(argv))
+    defaults = {"name": None, "time_limit": None, "cpus": None, "gpus": None, "env_vars": None,
+                "workdir": "/", "output": None, "error": None, "user": None, "wait": False,
+                "json_": False}
+    assert calls == [{**defaults, **fast}]
+
+
 def test_submit_fast_parser_reads_what_typer_reads():
     import inspect
 

@@ -1,11 +1,14 @@
 """Planning `runtime.isolation`: whether this host can run the environment's programs the way
 its spec asks (gVisor: runsc installed, the platform offered, GPUs passed through). Adds no
-step: the level is recorded with the claims and read by every launch (envctl.runtime.gvisor)."""
+step: the level is recorded with the claims and read by every launch (envctl.runtime.gvisor).
+The kvm platform adds /dev/kvm to the environment's device rules (planned before the cgroup):
+runsc runs in the launch's cgroup, and its Sentry opens /dev/kvm."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from envctl.plan.limits import GPU_DEVICES_KEY
 from envctl.plan.rootfs import wants_rootfs
 
 if TYPE_CHECKING:
@@ -13,6 +16,8 @@ if TYPE_CHECKING:
     from envctl.plan.builder import Plan
     from envctl.spec.models import EnvSpec
 
+# /dev/kvm (misc major 10, minor 232): the kvm platform's Sentry opens it, in the launch's cgroup.
+KVM_DEVICE = "c 10:232 rw"
 # The Debian package that ships runsc (envctl.host.runsc.PACKAGE; not imported: plan/ never
 # imports host/).
 RUNSC_PACKAGE = "runsc"
@@ -24,6 +29,8 @@ def plan_isolation(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         return
     platform = rt.gvisor.platform
     plan.resolved["isolation"] = f"gvisor ({platform})"
+    if platform == "kvm":
+        plan.resolved[GPU_DEVICES_KEY] = (*plan.resolved.get(GPU_DEVICES_KEY, ()), KVM_DEVICE)
     if not wants_rootfs(spec):
         plan.error(("runtime", "isolation"), "gVisor runs the environment's programs in its "
                    "root filesystem, and this spec has none: give it a rootfs section (e.g. "

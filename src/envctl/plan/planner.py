@@ -34,8 +34,9 @@ def plan_service(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
              ("service",))
 
 
-SECTIONS = (base.plan_dirs, host.plan_host, gpus.plan_gpus, network.plan_network,
-            rootfs.plan_rootfs, cgroup.plan_cgroup, plan_service, isolation.plan_isolation)
+# isolation before cgroup: the kvm platform adds a device rule.
+SECTIONS = (base.plan_dirs, host.plan_host, gpus.plan_gpus, isolation.plan_isolation,
+            network.plan_network, rootfs.plan_rootfs, cgroup.plan_cgroup, plan_service)
 
 
 def plan_env(spec: EnvSpec, facts: HostFacts) -> Plan:

@@ -67,6 +67,7 @@ BOX_DIR = "gvisor"  # <run>/<env>/BOX_DIR/<id>/
 # Mount points gVisor makes its own file systems on (never bound from the environment's).
 OWN_MOUNTS = ("/proc", "/sys", "/dev")
 CLOSE_RANGE_CLOEXEC = 1 << 2
+RESOLVE_IN_ROOT = 0x10  # openat2: resolve as if the directory were / (a chroot's view)
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 TIOCSWINSZ = 0x5414
 # "…: creating process: failed to load /x: no such file or directory" from `runsc start`.
@@ -316,23 +317,31 @@ class _Init:
                                      ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC), None))
             step = "set CPU affinity"
             os.sched_setaffinity(0, plan.cpus)  # the sandbox's threads inherit it
+            step = f"chdir {launch.cwd}"
+            _check_dir(launch.ctx.root, launch.cwd)  # runsc would make a missing one
             step = "write the OCI bundle"
             self.base = runsc_argv(self.runsc, self.box, launch.ctx.platform,
                                    network=launch.ctx.netns is not None)
             self._write_bundle(launch, plan)
             console = None
             if launch.pty:
+                step = "open the console socket"
+                # Named through this init's descriptor of the bundle directory: the bundle's
+                # own path may be longer than a socket address holds (108 bytes). This init
+                # is PID 1 of the /proc just mounted, which runsc, its child, sees too.
+                box_fd = os.open(self.box, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                console_path = f"/proc/1/fd/{box_fd}/console.sock"
                 console = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                console.bind(str(self.box / "console.sock"))
+                console.bind(console_path)
                 console.listen(1)
             step = "runsc create"
             create = [*self.base, "create", "--bundle", str(self.box), "--pid-file",
                       str(self.box / "sandbox.pid")]
             if console is not None:
-                create += ["--console-socket", str(self.box / "console.sock")]
+                create += ["--console-socket", console_path]
             create.append(self.ident)
             stdio = tuple(_usable(fd) for fd in launch.stdio)
-            _append(stdio[1:])
+            stdio = (stdio[0], *_appending(stdio[1:]))
             if self._run(create, stdio) != 0:
                 raise OSError(0, "", self._log_error("create"))
             if console is not None:
@@ -488,6 +497,23 @@ class _Init:
 _NULL: list[int] = []
 
 
+def _check_dir(root: Path, path: str) -> None:
+    """OSError unless `path` is a directory of the environment, resolved inside `root` as the
+    native launch's chdir after pivot_root resolves it (`runsc create` makes a missing working
+    directory; a native launch refuses it, and so does this)."""
+    from envctl.host import safepath
+
+    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.close(safepath.openat2(root_fd, path.lstrip("/") or ".",
+                                  os.O_PATH | os.O_DIRECTORY,
+                                  resolve=RESOLVE_IN_ROOT | safepath.RESOLVE_NO_MAGICLINKS))
+    except safepath.Escape as exc:
+        raise OSError(exc.errno, os.strerror(exc.errno), path) from None
+    finally:
+        os.close(root_fd)
+
+
 def _devnull() -> int:
     if not _NULL:
         _NULL.append(os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC))
@@ -503,17 +529,23 @@ def _usable(fd: int) -> int:
     return fd
 
 
-def _append(fds: tuple[int, ...]) -> None:
-    """O_APPEND on the job's output files: the Sentry writes each stdio descriptor at an
-    offset of its own, so stdout and stderr sharing one file (`--output` = `--error`) would
-    write over each other. Appending is what a fresh, truncated file written by the job
-    alone amounts to anyway."""
+def _appending(fds: tuple[int, ...]) -> tuple[int, ...]:
+    """The job's output descriptors, each regular file reopened with O_APPEND: the Sentry
+    writes each stdio descriptor at an offset of its own, so stdout and stderr sharing one
+    file (`--output` = `--error`) would write over each other. Reopened (a new open file
+    description through /proc/self/fd), never changed in place: the caller's own descriptor
+    (`envctl exec … >>log` in a shell) keeps its flags. Anything else is returned as it is."""
     import stat
 
+    out = []
     for fd in fds:
-        with contextlib.suppress(OSError):
+        try:
             if stat.S_ISREG(os.fstat(fd).st_mode):
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+                fd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        except OSError:
+            pass  # as it is: at worst the two streams of one file overlap
+        out.append(fd)
+    return tuple(out)
 
 
 def _spawn(argv: list[str], stdio: tuple[int, int, int], handled: tuple[int, ...]) -> int:

@@ -543,6 +543,9 @@ def start(launch: Launch, *, init: Callable[[Launch, _Plan, int], NoReturn] | No
             pid = os.fork()
             if pid == 0:
                 _launcher(launch, plan, init)  # never returns
+        if theirs >= 0:  # the children's end: ours open would hide their exit from recv_fds
+            os.close(theirs)
+            fds.remove(theirs)
         return _started(launch, pid, err_r, err_w, sync_w, mine, fds)
     finally:
         for fd in fds:

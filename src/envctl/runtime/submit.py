@@ -106,7 +106,10 @@ def parse_args(args: list[str]) -> dict | None:
             continue
         words.append(word)
         i += 1
-    words += args[i:]
+    rest = args[i:]
+    if len(words) == 2 and rest[:1] == ["--"]:
+        rest = rest[1:]  # `EXE -- ARGS`: the `--` ends envctl's options, as typer reads it
+    words += rest
     if len(words) < 2:
         return None
     kw["json_"] = kw.pop("json", False)
