@@ -282,6 +282,10 @@ def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> 
     else:
         render_outcomes(_console(), result.outcomes, verb="up")
     if result.failed or skipped:
+        # Last, in one line: what `systemctl status envctl` shows of a boot's `up --all`.
+        not_up = [f"{env} (failed)" for env in result.failed] + \
+            [f"{env} (skipped)" for env in skipped]
+        _stderr(f"not up: {', '.join(not_up)}")
         raise typer.Exit(1)
 
 
@@ -405,8 +409,13 @@ def status(
     json_: JsonOpt = False,
     check: Annotated[bool, typer.Option("--check", help="Exit 1 unless every applied resource "
                                                         "is ok (for monitoring).")] = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw it every --interval "
+                                                              "seconds until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option("--interval", "-n", help="Seconds between redraws "
+                                                                     "(--watch).")] = 2.0,
 ) -> None:
-    """Each resource of each environment: ok, missing or drifted, against the live host.
+    """Each resource of each environment: ok, missing or drifted, against the live host, and
+    the last events of the monitor (`envctl monitor`) for each.
 
     Example: envctl status cpu-compute --json
     """
@@ -415,6 +424,10 @@ def status(
     from envctl.host.context import Host
     from envctl.render import render_status
 
+    if watch:
+        if json_ or check:
+            raise typer.BadParameter("--watch redraws for a person: not with --json or --check")
+        return _watch_status(names, interval)
     host = Host.from_env()
     ws = None
     try:
@@ -432,13 +445,18 @@ def status(
     rows = ops.status_rows(ws, host, targets)
     warnings = ops.status_warnings(ws, host, targets)
     cgroups = ops.cgroup_usage(host, rows)
+    isolation = ops.status_isolation(ws, host, list(rows))
+    events = _recent_events(host, list(rows))
     if json_:
         _emit_json([{"env": env, "state": env_state(steps), "up": env_state(steps) != "down",
+                     "isolation": isolation.get(env, {"level": "native"}),
                      "steps": [s.to_json() for s in steps],
-                     "warnings": warnings.get(env, []), "cgroup": cgroups.get(env)}
+                     "warnings": warnings.get(env, []), "cgroup": cgroups.get(env),
+                     "events": events.get(env, [])}
                     for env, steps in rows.items()])
     else:
-        render_status(_console(), rows, warnings, cgroups=cgroups)
+        render_status(_console(), rows, warnings, cgroups=cgroups, isolation=isolation)
+        _render_events(_console(), events)
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):
         raise typer.Exit(1)
@@ -767,6 +785,192 @@ def wait_(
 # subcommand too (`envctl plan X --config-dir D`), as operators type them.
 GLOBAL_OPTIONS = {"--config-dir": True, "-C": True, "--debug": False, "--lock-timeout": True,
                   "--firewall": True, "--cgroup-driver": True}
+
+
+# ---------------------------------------------------------------- boot units (envctl.units)
+
+UnitDirOpt = Annotated[str | None, typer.Option(
+    "--unit-dir", help="Where the unit files go (default: $ENVCTL_BOOT_UNIT_DIR, else "
+    "/etc/systemd/system).", show_default=False)]
+
+
+def _render_unit_changes(changes: list, json_: bool, nothing: str) -> None:
+    if json_:
+        _emit_json([c.to_json() for c in changes])
+    else:
+        for c in changes or [nothing]:
+            print(c)
+
+
+@app.command("install-units")
+def install_units(
+    now: Annotated[bool, typer.Option("--now", help="Also start them now (envctl.service "
+                                                    "runs `envctl up --all`).")] = False,
+    unit_dir: UnitDirOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Install envctl.service (every environment up at boot, down at shutdown) and
+    envctl-monitor.service (metrics, self-healing), enabled, pointing at this envctl.
+
+    The units run the envctl that runs this command, with the same --config-dir and
+    ENVCTL_STATE_DIR/RUN_DIR/CGROUP_DRIVER/CGROUP_PARENT/FIREWALL/CONFIG_DIR as set now.
+    Safe to re-run; a unit file envctl did not write is refused, never overwritten. Customise
+    the units with drop-ins (systemctl edit envctl.service). See docs/boot.md.
+
+    Example: sudo envctl -C /etc/envctl/environments install-units --now
+    """
+    from envctl.host.context import Host
+    from envctl.units import Units, carried_environment, envctl_command, render_all
+
+    texts = render_all(envctl_command(), carried_environment(os.environ, CTX.config_dir))
+    units = Units.from_env(Host.from_env().state_dir, unit_dir)
+    _render_unit_changes(units.install(texts, now=now), json_, "nothing to do")
+
+
+@app.command("uninstall-units")
+def uninstall_units(
+    now: Annotated[bool, typer.Option("--now", help="Also stop them now (envctl.service runs "
+                                                    "`envctl down --all --force`).")] = False,
+    unit_dir: UnitDirOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Disable and remove the units `install-units` wrote (only those; a no-op when none).
+
+    Without --now the environments stay up: the running units keep their state until they
+    are stopped. A unit file edited since envctl wrote it is refused (exit 1), nothing removed.
+
+    Example: sudo envctl uninstall-units --now
+    """
+    from envctl.host.context import Host
+    from envctl.units import Units
+
+    units = Units.from_env(Host.from_env().state_dir, unit_dir)
+    _render_unit_changes(units.uninstall(now=now), json_, "nothing installed")
+
+
+# ---------------------------------------------------------------- monitor, top
+
+
+@app.command()
+def monitor(
+    interval: Annotated[float, typer.Option(
+        "--interval", "-i", help="Seconds between samples (the setup envctl replaces polled "
+        "every 30 s).")] = 30.0,
+    once: Annotated[bool, typer.Option(
+        "--once", help="Take one sample (over a 1 s window, for CPU percentages), write the "
+        "outputs, print the Prometheus exposition on stdout and exit.")] = False,
+    listen: Annotated[str, typer.Option(
+        "--listen", help="ADDR:PORT to serve /metrics on ([::1]:9464 for IPv6), or none. "
+        "Loopback by default: put a reverse proxy or node_exporter's textfile collector in "
+        "front to publish it.")] = "127.0.0.1:9464",
+    textfile: Annotated[Path | None, typer.Option(
+        "--textfile", help="Also write the exposition to this file each tick (a temporary "
+        "file renamed over it), for node_exporter's textfile collector (name it *.prom).",
+        show_default=False)] = None,
+    csv_dir: Annotated[str, typer.Option(
+        "--csv-dir", help="Where gpu-metrics.csv and cpu-metrics.csv are appended (rotated "
+        "at 10 MiB, 5 kept), or none.")] = "/var/log/envctl",
+    no_heal: Annotated[bool, typer.Option(
+        "--no-heal", help="Check environments and report drift, but never re-converge "
+        "them.")] = False,
+) -> None:
+    """Watch the host: GPUs (NVML), each environment's cgroup, service and jobs, host CPU and
+    memory; export CSV and Prometheus metrics; re-converge environments that drift.
+
+    Runs in the foreground (the envctl-monitor unit runs it). Each tick checks every
+    environment that is up as `status` does; one that drifted or whose service died is
+    brought up again as `envctl up NAME` would, under the global lock (never while a user's
+    up/down holds it), with exponential backoff per environment; what it found and did goes
+    to the events log that `status` shows. Metric names follow dcgm-exporter and cAdvisor
+    (see docs/monitoring.md).
+
+    Example: sudo envctl monitor --textfile /var/lib/node_exporter/textfile/envctl.prom
+    """
+    from envctl import app as ops
+    from envctl.host.context import Host
+    from envctl.monitor import daemon
+    from envctl.monitor.prom import parse_listen
+
+    if not interval > 0:
+        raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
+    addr = None if once else parse_listen(listen)
+    if not no_heal:
+        ops.require_root("monitor (which heals environments; --no-heal only reports)")
+    opts = daemon.Options(interval=interval, once=once, listen=addr, textfile=textfile,
+                          csv_dir=None if csv_dir.strip().lower() == "none" else Path(csv_dir),
+                          heal=not no_heal,
+                          config_dir=Path(CTX.config_dir) if CTX.config_dir else None)
+    mon = daemon.Monitor(Host.from_env(), opts)
+    if once:
+        try:
+            sys.stdout.buffer.write(mon.once())
+        finally:
+            mon.close()
+        return
+    mon.run()
+
+
+@app.command()
+def top(
+    interval: Annotated[float, typer.Option(
+        "--interval", "-n", help="Seconds between redraws.")] = 2.0,
+) -> None:
+    """A live view of the environments (CPU, memory, OOM kills, tasks, jobs, service, GPU
+    memory, last monitor event), the GPUs (utilisation, memory, temperature, power, holder)
+    and the active jobs, redrawn in place until Ctrl-C. Read-only.
+
+    Example: envctl top -n 5
+    """
+    from envctl.host.context import Host
+    from envctl.monitor.top import run_top
+
+    if not interval > 0:
+        raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
+    run_top(Host.from_env(), interval=interval, console=_console())
+
+
+def _recent_events(host: Any, envs: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """The monitor's last events of each environment (for `status`)."""
+    from envctl.monitor import events
+
+    return events.recent(host.state_dir, per_env=3, envs=envs)
+
+
+def _render_events(console: Any, recent: dict[str, list[dict[str, Any]]]) -> None:
+    from rich.markup import escape
+
+    from envctl.monitor.events import format_event
+
+    for env, got in recent.items():
+        console.print(f"[bold]{env}[/]  monitor events:")
+        for rec in got:
+            console.print(f"  [dim]{escape(format_event(rec))}[/]")
+
+
+def _watch_status(names: list[str] | None, interval: float) -> None:
+    """`status --watch`: the status view, redrawn every `interval` seconds until Ctrl-C."""
+    from envctl import app as ops
+    from envctl.host.context import Host
+    from envctl.monitor.top import watch
+    from envctl.render import render_status
+
+    if not interval > 0:
+        raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
+    host = Host.from_env()
+
+    def render(console: Any) -> None:
+        try:
+            ws, env_names = _workspace(names)
+        except EnvctlError as exc:  # as `status`: the journals still say what is up
+            ws, env_names = None, [n for n in names or [] if not n.endswith((".yaml", ".yml"))]
+            console.print(f"[yellow]! specs not read: {exc}[/]")
+        targets = env_names or ops.known_environments(ws, host)
+        rows = ops.status_rows(ws, host, targets)
+        render_status(console, rows, ops.status_warnings(ws, host, targets),
+                      cgroups=ops.cgroup_usage(host, rows))
+        _render_events(console, _recent_events(host, targets))
+
+    watch(render, interval=interval, console=_console())
 
 
 def hoist_global_options(argv: list[str]) -> list[str]:

@@ -82,7 +82,7 @@ def _run(argv: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def missing_tools() -> list[str]:
-    return [t for t in (QEMU, "apt-get", "dpkg", "cpio") if shutil.which(t) is None] + \
+    return [t for t in (QEMU, "apt-get", "dpkg", "cpio", "depmod") if shutil.which(t) is None] + \
         ([] if _busybox() else ["busybox (busybox-static)"])
 
 
@@ -297,3 +297,91 @@ def _pack(root: Path, init: str, target: Path) -> None:
     tmp_target = target.with_suffix(".tmp")
     tmp_target.write_bytes(gzip.compress(archive, compresslevel=1))
     tmp_target.replace(target)
+
+
+# ---------------------------------------------------------------- booting envctl's own units
+
+# `run_systemd`'s VM, booted to multi-user.target as a host boots (through envctl-vm.target),
+# for envctl's boot units (tests/vm/test_vm_boot.py). Before systemd starts, /init runs
+# /out/preboot.sh chrooted into the new root (as an image build would: install the units,
+# place state), with none of this host's own enabled units (postgresql, timers, gettys) and
+# with the VM kernel's modules at /lib/modules/<release> (modprobe and the kernel's module
+# autoloading: bridge, veth, nf_tables). The command runs from envctl-vm.service once
+# envctl.service has started.
+BOOT_INIT = SYSTEMD_INIT.replace(
+    ': > /newroot/etc/fstab\n',
+    ': > /newroot/etc/fstab\n'
+    'rm -rf /newroot/etc/systemd/system/*.wants\n'
+    'mkdir -p /newroot/usr/lib/modules\n'
+    'ln -sfn "$(cat /newroot/out/modules_path)" "/newroot/usr/lib/modules/$(uname -r)"\n'
+    'mount -t proc proc /newroot/proc\n'
+    'mount -t devtmpfs dev /newroot/dev\n'
+    'chroot /newroot /bin/sh /out/preboot.sh > /newroot/out/preboot.log 2>&1\n'
+    'echo $? > /newroot/out/preboot.rc\n'
+    'umount /newroot/proc /newroot/dev\n',
+)
+assert BOOT_INIT != SYSTEMD_INIT and "preboot" in BOOT_INIT
+# The boot target pulls multi-user.target in, as a host boots (and with it the units
+# `install-units` enabled), and the runner.
+BOOT_TARGET = SYSTEMD_TARGET.replace("Wants=envctl-vm.service dbus.service",
+                                     "Wants=multi-user.target envctl-vm.service dbus.service")
+assert BOOT_TARGET != SYSTEMD_TARGET
+# (Not After= the monitor: the guest test waits for it to serve, with a deadline.)
+BOOT_SERVICE = SYSTEMD_SERVICE.replace(
+    "After=basic.target dbus.service", "After=basic.target dbus.service envctl.service")
+
+
+def kernel_modules() -> Path:
+    """The VM kernel's module directory, with the modules.dep that modprobe needs (the
+    package has none): depmod run once over the cached tree."""
+    _, modules = kernel()
+    if not (modules / "modules.dep").exists():
+        _run(["depmod", "-b", str(CACHE / "kernel"), modules.name])
+    return modules
+
+
+def boot_initramfs() -> Path:
+    """The initramfs of `run_systemd_boot` (cached like `initramfs()`)."""
+    _, modules = kernel()
+    kernel_modules()
+    init = BOOT_INIT.format(modules=" ".join(SYSTEMD_MODULES))
+    target, stamp = CACHE / "initrd-boot.gz", CACHE / "initrd-boot.init"
+    if target.exists() and stamp.exists() and stamp.read_text() == init:
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for d in ("bin", "proc", "sys", "dev", "lib/modules"):
+            (root / d).mkdir(parents=True)
+        shutil.copy(_busybox(), root / "bin/busybox")
+        for m in SYSTEMD_MODULES:
+            found = [p for p in modules.rglob(f"{m}.ko") if p.is_file()]
+            if not found:
+                raise RuntimeError(f"module {m} (plain .ko) not in the kernel package")
+            shutil.copy(found[0], root / "lib/modules" / f"{m}.ko")
+        _pack(root, init, target)
+    stamp.write_text(init)
+    return target
+
+
+def run_systemd_boot(script: str, *, preboot: str, out: Path, timeout: float = 900,
+                     memory_mb: int = 2048, cpus: int = 2) -> Result:
+    """Boot the VM to multi-user.target with systemd as PID 1 on cgroup v2, after `preboot`
+    (sh, chrooted into the root-to-be before systemd starts; its output in out/preboot.log);
+    run `script` (sh) once envctl.service has started; power off (`systemctl poweroff -f`:
+    no unit is stopped, as at a power loss). `out` (the guest's /out) is the caller's, so
+    what one boot leaves there can go into the next."""
+    vmlinuz, _ = kernel()
+    initrd = boot_initramfs()
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o777)
+    for name in ("rc", "log", "preboot.rc", "preboot.log"):
+        (out / name).unlink(missing_ok=True)
+    (out / "run.sh").write_text(script)
+    (out / "preboot.sh").write_text(preboot)
+    (out / "modules_path").write_text(str(kernel_modules()))
+    (out / "envctl-vm.target").write_text(BOOT_TARGET)
+    (out / "envctl-vm.service").write_text(BOOT_SERVICE)
+    cmdline = ("console=ttyS0 quiet panic=-1 systemd.firstboot=off systemd.show_status=0 "
+               "systemd.unit=envctl-vm.target systemd.unified_cgroup_hierarchy=1")
+    return _boot(vmlinuz, initrd, cmdline, out, memory_mb=memory_mb, cpus=cpus,
+                 timeout=timeout)

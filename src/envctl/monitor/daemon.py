@@ -1,0 +1,162 @@
+"""`envctl monitor`'s loop: every interval, one tick (sample, health, CSV, textfile, the
+/metrics snapshot); between ticks it answers /metrics requests. One thread: a poll on the HTTP
+socket and a signal wake-up pipe, so a heal that forks a service supervisor never forks beside
+another thread, and SIGTERM ends the loop between ticks (a heal in progress finishes first).
+
+Kept free of typer and rich; prometheus_client is imported when the monitor starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from envctl.monitor.collect import Sampler, Snapshot
+from envctl.monitor.csvout import CsvWriter
+from envctl.monitor.health import Health
+from envctl.monitor.prom import (
+    MetricsServer,
+    SnapshotCollector,
+    exposition,
+    registry_for,
+    write_textfile,
+)
+
+DEFAULT_INTERVAL = 30.0
+DEFAULT_CSV_DIR = Path("/var/log/envctl")
+# `--once` samples CPU counters, waits this long, then samples again, so that it can say
+# percentages (as `top -bn1` needs two reads too).
+ONCE_WINDOW = 1.0
+
+
+@dataclass
+class Options:
+    """What `envctl monitor` was asked to do."""
+
+    interval: float = DEFAULT_INTERVAL
+    once: bool = False
+    listen: tuple[str, int] | None = None
+    textfile: Path | None = None
+    csv_dir: Path | None = DEFAULT_CSV_DIR
+    heal: bool = True
+    config_dir: Path | None = None
+
+
+class Monitor:
+    """The sampler, the health loop and the exporters, driven one tick at a time."""
+
+    def __init__(self, host: Any, options: Options, *, sampler: Sampler | None = None,
+                 health: Health | bool | None = None,
+                 say: Callable[[str], None] | None = None):
+        """`health`: None makes the health loop `options` asks for; False runs none (a
+        sampling-only monitor: benchmarks, tests)."""
+        self.host = host
+        self.opts = options
+        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.sampler = sampler or Sampler.for_host(host)
+        if health is None:
+            health = Health(host, heal=options.heal, config_dir=options.config_dir,
+                            say=self.say)
+        self.health: Health | None = health or None
+        self.csv = CsvWriter(options.csv_dir) if options.csv_dir is not None else None
+        self.collector = SnapshotCollector()
+        self.registry = registry_for(self.collector)
+        self.server: MetricsServer | None = None
+        self.told: set[str] = set()
+        self.stopping = False
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        self.sampler.close()
+
+    def tick(self) -> Snapshot:
+        """Sample, check and heal, export. Exporter failures (a full disk) are warnings: the
+        next tick tries again."""
+        from envctl.errors import EnvctlError
+
+        cpu0 = time.process_time()
+        snap = self.sampler.tick()
+        cpu_sample = time.process_time() - cpu0
+        if self.health is not None:
+            snap.health = self.health.run([s.env for s in snap.envs])
+            if self.health.healed:
+                self.sampler.resample(snap, self.health.healed)
+        cpu1 = time.process_time()
+        for line in snap.problems:
+            if line not in self.told:  # each once, not every 30 s
+                self.told.add(line)
+                self.say(f"warning: {line}")
+        if self.csv is not None:
+            try:
+                self.csv.write(snap)
+            except OSError as exc:
+                self.say(f"warning: CSV not written in {self.csv.dir}: {exc.strerror}")
+        self.collector.update(snap, tick_cpu_seconds=cpu_sample + time.process_time() - cpu1)
+        if self.opts.textfile is not None:
+            try:
+                write_textfile(self.opts.textfile, self.registry)
+            except EnvctlError as exc:
+                self.say(f"warning: {exc}")
+        return snap
+
+    def once(self) -> bytes:
+        """`--once`: one tick (after a short window for CPU percentages); the exposition."""
+        self.sampler.prime()
+        time.sleep(ONCE_WINDOW)
+        self.tick()
+        return exposition(self.registry)
+
+    def run(self) -> None:
+        """Tick every interval until SIGTERM or SIGINT; serve /metrics in between."""
+        if self.opts.listen is not None:
+            self.server = MetricsServer(self.opts.listen, self.registry)
+            host, port = self.server.address
+            shown = f"[{host}]" if ":" in host else host
+            self.say(f"serving metrics on http://{shown}:{port}/metrics")
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        old_fd = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        old = {s: signal.signal(s, self._on_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        # A daemon allocates every tick: the cyclic collector must run (`envctl` turns it off
+        # for its short commands); what the CLI made before is frozen out of its way.
+        gc.freeze()
+        gc.enable()
+        poller = select.poll()
+        poller.register(wake_r, select.POLLIN)
+        if self.server is not None:
+            poller.register(self.server.fileno(), select.POLLIN)
+        try:
+            next_at = time.monotonic()
+            while not self.stopping:
+                now = time.monotonic()
+                if now >= next_at:
+                    self.tick()
+                    # Fixed rate; a tick that overran starts the next one at once, no burst.
+                    next_at = max(next_at + self.opts.interval, time.monotonic())
+                    continue
+                for fd, _ in poller.poll(max(0.0, next_at - now) * 1000):
+                    if fd == wake_r:
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(wake_r, 512)
+                    elif self.server is not None:
+                        self.server.handle()
+        finally:
+            signal.set_wakeup_fd(old_fd)
+            for s, h in old.items():
+                signal.signal(s, h)
+            os.close(wake_r)
+            os.close(wake_w)
+            self.close()
+
+    def _on_stop(self, signum: int, frame: Any) -> None:
+        self.stopping = True

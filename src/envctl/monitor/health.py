@@ -1,0 +1,244 @@
+"""The monitor's health loop: check every environment that is up, and re-converge one that
+drifted or whose service died, as `envctl up NAME` would, with exponential backoff per
+environment and a line in the events log for what it found and did.
+
+Each tick, for each environment that is up:
+
+1. check it, read-only: `Engine.status` of what its journal says was applied (no spec, no
+   planner: a spec edited since `up` is not drift). `up` -> healthy; `down` -> not up any
+   more (taken down meanwhile), nothing to do; `degraded` -> drift (`drift` event, once per
+   change of what is wrong).
+2. heal it when its backoff allows (and --no-heal was not given): plan its spec, take the
+   global lock *without waiting* (a user's `up`/`down` holds it: `heal-deferred`, try again
+   next tick, no backoff), check again under the lock (the user's command may have fixed it or
+   taken it down), then `Engine.up_many` with the same items `envctl up NAME` gives it: the
+   same steps, journal, rollback and claims. `healed` or `heal-failed` goes to the events log.
+
+Backoff: the first heal of a drift runs at once; after each attempt (whatever its result) the
+next may run only `base * 2**(n-1)` seconds later (capped at `cap`); the count is forgotten
+once the environment has stayed healthy for `reset_after` seconds. A service that dies a
+minute after every heal is thus healed after 10 s, 20 s, 40 s … 15 min: never a restart storm.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from envctl.monitor import events
+
+BASE_DELAY = 10.0
+MAX_DELAY = 900.0
+RESET_AFTER = 600.0
+
+
+@dataclass
+class _Retry:
+    attempts: int = 0
+    next_at: float = 0.0
+    healthy_since: float | None = None
+
+
+@dataclass
+class Backoff:
+    """Per-environment exponential backoff between heal attempts, on an injectable clock."""
+
+    base: float = BASE_DELAY
+    cap: float = MAX_DELAY
+    reset_after: float = RESET_AFTER
+    clock: Callable[[], float] = time.monotonic
+    state: dict[str, _Retry] = field(default_factory=dict)
+
+    def due(self, env: str) -> bool:
+        """Whether a heal of `env` may run now."""
+        r = self.state.get(env)
+        return r is None or self.clock() >= r.next_at
+
+    def retry_in(self, env: str) -> float:
+        r = self.state.get(env)
+        return 0.0 if r is None else max(0.0, r.next_at - self.clock())
+
+    def attempted(self, env: str) -> float:
+        """Record a heal attempt now; the delay before the next one may run."""
+        r = self.state.setdefault(env, _Retry())
+        r.attempts += 1
+        delay = min(self.cap, self.base * 2 ** (r.attempts - 1))
+        r.next_at = self.clock() + delay
+        r.healthy_since = None
+        return delay
+
+    def healthy(self, env: str) -> None:
+        """`env` was found healthy now: after `reset_after` of that, its count is forgotten."""
+        r = self.state.get(env)
+        if r is None:
+            return
+        now = self.clock()
+        if r.healthy_since is None:
+            r.healthy_since = now
+        elif now - r.healthy_since >= self.reset_after:
+            del self.state[env]
+
+    def unhealthy(self, env: str) -> None:
+        r = self.state.get(env)
+        if r is not None:
+            r.healthy_since = None
+
+    def forget(self, env: str) -> None:
+        self.state.pop(env, None)
+
+
+class LockBusy(Exception):
+    """Another envctl holds the global lock: heal later."""
+
+
+class CannotHeal(Exception):
+    """This environment cannot be healed here (its spec is gone or does not load)."""
+
+
+@dataclass
+class Check:
+    """What a check found: the environment's state and what is missing or drifted."""
+
+    state: str  # "up", "degraded", "down"
+    problems: list[str] = field(default_factory=list)
+
+
+def check_env(host: Any, env: str) -> Check:
+    """Read-only: the engine's check of every step `env`'s journal records as applied."""
+    from envctl.engine.engine import KEEP, NOT_APPLIED, Engine, env_state
+
+    steps = Engine(host).status(env, None)
+    problems = [f"{s.resource.describe()}: {s.check.detail or s.check.status.value}"
+                for s in steps if s.op != KEEP and s.note != NOT_APPLIED]
+    return Check(env_state(steps), problems)
+
+
+def heal_env(host: Any, env: str, config_dir: Path | None = None) -> list[str] | None:
+    """Re-converge `env` as `envctl up NAME` does, under the global lock taken without
+    waiting, with the specs of `config_dir` (None: where `envctl up` looks). The steps it
+    changed; None when the check under the lock found nothing to do. LockBusy when the lock
+    is held; CannotHeal when its spec cannot be planned; the engine's errors (StepFailed:
+    rolled back) otherwise."""
+    from envctl import app as ops
+    from envctl.engine.engine import KEEP, Engine, env_state
+    from envctl.errors import EnvctlError, LockTimeout
+    from envctl.workspace import Workspace
+    from envctl.workspace import config_dir as resolve
+
+    try:
+        ws = Workspace.open(resolve(str(config_dir) if config_dir else None), host=host,
+                            secure=os.geteuid() == 0)
+        plan = ws.plan(ws.get(env))
+        claims = ws.claims(env)
+    except EnvctlError as exc:
+        raise CannotHeal(f"its spec cannot be planned: {exc}") from exc
+    engine = Engine(host, lock_timeout=0)
+    try:
+        with engine.locked():
+            if env_state(engine.status(env, None)) != "degraded":
+                return None  # a user's up fixed it, or a down took it away, meanwhile
+            result = ops.up([plan], engine, {env: claims}, locked=True)  # as `envctl up`
+    except LockTimeout as exc:
+        raise LockBusy(str(exc)) from exc
+    if env in result.failed:
+        raise result.errors[env]
+    return [f"{s.op} {s.resource.describe()}" for o in result.outcomes for s in o.steps
+            if s.op != KEEP]
+
+
+class Health:
+    """The health loop's state across ticks: last findings, backoff, heal counts."""
+
+    def __init__(self, host: Any, *, heal: bool = True, config_dir: Path | None = None,
+                 backoff: Backoff | None = None,
+                 checker: Callable[[str], Check] | None = None,
+                 healer: Callable[[str], list[str] | None] | None = None,
+                 say: Callable[[str], None] | None = None,
+                 wall: Callable[[], float] = time.time):
+        self.host = host
+        self.heal = heal
+        self.backoff = backoff or Backoff()
+        self.checker = checker or (lambda env: check_env(host, env))
+        self.healer = healer or (lambda env: heal_env(host, env, config_dir))
+        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.wall = wall
+        self.last: dict[str, Check] = {}
+        self.last_event: dict[str, str] = {}
+        self.heals: dict[str, int] = {}
+        self.failures: dict[str, int] = {}
+        self.healed: set[str] = set()  # those the last round re-converged
+
+    def _event(self, env: str, kind: str, detail: str = "") -> None:
+        self.last_event[env] = kind
+        self.say(f"{env}: {kind}" + (f": {detail}" if detail else ""))
+        try:
+            events.append(self.host.state_dir, env, kind, detail, now=self.wall())
+        except OSError as exc:
+            self.say(f"warning: events log not written: {exc}")
+
+    def run(self, envs: list[str]) -> dict[str, dict[str, Any]]:
+        """One round over `envs` (those that are up); the view the exporters show."""
+        from envctl.errors import EnvctlError
+
+        self.healed = set()
+        for gone in [e for e in self.last if e not in envs]:
+            del self.last[gone]
+            self.backoff.forget(gone)
+        for env in envs:
+            try:
+                found = self.checker(env)
+            except EnvctlError as exc:  # a damaged journal: `status` says the same
+                found = Check("degraded", [f"cannot check: {exc}"])
+            before = self.last.get(env)
+            self.last[env] = found
+            if found.state == "up":
+                self.backoff.healthy(env)
+                continue
+            if found.state == "down":
+                self.backoff.forget(env)
+                continue
+            self.backoff.unhealthy(env)
+            if before is None or before.problems != found.problems:
+                self._event(env, "drift", "; ".join(found.problems))
+            if self.heal and self.backoff.due(env):
+                self._heal(env)
+        return self.view()
+
+    def _heal(self, env: str) -> None:
+        from envctl.errors import EnvctlError
+
+        try:
+            changed = self.healer(env)
+        except LockBusy as exc:
+            if self.last_event.get(env) != "heal-deferred":
+                self._event(env, "heal-deferred", f"{exc}; trying again next tick")
+            return
+        except CannotHeal as exc:
+            delay = self.backoff.attempted(env)
+            self._event(env, "heal-skipped", f"{exc}; next attempt in {delay:.0f} s")
+            return
+        except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad heal
+            delay = self.backoff.attempted(env)
+            self.failures[env] = self.failures.get(env, 0) + 1
+            why = str(exc) if isinstance(exc, EnvctlError | OSError) else f"bug: {exc!r}"
+            self._event(env, "heal-failed", f"{why}; next attempt in {delay:.0f} s")
+            return
+        self.backoff.attempted(env)
+        if changed is None:
+            self.last.pop(env, None)  # fixed meanwhile: the next check says so
+            return
+        self.heals[env] = self.heals.get(env, 0) + 1
+        self.healed.add(env)
+        self.last[env] = Check("up")
+        self._event(env, "healed", "; ".join(changed) or "nothing needed changing")
+
+    def view(self) -> dict[str, dict[str, Any]]:
+        return {env: {"state": c.state, "drift": len(c.problems),
+                      "heals": self.heals.get(env, 0), "heal_failures": self.failures.get(env, 0),
+                      "retry_in": self.backoff.retry_in(env)}
+                for env, c in self.last.items()}

@@ -1,0 +1,213 @@
+"""One NVML session for the monitor's life: initialised once, device handles kept, sampled each
+tick (utilisation, memory, temperature, power, ECC counts, XID events, per-process memory).
+
+The rule that decides whether NVML may be asked at all is discovery's (envctl.host.gpus): the
+driver is loaded and every node libnvidia-ml would otherwise create exists, and ENVCTL_NVML is
+not "off". When it may not, `open_session` says why and the monitor samples no GPU.
+
+A call a GPU does not support (ECC on a consumer board, power on some, events in a container)
+answers NOT_SUPPORTED: it is asked once, remembered, and not asked again, so a tick never pays
+for an exception it already knows. A GPU that falls off the bus (GPU_IS_LOST) is reported in
+`problems` and its values are None from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+# At most this many XID events are drained per tick (a GPU in an error storm must not hold
+# the tick up).
+MAX_EVENTS = 64
+
+
+@dataclass(slots=True)
+class GpuSample:
+    """One GPU at one tick; None where NVML does not say. Memory in bytes, power in watts."""
+
+    index: int
+    uuid: str
+    name: str
+    minor: int
+    util: int | None = None  # percent of the last sample period a kernel ran
+    mem_util: int | None = None  # percent of it memory was read or written
+    fb_total: int | None = None
+    fb_used: int | None = None
+    fb_free: int | None = None
+    temp: int | None = None  # degrees C
+    power_w: float | None = None
+    ecc: dict[str, int] = field(default_factory=dict)  # sbe_vol, dbe_vol, sbe_agg, dbe_agg
+    xid: int | None = None  # the last XID seen since the monitor started (dcgm's XID_ERRORS)
+    xid_count: int = 0  # XID events seen since the monitor started
+    processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes)
+    lost: bool = False
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _key(handle: Any) -> Any:
+    """A hashable identity of a device handle (a ctypes pointer in pynvml, an int in fakes)."""
+    import ctypes
+
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return handle
+
+
+class NvmlSession:
+    """An initialised NVML and its GPUs. `close()` shuts NVML down (once)."""
+
+    def __init__(self, nvml: ModuleType):
+        self.nv = nvml
+        self.problems: list[str] = []
+        self._unsupported: set[tuple[int, str]] = set()
+        self._closed = False
+        nvml.nvmlInit()
+        try:
+            self.driver = _text(nvml.nvmlSystemGetDriverVersion())
+            self.gpus: list[GpuSample] = []
+            self._handles: list[Any] = []
+            for index in range(nvml.nvmlDeviceGetCount()):
+                h = nvml.nvmlDeviceGetHandleByIndex(index)
+                self._handles.append(h)
+                self.gpus.append(GpuSample(
+                    index=index, uuid=_text(nvml.nvmlDeviceGetUUID(h)),
+                    name=_text(nvml.nvmlDeviceGetName(h)),
+                    minor=int(nvml.nvmlDeviceGetMinorNumber(h))))
+            self._by_key = {_key(h): i for i, h in enumerate(self._handles)}
+            self._events = self._register_events()
+        except BaseException:
+            self.close()
+            raise
+
+    def _register_events(self) -> Any:
+        nv = self.nv
+        try:
+            es = nv.nvmlEventSetCreate()
+        except (nv.NVMLError, AttributeError):
+            return None
+        registered = 0
+        for i, h in enumerate(self._handles):
+            try:
+                nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, es)
+                registered += 1
+            except nv.NVMLError as exc:
+                if exc.value != nv.NVML_ERROR_NOT_SUPPORTED:
+                    self.problems.append(f"GPU {i}: XID events not watched: {exc}")
+        if not registered:
+            with contextlib.suppress(nv.NVMLError):
+                nv.nvmlEventSetFree(es)
+            return None
+        return es
+
+    # -- sampling
+    def _ask(self, i: int, what: str, call: Any, *args: Any) -> Any:
+        """`call(handle, *args)`, None when this GPU does not support it (remembered)."""
+        if (i, what) in self._unsupported:
+            return None
+        nv = self.nv
+        try:
+            return call(self._handles[i], *args)
+        except nv.NVMLError as exc:
+            if exc.value == nv.NVML_ERROR_NOT_SUPPORTED:
+                self._unsupported.add((i, what))
+            elif exc.value == getattr(nv, "NVML_ERROR_GPU_IS_LOST", 15):
+                if not self.gpus[i].lost:
+                    self.problems.append(f"GPU {i} ({self.gpus[i].uuid}) is lost: it fell off "
+                                         "the bus or its driver state is broken")
+                self.gpus[i].lost = True
+            return None
+
+    def sample(self) -> list[GpuSample]:
+        """Every GPU's values now (the same GpuSample objects, updated in place)."""
+        nv = self.nv
+        for i, g in enumerate(self.gpus):
+            if g.lost:
+                continue
+            util = self._ask(i, "util", nv.nvmlDeviceGetUtilizationRates)
+            g.util, g.mem_util = (int(util.gpu), int(util.memory)) if util else (None, None)
+            mem = self._ask(i, "memory", nv.nvmlDeviceGetMemoryInfo)
+            if mem is not None:
+                g.fb_total, g.fb_used, g.fb_free = int(mem.total), int(mem.used), int(mem.free)
+            temp = self._ask(i, "temp", nv.nvmlDeviceGetTemperature, nv.NVML_TEMPERATURE_GPU)
+            g.temp = None if temp is None else int(temp)
+            power = self._ask(i, "power", nv.nvmlDeviceGetPowerUsage)
+            g.power_w = None if power is None else int(power) / 1000.0
+            if (i, "ecc") not in self._unsupported:
+                for key, etype, ctype in (
+                        ("sbe_vol", nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC),
+                        ("dbe_vol", nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC),
+                        ("sbe_agg", nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_AGGREGATE_ECC),
+                        ("dbe_agg", nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                         nv.NVML_AGGREGATE_ECC)):
+                    n = self._ask(i, "ecc", nv.nvmlDeviceGetTotalEccErrors, etype, ctype)
+                    if n is None:
+                        g.ecc.clear()
+                        break
+                    g.ecc[key] = int(n)
+            procs = self._ask(i, "procs", nv.nvmlDeviceGetComputeRunningProcesses)
+            g.processes = [(int(p.pid), None if p.usedGpuMemory is None else int(
+                p.usedGpuMemory)) for p in procs or ()]
+        self._drain_events()
+        return self.gpus
+
+    def _drain_events(self) -> None:
+        """Read the XID events that arrived since the last tick, without waiting."""
+        if self._events is None:
+            return
+        nv = self.nv
+        for _ in range(MAX_EVENTS):
+            try:
+                data = nv.nvmlEventSetWait_v2(self._events, 0)
+            except nv.NVMLError as exc:
+                if exc.value != nv.NVML_ERROR_TIMEOUT:
+                    self.problems.append(f"reading XID events: {exc}")
+                return
+            i = self._by_key.get(_key(data.device))
+            if i is not None and data.eventType == nv.nvmlEventTypeXidCriticalError:
+                self.gpus[i].xid = int(data.eventData)
+                self.gpus[i].xid_count += 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        nv = self.nv
+        if getattr(self, "_events", None) is not None:
+            with contextlib.suppress(nv.NVMLError):
+                nv.nvmlEventSetFree(self._events)
+        with contextlib.suppress(nv.NVMLError):
+            nv.nvmlShutdown()
+
+
+def open_session(gpu_root: Path, *, mode: str | None = None) -> tuple[NvmlSession | None, str]:
+    """An NVML session when discovery's rule allows asking NVML on this host, else (None, why).
+    ("" why with no session: no NVIDIA driver is loaded, nothing to say.)"""
+    from envctl.host import gpus as hg
+
+    mode = mode or hg.nvml_mode()
+    if mode == "off":
+        return None, "ENVCTL_NVML=off: GPUs are not sampled"
+    if not hg.read_driver(gpu_root):
+        return None, ""
+    proc_gpus, _ = hg.read_proc_gpus(gpu_root)
+    nodes = hg.device_nodes(gpu_root)
+    missing = [n for n in ["nvidiactl"] + [f"nvidia{g.minor}" for g in proc_gpus]
+               if n not in nodes]
+    if missing:
+        return None, (f"GPUs not sampled: {', '.join(str(gpu_root / 'dev' / n) for n in missing)}"
+                      " missing (NVML would create them)")
+    try:
+        import pynvml
+    except ImportError as exc:
+        return None, f"GPUs not sampled: the pynvml module cannot be imported ({exc})"
+    try:
+        return NvmlSession(pynvml), ""
+    except pynvml.NVMLError as exc:
+        return None, f"GPUs not sampled: NVML failed to initialise: {exc}"

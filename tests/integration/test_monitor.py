@@ -1,0 +1,192 @@
+"""`envctl monitor` on the real kernel, in the sandbox: an environment with a service is up;
+`monitor --once` writes its CSV rows and its metrics (textfile, stdout); after its service's
+supervisor is killed one monitor tick brings it back and logs the events `status` shows; the
+/metrics endpoint answers on the sandbox's loopback; `down` leaves only the events log (history,
+like job records) and the lock file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from envctl.monitor.prom import parse_exposition
+from tests.fakes import FakeGpu, make_tree, nvml_json
+from tests.integration.sandbox import REPO
+
+pytestmark = pytest.mark.root
+
+FAKES = REPO / "tests" / "fakes" / "pynvml"
+SPEC = """
+name: box
+kind: cpu
+resources:
+  memory: {{max: 256M}}
+rootfs:
+  binaries: [sh, sleep]
+mounts:
+  - {{source: {data}, target: /data}}
+service:
+  command: ["/bin/sh", "-c", "echo run >> /data/runs; exec sleep 100000"]
+  restart: on-failure
+"""
+UUIDS = ["GPU-11111111-aaaa-bbbb-cccc-000000000000", "GPU-22222222-aaaa-bbbb-cccc-000000000001"]
+
+
+def service_state(sb) -> dict | None:
+    try:
+        return json.loads((sb.run_dir / "box" / "service.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def alive(identity: dict) -> bool:
+    try:
+        stat = Path(f"/proc/{identity['pid']}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(")") + 2:].split()
+    return fields[0] not in ("Z", "X") and fields[19] == str(identity["start"])
+
+
+def wait_until(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def box(sandbox, tmp_path):
+    """The sandbox with `box` up (its service running) and a fake two-GPU driver tree for the
+    monitor's NVML (tests/fakes/pynvml); `down --force` afterwards if a test left it up."""
+    data = tmp_path / "data"
+    data.mkdir()
+    sandbox.write_spec("box", SPEC.format(data=data))
+    res = sandbox.envctl("up", "box")
+    assert res.returncode == 0, res.stderr
+    gpus = [FakeGpu(u, f"0000:{0x3b + i:02x}:00.0", i) for i, u in enumerate(UUIDS)]
+    root = make_tree(tmp_path / "gpu", gpus, nodes=True)
+    sandbox.gpu_env = {"ENVCTL_GPU_ROOT": str(root),
+                       "FAKE_NVML_JSON": str(nvml_json(tmp_path / "nvml.json", gpus)),
+                       "PYTHONPATH": f"{FAKES}:{REPO / 'src'}"}
+    sandbox.data = data
+    yield sandbox
+    left = service_state(sandbox)
+    if sandbox.proc.poll() is None and sandbox.journals():
+        sandbox.envctl("down", "box", "--force")
+    if left and alive(left["supervisor"]):
+        os.kill(left["supervisor"]["pid"], signal.SIGKILL)
+
+
+def monitor_once(sb, tmp_path, *args: str) -> dict:
+    res = sb.envctl("monitor", "--once", "--csv-dir", str(tmp_path / "csv"), "--textfile",
+                    str(tmp_path / "tf" / "envctl.prom"), *args, env=sb.gpu_env)
+    assert res.returncode == 0, res.stderr
+    return parse_exposition(res.stdout)
+
+
+def by_env(samples) -> dict[str, float]:
+    return {labels["environment"]: value for labels, value in samples}
+
+
+def test_once_writes_csv_and_metrics_of_the_environment(box, tmp_path):
+    sb = box
+    m = monitor_once(sb, tmp_path, "--no-heal")
+    assert by_env(m["envctl_environment_up"]) == {"box": 1}
+    assert by_env(m["envctl_service_up"]) == {"box": 1}
+    assert by_env(m["container_spec_memory_limit_bytes"]) == {"box": 256 << 20}
+    usage = by_env(m["container_memory_usage_bytes"])["box"]
+    assert 0 < usage < 256 << 20
+    assert by_env(m["container_threads"])["box"] >= 2  # the service's init and sleep
+    assert by_env(m["container_cpu_usage_seconds_total"])["box"] > 0
+    (labels, _), = [x for x in m["container_memory_usage_bytes"]]
+    assert labels["id"] == f"/{sb.cgroup_parent}/box"
+    # The fake GPUs, through NVML (opened once, in the monitor).
+    assert sorted(x["UUID"] for x, _ in m["DCGM_FI_DEV_FB_FREE"]) == UUIDS
+    # The textfile says the same as stdout did.
+    text = (tmp_path / "tf" / "envctl.prom").read_text()
+    assert by_env(parse_exposition(text)["envctl_service_up"]) == {"box": 1}
+    assert os.listdir(tmp_path / "tf") == ["envctl.prom"]
+    cpu = (tmp_path / "csv" / "cpu-metrics.csv").read_text().splitlines()
+    assert cpu[0] == "Timestamp,Type,CPU_Utilization,Memory_Utilization,Environment"
+    (row,) = [r.split(",") for r in cpu[1:] if r.endswith(",box")]
+    assert row[1] == "environment" and row[2] and 0 < float(row[3]) < 100
+    gpu = (tmp_path / "csv" / "gpu-metrics.csv").read_text().splitlines()
+    assert gpu[0] == "Timestamp,Type,Utilization,Memory,Temperature,Environment"
+    assert [r.split(",")[1] for r in gpu[1:]] == ["GPU0", "GPU1"]
+    assert not (sb.state / "events.jsonl").exists()  # healthy: nothing to say
+
+
+def test_one_tick_heals_a_dead_service_and_logs_it(box, tmp_path):
+    sb = box
+    before = service_state(sb)
+    os.kill(before["supervisor"]["pid"], signal.SIGKILL)  # the service dies with it
+    assert wait_until(lambda: not alive(before["supervisor"]))
+    (env,) = sb.envctl_json("status", "box")
+    assert env["state"] == "degraded"
+    m = monitor_once(sb, tmp_path)
+    after = service_state(sb)
+    assert after["state"] == "running" and alive(after["supervisor"])
+    assert after["supervisor"] != before["supervisor"]
+    assert wait_until(lambda: (sb.data / "runs").read_text().count("run") == 2)
+    assert {(x["environment"], x["result"]): v for x, v in m["envctl_heals_total"]} == {
+        ("box", "ok"): 1, ("box", "failed"): 0}
+    assert by_env(m["envctl_service_up"]) == {"box": 1}
+    lines = [json.loads(x) for x in (sb.state / "events.jsonl").read_text().splitlines()]
+    assert [(x["env"], x["event"]) for x in lines] == [("box", "drift"), ("box", "healed")]
+    assert "service box" in lines[0]["detail"] and "service box" in lines[1]["detail"]
+    (env,) = sb.envctl_json("status", "box")
+    assert env["state"] == "up"
+    assert [e["event"] for e in env["events"]] == ["drift", "healed"]
+    res = sb.envctl("status", "box")
+    assert "monitor events:" in res.stdout and " healed: " in res.stdout
+    # Down leaves the history (the events log) and the lock file, nothing else.
+    assert sb.envctl("down", "box").returncode == 0
+    residue = sb.residue()
+    assert residue.pop("state_dir", None) == ["events.jsonl", "lock"], residue
+    assert residue == {}, residue
+
+
+def test_metrics_endpoint_on_loopback_and_sigterm_ends_it(box, tmp_path):
+    sb = box
+    proc = sb.popen(sys.executable, "-m", "envctl", "monitor", "--interval", "1", "--listen",
+                    "127.0.0.1:9464", "--csv-dir", "none", "--no-heal", env=sb.gpu_env)
+    fetch = ("import urllib.request as u; print(u.urlopen('http://127.0.0.1:9464/metrics', "
+             "timeout=5).read().decode())")
+    got = {}
+
+    def answered() -> bool:
+        res = sb.run(sys.executable, "-c", fetch)
+        if res.returncode == 0 and "envctl_service_up{" in res.stdout:
+            got["text"] = res.stdout
+            return True
+        assert proc.poll() is None, proc.stderr.read()
+        return False
+
+    try:
+        assert wait_until(answered, 60)
+        m = parse_exposition(got["text"])
+        assert by_env(m["envctl_service_up"]) == {"box": 1}
+        assert m["envctl_monitor_ticks_total"][0][1] >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "serving metrics on http://127.0.0.1:9464/metrics" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # Nothing answers any more, and --no-heal wrote no events.
+    assert sb.run(sys.executable, "-c", fetch).returncode != 0
+    assert not (sb.state / "events.jsonl").exists()
+    assert sb.envctl("down", "box").returncode == 0
+    residue = sb.residue()
+    assert residue.pop("state_dir", None) in (None, ["lock"]), residue
+    assert residue == {}, residue

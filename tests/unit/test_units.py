@@ -1,0 +1,341 @@
+"""envctl's boot units (envctl.units, `install-units` / `uninstall-units`): what the templates
+say, rendering with this installation's envctl, ownership (only what envctl wrote is
+rewritten or removed), idempotence, systemctl calls through a fake, and `systemd-analyze
+verify` on the rendered files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from envctl import units as un
+from envctl.cli import main
+from envctl.errors import HostError, InputError
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_ENVCTL = str(Path(sys.executable).parent / "envctl")
+
+
+def settings(text: str) -> dict[str, list[str]]:
+    """'[Section]Key' -> every value it is given (comments and blank lines skipped)."""
+    out: dict[str, list[str]] = {}
+    section = ""
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line
+            continue
+        key, value = line.split("=", 1)
+        out.setdefault(section + key, []).append(value)
+    return out
+
+
+@pytest.fixture
+def fake_systemctl(tmp_path):
+    """A systemctl that appends its arguments to a file, one call per line."""
+    log = tmp_path / "systemctl.log"
+    script = tmp_path / "systemctl"
+    script.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    script.chmod(0o755)
+
+    def calls() -> list[str]:
+        return log.read_text().splitlines() if log.exists() else []
+
+    return str(script), calls
+
+
+@pytest.fixture
+def units(tmp_path, fake_systemctl):
+    d = tmp_path / "units"
+    d.mkdir()
+    return un.Units(d, tmp_path / "state", systemctl=[fake_systemctl[0]], booted=True)
+
+
+def texts(command=("/opt/envctl/bin/envctl",), env=None) -> dict[str, str]:
+    return un.render_all(list(command), env or {})
+
+
+# ---------------------------------------------------------------- the templates
+
+
+def test_the_boot_unit_is_the_oneshot_the_issue_asks_for():
+    s = settings((REPO / "systemd/envctl.service").read_text())
+    assert s["[Service]Type"] == ["oneshot"] and s["[Service]RemainAfterExit"] == ["yes"]
+    assert s["[Service]ExecStart"] == ["envctl up --all"]
+    assert s["[Service]ExecStop"] == ["envctl down --all --force"]
+    after = " ".join(s["[Unit]After"]).split()
+    assert {"network-online.target", "local-fs.target", "nvidia-persistenced.service"} <= \
+        set(after)
+    assert s["[Unit]Wants"] == ["network-online.target"]
+    # nvidia-persistenced is ordering only: a host without it must still boot the unit.
+    assert "nvidia-persistenced.service" not in " ".join(
+        s.get("[Unit]Wants", []) + s.get("[Unit]Requires", []))
+    # The supervisors `up` forks stay in the unit's cgroup: only `up` itself may be killed.
+    assert s["[Service]KillMode"] == ["process"]
+    assert s["[Install]WantedBy"] == ["multi-user.target"]
+
+
+def test_the_monitor_unit_restarts_always_after_the_boot_unit():
+    s = settings((REPO / "systemd/envctl-monitor.service").read_text())
+    assert s["[Service]Restart"] == ["always"]
+    assert "envctl.service" in s["[Unit]After"]
+    assert s["[Unit]Wants"] == ["envctl.service"]  # not Requires: up when one env failed
+    assert s["[Service]KillMode"] == ["process"]
+    assert s["[Service]ExecStart"][0].startswith("envctl monitor --listen 127.0.0.1:")
+
+
+@pytest.mark.parametrize("name", un.NAMES)
+def test_no_hardening_that_would_break_provisioning(name):
+    """Settings that give the unit its own mount namespace hide the netns and rootfs mounts
+    from the host; seccomp, capability and no-new-privileges settings are inherited by the
+    environments' services (docs/boot.md). Delegate= is not needed: the cgroupfs driver writes
+    /sys/fs/cgroup/<parent>, not the unit's cgroup, and the systemd driver makes slices."""
+    s = settings((REPO / "systemd" / name).read_text())
+    banned = {"ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices", "PrivateMounts",
+              "PrivateNetwork", "ProtectKernelTunables", "ProtectKernelModules",
+              "ProtectControlGroups", "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths",
+              "TemporaryFileSystem", "MountFlags", "NoNewPrivileges", "CapabilityBoundingSet",
+              "SystemCallFilter", "RestrictNamespaces", "MemoryDenyWriteExecute",
+              "RestrictAddressFamilies", "LockPersonality", "Delegate", "DynamicUser"}
+    assert not {k.split("]", 1)[1] for k in s} & banned
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def test_render_points_every_exec_line_at_the_command_and_carries_the_settings():
+    t = texts(["/opt/my envctl/bin/envctl"], {"ENVCTL_CONFIG_DIR": "/etc/e 100%",
+                                              "ENVCTL_STATE_DIR": "/var/lib/envctl"})
+    s = settings(t["envctl.service"])
+    assert s["[Service]ExecStart"] == ['"/opt/my envctl/bin/envctl" up --all']
+    assert s["[Service]ExecStop"] == ['"/opt/my envctl/bin/envctl" down --all --force']
+    assert s["[Service]Environment"] == ['"ENVCTL_CONFIG_DIR=/etc/e 100%%"',
+                                         '"ENVCTL_STATE_DIR=/var/lib/envctl"']
+    assert t["envctl.service"].startswith("# Written by `envctl install-units`")
+    m = settings(t["envctl-monitor.service"])
+    assert m["[Service]ExecStart"][0].startswith('"/opt/my envctl/bin/envctl" monitor ')
+    assert "envctl up" not in t["envctl-monitor.service"].replace("`envctl", "")
+
+
+def test_exec_words_are_quoted_for_systemd():
+    assert un.exec_word("/usr/bin/python3") == "/usr/bin/python3"
+    assert un.exec_word("-m") == "-m"
+    assert un.exec_word('a "b" $HOME 5%') == '"a \\"b\\" $$HOME 5%%"'
+    with pytest.raises(InputError, match="control characters"):
+        un.exec_word("a\nExecStartPre=/bin/evil")
+
+
+def test_envctl_command_is_the_console_script_beside_the_interpreter(tmp_path):
+    bin_ = tmp_path / "venv" / "bin"
+    bin_.mkdir(parents=True)
+    python = bin_ / "python"
+    python.symlink_to(sys.executable)  # a venv's python links to the base interpreter
+    assert un.envctl_command(str(python)) == [str(python), "-m", "envctl"]
+    (bin_ / "envctl").write_text("#!/bin/sh\n")
+    (bin_ / "envctl").chmod(0o755)
+    # Not resolved through the symlink: the venv (and its packages) is kept.
+    assert un.envctl_command(str(python)) == [str(bin_ / "envctl")]
+
+
+def test_carried_environment_is_the_state_and_spec_settings_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env = {"ENVCTL_STATE_DIR": "st", "ENVCTL_CGROUP_DRIVER": "systemd",
+           "ENVCTL_SYSTEMCTL": "/fake", "ENVCTL_PROC_ROOT": "/fake/proc", "PATH": "/bin"}
+    assert un.carried_environment(env, "cfg") == {
+        "ENVCTL_STATE_DIR": str(tmp_path / "st"), "ENVCTL_CGROUP_DRIVER": "systemd",
+        "ENVCTL_CONFIG_DIR": str(tmp_path / "cfg")}
+
+
+# ---------------------------------------------------------------- install / uninstall
+
+
+def test_install_writes_enables_reloads_and_is_idempotent(units, fake_systemctl):
+    _, calls = fake_systemctl
+    changes = units.install(texts())
+    assert [(c.action, c.unit) for c in changes] == [
+        ("wrote", "envctl.service"), ("enabled", "envctl.service"),
+        ("wrote", "envctl-monitor.service"), ("enabled", "envctl-monitor.service"),
+        ("reloaded", "systemd")]
+    for name, text in texts().items():
+        path = units.unit_dir / name
+        assert path.read_text() == text
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        link = units.unit_dir / "multi-user.target.wants" / name
+        assert os.readlink(link) == str(path)
+    assert calls() == ["daemon-reload"]
+
+    again = units.install(texts())
+    assert [c.action for c in again] == ["kept", "kept"]
+    assert calls() == ["daemon-reload"]  # nothing changed: no reload
+
+    # Another envctl installation: envctl's own files are rewritten.
+    other = units.install(texts(["/usr/local/bin/envctl"]))
+    assert [c.action for c in other] == ["rewrote", "rewrote", "reloaded"]
+    assert "ExecStart=/usr/local/bin/envctl up --all" in \
+        (units.unit_dir / "envctl.service").read_text()
+
+
+def test_install_now_starts_them(units, fake_systemctl):
+    _, calls = fake_systemctl
+    units.install(texts(), now=True)
+    assert calls() == ["daemon-reload", "start envctl.service envctl-monitor.service"]
+
+
+def test_without_a_running_systemd_nothing_is_called(tmp_path, fake_systemctl):
+    _, calls = fake_systemctl
+    u = un.Units(tmp_path / "units", tmp_path / "state", systemctl=[fake_systemctl[0]],
+                 booted=False)
+    assert [c.action for c in u.install(texts())] == ["wrote", "enabled", "wrote", "enabled"]
+    with pytest.raises(HostError, match="systemd is not running"):
+        u.install(texts(), now=True)
+    assert [c.action for c in u.uninstall()] == ["disabled", "removed", "disabled", "removed"]
+    assert calls() == []
+
+
+def test_a_unit_file_envctl_did_not_write_is_refused_and_nothing_is_written(units, fake_systemctl):
+    _, calls = fake_systemctl
+    theirs = units.unit_dir / "envctl-monitor.service"
+    theirs.write_text("[Service]\nExecStart=/usr/bin/their-monitor\n")
+    with pytest.raises(HostError, match="envctl-monitor.service exists and envctl did not "
+                                        "write it"):
+        units.install(texts())
+    # Checked before the first write: not even envctl.service was written.
+    assert sorted(p.name for p in units.unit_dir.iterdir()) == ["envctl-monitor.service"]
+    assert theirs.read_text().endswith("their-monitor\n")
+    assert not units.record_path.exists() and calls() == []
+    assert units.uninstall() == []  # nothing envctl wrote: nothing to remove
+    assert theirs.exists()
+
+
+def test_a_file_edited_by_hand_is_neither_overwritten_nor_removed(units):
+    units.install(texts())
+    path = units.unit_dir / "envctl.service"
+    path.write_text(path.read_text() + "Nice=5\n")
+    with pytest.raises(HostError, match="edited since"):
+        units.install(texts(["/elsewhere/envctl"]))
+    with pytest.raises(HostError, match="changed since envctl wrote it"):
+        units.uninstall()
+    assert path.read_text().endswith("Nice=5\n")
+    assert (units.unit_dir / "envctl-monitor.service").exists()  # nothing removed
+
+
+def test_identical_content_is_adopted(units, tmp_path):
+    for name, text in texts().items():
+        (units.unit_dir / name).write_text(text)  # as after a crash before the record
+    assert [c.action for c in units.install(texts())] == \
+        ["kept", "enabled", "kept", "enabled", "reloaded"]
+    assert json.loads(units.record_path.read_text())["units"].keys() == set(un.NAMES)
+
+
+def test_a_foreign_wants_link_is_refused(units):
+    wants = units.unit_dir / "multi-user.target.wants"
+    wants.mkdir()
+    (wants / "envctl.service").symlink_to("/lib/systemd/system/something.service")
+    with pytest.raises(HostError, match="points to /lib/systemd/system/something.service"):
+        units.install(texts())
+    assert not (units.unit_dir / "envctl.service").exists()
+
+
+def test_uninstall_removes_only_what_envctl_wrote(units, fake_systemctl):
+    _, calls = fake_systemctl
+    other_wants = units.unit_dir / "multi-user.target.wants" / "ssh.service"
+    units.install(texts())
+    other_wants.symlink_to("/lib/systemd/system/ssh.service")
+    dropin = units.unit_dir / "envctl.service.d" / "10-local.conf"
+    dropin.parent.mkdir()
+    dropin.write_text("[Service]\nEnvironment=X=1\n")
+    changes = units.uninstall(now=True)
+    assert [(c.action, c.unit) for c in changes] == [
+        ("stopped", "envctl-monitor.service"), ("stopped", "envctl.service"),
+        ("disabled", "envctl-monitor.service"), ("removed", "envctl-monitor.service"),
+        ("disabled", "envctl.service"), ("removed", "envctl.service"),
+        ("reloaded", "systemd")]
+    assert calls()[-2:] == ["stop envctl-monitor.service envctl.service", "daemon-reload"]
+    assert sorted(str(p.relative_to(units.unit_dir)) for p in units.unit_dir.rglob("*")) == [
+        "envctl.service.d", "envctl.service.d/10-local.conf", "multi-user.target.wants",
+        "multi-user.target.wants/ssh.service"]
+    assert not units.record_path.exists()
+    assert units.uninstall() == []  # repeatable
+
+
+def test_uninstall_removes_the_wants_directory_it_made(units):
+    units.install(texts())
+    units.uninstall()
+    assert list(units.unit_dir.iterdir()) == []
+
+
+def test_a_link_repointed_by_the_operator_is_kept(units):
+    units.install(texts())
+    link = units.unit_dir / "multi-user.target.wants" / "envctl.service"
+    link.unlink()
+    link.symlink_to("/etc/systemd/system/their.service")
+    units.uninstall()
+    assert os.readlink(link) == "/etc/systemd/system/their.service"
+    assert not (units.unit_dir / "envctl.service").exists()
+
+
+# ---------------------------------------------------------------- systemd-analyze verify
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_systemd_analyze_verify_is_clean(tmp_path):
+    def verify(command: list[str], where: str) -> subprocess.CompletedProcess:
+        d = tmp_path / where
+        d.mkdir()
+        for name, text in un.render_all(command, {"ENVCTL_STATE_DIR": "/var/lib/envctl"}
+                                        ).items():
+            (d / name).write_text(text)
+        return subprocess.run(["systemd-analyze", "verify", *sorted(map(str, d.iterdir()))],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
+
+    res = verify(un.envctl_command(), "good")
+    assert res.returncode == 0 and res.stdout + res.stderr == "", res.stdout + res.stderr
+    # The check sees what is wrong: a command that does not exist fails it.
+    bad = verify([str(tmp_path / "nowhere" / "envctl")], "bad")
+    assert bad.returncode != 0 and "nowhere/envctl" in bad.stderr, bad.stderr
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def test_cli_install_and_uninstall(capsys, tmp_path, monkeypatch, fake_systemctl):
+    monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("ENVCTL_SYSTEMCTL", fake_systemctl[0])
+    monkeypatch.delenv("ENVCTL_CONFIG_DIR", raising=False)
+    d = tmp_path / "units"
+    code, out, err = run_cli(capsys, "install-units", "--unit-dir", str(d), "-C",
+                             str(tmp_path / "cfg"), "--json")
+    assert code == 0, err
+    assert {(c["action"], c["unit"]) for c in json.loads(out)} >= {
+        ("wrote", "envctl.service"), ("enabled", "envctl-monitor.service")}
+    s = settings((d / "envctl.service").read_text())
+    assert s["[Service]ExecStart"] == [" ".join(un.envctl_command()) + " up --all"]
+    assert f'"ENVCTL_CONFIG_DIR={tmp_path / "cfg"}"' in s["[Service]Environment"]
+    assert f'"ENVCTL_STATE_DIR={tmp_path / "state"}"' in s["[Service]Environment"]
+
+    (d / "envctl.service").write_text("[Service]\nExecStart=/bin/true\n")
+    code, _, err = run_cli(capsys, "uninstall-units")
+    assert code == 1 and err.startswith("error: uninstall unit 'envctl.service'"), err
+    assert err.count("\n") == 1  # one line, no traceback
+    (d / "envctl.service").unlink()
+    code, out, err = run_cli(capsys, "uninstall-units")
+    assert code == 0, err
+    assert "removed envctl-monitor.service" in out
+    code, out, _ = run_cli(capsys, "uninstall-units")
+    assert code == 0 and out.strip() == "nothing installed"
