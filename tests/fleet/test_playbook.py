@@ -1,0 +1,122 @@
+"""The example playbook and the envctl role across two sandboxed hosts: changes, idempotence,
+check mode and diff, one host's bad spec, and pruning to zero residue."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.fleet.harness import (
+    EXAMPLES,
+    ansible_tool,
+    inventory,
+    make_host,
+    run_playbook,
+)
+
+pytestmark = pytest.mark.root
+
+ALPHA = {"kind": "cpu", "host": {"sysctls": {"net.ipv4.ip_forward": 1}}}
+# The same environment asking for a memory limit: a changed cgroup.
+ALPHA_CHANGED = {**ALPHA, "resources": {"memory": {"max": "256M"}}}
+BETA = {"kind": "cpu", "network": {"bridge": "fl-br0", "bridge_address": "10.231.0.1/24",
+                                   "address": "10.231.0.2"}}
+GAMMA = {"kind": "cpu", "description": "joins the fleet"}
+BAD = {"kind": "cpu", "resources": {"memory": {"max": "lots"}}}
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    if not os.path.exists(ansible_tool("ansible-playbook")):
+        pytest.skip("ansible-core is not installed (the test extra)")
+    hosts = []
+    try:
+        for name in ("h1", "h2"):
+            hosts.append(make_host(name, tmp_path / name))
+        (tmp_path / "work").mkdir()
+        yield tmp_path / "work", hosts
+    finally:
+        for h in hosts:
+            h.sandbox.close()
+
+
+def test_role_applies_each_host_alone_is_idempotent_checks_and_prunes_to_nothing(fleet):
+    work, (h1, h2) = fleet
+    site = EXAMPLES / "site.yml"
+
+    def play(envs: dict[str, dict], *args: str, prune: bool = False):
+        return run_playbook(work, inventory([h1, h2], {
+            h.name: {"envctl_environments": envs.get(h.name, {}), "envctl_prune": prune}
+            for h in (h1, h2)}), site, *args)
+
+    # First run: each host gets its own environment, and only its own.
+    first = play({"h1": {"alpha": ALPHA}, "h2": {"beta": BETA}})
+    assert first.rc == 0, first.output
+    # Two changed tasks each: the boot units, then the environment.
+    assert first.counts("h1")["changed"] == 2 and first.counts("h2")["changed"] == 2
+    assert h1.up() == {"alpha": "up"} and h2.up() == {"beta": "up"}
+    for h in (h1, h2):
+        assert (h.unit_dir / "envctl.service").is_file()
+        assert str(h.sandbox.config_dir) in (h.unit_dir / "envctl.service").read_text()
+    assert h1.sandbox.links() == [] and "fl-br0" in h2.sandbox.links()
+
+    # Second run (rolling, one host at a time): nothing to change anywhere.
+    second = play({"h1": {"alpha": ALPHA}, "h2": {"beta": BETA}}, "-e", "envctl_serial=1")
+    assert second.rc == 0, second.output
+    assert second.counts("h1")["changed"] == 0 and second.counts("h2")["changed"] == 0
+
+    # Check mode on a changed spec: reported with the plan's lines, and nothing happens.
+    before = (h1.spec_files(), h1.sandbox.envctl_json("status"), h1.sandbox.cgroups())
+    check = play({"h1": {"alpha": ALPHA_CHANGED}, "h2": {"beta": BETA}}, "--check", "--diff")
+    assert check.rc == 0, check.output
+    assert check.counts("h1")["changed"] == 1 and check.counts("h2")["changed"] == 0
+    assert "envctl plan alpha" in check.output and "~ cgroup alpha" in check.output
+    assert "+    max: 256M" in check.output  # the spec file's own diff
+    assert (h1.spec_files(), h1.sandbox.envctl_json("status"), h1.sandbox.cgroups()) == before
+
+    # A bad spec on h1 fails h1 alone, with envctl's error; h2 goes on with its change.
+    bad = play({"h1": {"alpha": ALPHA, "broken": BAD}, "h2": {"beta": BETA, "gamma": GAMMA}})
+    assert bad.rc == 2, bad.output
+    assert bad.counts("h1")["failed"] == 1 and bad.counts("h1")["changed"] == 0
+    assert bad.counts("h2")["failed"] == 0 and bad.counts("h2")["changed"] == 1
+    assert "envctl plan broken failed (exit 2)" in bad.output
+    assert "broken.yaml" in bad.output and "lots" in bad.output, bad.output
+    assert str(h1.sandbox.config_dir / "broken.yaml") in bad.output  # not the staging copy
+    assert "broken.yaml" not in h1.spec_files() and h1.up() == {"alpha": "up"}
+    assert h2.up() == {"beta": "up", "gamma": "up"}
+
+    # Everything leaves the inventory: prune takes it all down, to nothing.
+    pruned = play({}, prune=True)
+    assert pruned.rc == 0, pruned.output
+    assert pruned.counts("h1")["changed"] == 1 and pruned.counts("h2")["changed"] == 1
+    for h in (h1, h2):
+        assert h.spec_files() == {}
+        residue = h.sandbox.residue()
+        # The boot units stay installed (a host-level choice): their record, and so envctl's
+        # lock file beside it, is all that remains in the state directory.
+        assert residue.pop("state_dir", []) == ["lock", "units.json"], h.name
+        assert residue == {}, h.name
+
+
+def test_the_example_inventory_has_two_gpu_hosts_and_one_cpu_host_with_valid_specs(tmp_path):
+    """Each host's specs in the example inventory pass `envctl validate` together."""
+    import subprocess
+
+    import yaml
+
+    inv = yaml.safe_load((EXAMPLES / "inventory.yml").read_text())
+    groups = inv["envctl_hosts"]["children"]
+    assert len(groups["gpu_hosts"]["hosts"]) == 2 and len(groups["cpu_hosts"]["hosts"]) == 1
+    for group in groups.values():
+        d = tmp_path / "specs"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        for name, spec in group["vars"]["envctl_environments"].items():
+            (d / f"{name}.yaml").write_text(yaml.safe_dump({"name": name, **spec}))
+        res = subprocess.run([os.path.join(os.path.dirname(ansible_tool("x")), "envctl"),
+                              "validate", str(d)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
