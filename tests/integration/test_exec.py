@@ -245,6 +245,29 @@ while True:
 """
 
 
+@contextlib.contextmanager
+def gateway_and_peer(sb, port: int):
+    """Listeners at the gateway (10.231.0.1, the sandbox's side of the bridge) and in
+    environment `peer` (10.231.0.3), each printing "hit ADDR" per connection; the peer shown
+    reachable from the host side first. Yields the two processes."""
+    gateway = sb.popen(sys.executable, "-c", LISTEN, "10.231.0.1", str(port))
+    peer = sb.popen("ip", "netns", "exec", "peer", sys.executable, "-c", LISTEN, "10.231.0.3",
+                    str(port))
+    try:
+        for proc in (gateway, peer):
+            assert proc.stdout.readline() == "listening\n", proc.stderr.read()
+        res = sb.run("bash", "-c", f"exec 3<>/dev/tcp/10.231.0.3/{port}")
+        assert res.returncode == 0, res.stderr
+        assert peer.stdout.readline().startswith("hit 10.231.0.1")
+        yield gateway, peer
+    finally:
+        for proc in (gateway, peer):
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+
+
 def test_another_isolated_environment_is_out_of_reach(sandbox, programs):
     """From inside `exec`, the environment reaches its gateway but not a second environment
     on the same bridge (isolate: true, the default), not even at a port that is listening."""
@@ -255,24 +278,15 @@ def test_another_isolated_environment_is_out_of_reach(sandbox, programs):
     res = sb.envctl("up", "peer")
     assert res.returncode == 0, res.stderr
     port = 9000 + os.getpid() % 1000
-    gateway = sb.popen(sys.executable, "-c", LISTEN, "10.231.0.1", str(port))
-    peer = sb.popen("ip", "netns", "exec", "peer", sys.executable, "-c", LISTEN, "10.231.0.3",
-                    str(port))
-    try:
-        for proc in (gateway, peer):
-            assert proc.stdout.readline() == "listening\n", proc.stderr.read()
 
-        def connect(address: str) -> subprocess.CompletedProcess:
-            # bash's /dev/tcp: a plain connect(2); a dropped SYN is cut short by `timeout`.
-            return ex(sb, "timeout", "5", "bash", "-c", f"exec 3<>/dev/tcp/{address}/{port}")
+    def connect(address: str) -> subprocess.CompletedProcess:
+        # bash's /dev/tcp: a plain connect(2); a dropped SYN is cut short by `timeout`.
+        return ex(sb, "timeout", "5", "bash", "-c", f"exec 3<>/dev/tcp/{address}/{port}")
 
+    with gateway_and_peer(sb, port) as (gateway, peer):
         res = connect("10.231.0.1")
         assert res.returncode == 0, res.stderr  # the same path works to the gateway
         assert gateway.stdout.readline().startswith("hit 10.231.0.2")
-        # The peer listens (reachable from the host side) but not from the environment.
-        res = sb.run("bash", "-c", f"exec 3<>/dev/tcp/10.231.0.3/{port}")
-        assert res.returncode == 0, res.stderr
-        assert peer.stdout.readline().startswith("hit 10.231.0.1")
         res = connect("10.231.0.3")
         assert res.returncode != 0, res.stdout
         peer.kill()
@@ -281,12 +295,6 @@ def test_another_isolated_environment_is_out_of_reach(sandbox, programs):
         # CAP_NET_ADMIN in the default set), and the host's forwarding drops it anyway.
         res = ex(sb, "ip", "route", "add", "10.231.0.3/32", "via", "10.231.0.1")
         assert res.returncode != 0 and "Operation not permitted" in res.stderr
-    finally:
-        for proc in (gateway, peer):
-            proc.kill()
-            proc.wait()
-            proc.stdout.close()
-            proc.stderr.close()
     assert sb.envctl("down", "peer").returncode == 0
     down_box(sb)
 

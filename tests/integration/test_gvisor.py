@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.test_exec import gateway_and_peer
 from tests.integration.test_jobs import (
     assert_clean_down,
     job_cgroups,
@@ -111,12 +112,6 @@ def test_a_job_sees_gvisors_kernel_and_nothing_of_the_host(box):
     assert_clean_down(sb)
 
 
-LISTEN = ("import socket, sys\ns = socket.socket()\n"
-          "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-          "s.bind((sys.argv[1], int(sys.argv[2])))\ns.listen()\nprint('listening', flush=True)\n"
-          "while True:\n    c, a = s.accept()\n    print('hit', a[0], flush=True)\n    c.close()\n")
-
-
 def test_only_its_own_network_is_reachable(box):
     """A sandboxed job reaches its gateway but not a second, isolated environment on the same
     bridge, even at a port that listens (the host side reaches it)."""
@@ -126,34 +121,21 @@ def test_only_its_own_network_is_reachable(box):
     res = sb.envctl("up", "peer")
     assert res.returncode == 0, res.stderr
     port = 9000 + os.getpid() % 1000
-    gateway = sb.popen(sys.executable, "-c", LISTEN, "10.231.0.1", str(port))
-    peer = sb.popen("ip", "netns", "exec", "peer", sys.executable, "-c", LISTEN, "10.231.0.3",
-                    str(port))
-    try:
-        for proc in (gateway, peer):
-            assert proc.stdout.readline() == "listening\n", proc.stderr.read()
-        connect = ("import socket, sys\ns = socket.socket(); s.settimeout(5)\n"
-                   "print(s.connect_ex((sys.argv[1], int(sys.argv[2]))))\n")
+    connect = ("import socket, sys\ns = socket.socket(); s.settimeout(5)\n"
+               "print(s.connect_ex((sys.argv[1], int(sys.argv[2]))))\n")
 
-        def inside(address: str) -> str:
-            res = sb.envctl("exec", "box", "--user", "root", "--", "python3", "-c", connect,
-                            address, str(port))
-            assert res.returncode == 0, res.stderr
-            return res.stdout.strip()
+    def inside(address: str) -> str:
+        res = sb.envctl("exec", "box", "--user", "root", "--", "python3", "-c", connect,
+                        address, str(port))
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip()
 
+    with gateway_and_peer(sb, port) as (gateway, peer):
         assert inside("10.231.0.1") == "0"
         assert gateway.stdout.readline().startswith("hit 10.231.0.2")
-        assert sb.run("bash", "-c", f"exec 3<>/dev/tcp/10.231.0.3/{port}").returncode == 0
-        assert peer.stdout.readline().startswith("hit 10.231.0.1")  # the peer does listen
         assert inside("10.231.0.3") != "0"
         peer.kill()
         assert "hit" not in peer.stdout.read()  # the sandbox's attempt never arrived
-    finally:
-        for proc in (gateway, peer):
-            proc.kill()
-            proc.wait()
-            proc.stdout.close()
-            proc.stderr.close()
     assert sb.envctl("down", "peer").returncode == 0
     assert_clean_down(sb)
 
@@ -271,7 +253,6 @@ def test_a_missing_program_is_127_and_a_gpu_spec_is_a_plan_error(box):
 
 
 def sys_python() -> str:
-    import sys
 
     return sys.executable
 
