@@ -821,8 +821,12 @@ def install_units(
     """
     from envctl.host.context import Host
     from envctl.units import Units, carried_environment, envctl_command, render_all
+    from envctl.workspace import config_dir
 
-    texts = render_all(envctl_command(), carried_environment(os.environ, CTX.config_dir))
+    # The directory this command reads (./configs in a checkout included), made absolute: the
+    # units run from / and must see the specs the operator's `envctl up` sees.
+    texts = render_all(envctl_command(), carried_environment(
+        os.environ, str(config_dir(CTX.config_dir).resolve())))
     units = Units.from_env(Host.from_env().state_dir, unit_dir)
     _render_unit_changes(units.install(texts, now=now), json_, "nothing to do")
 
@@ -898,8 +902,7 @@ def monitor(
         ops.require_root("monitor (which heals environments; --no-heal only reports)")
     opts = daemon.Options(interval=interval, once=once, listen=addr, textfile=textfile,
                           csv_dir=None if csv_dir.strip().lower() == "none" else Path(csv_dir),
-                          heal=not no_heal,
-                          config_dir=Path(CTX.config_dir) if CTX.config_dir else None)
+                          heal=not no_heal)
     mon = daemon.Monitor(Host.from_env(), opts)
     if once:
         try:

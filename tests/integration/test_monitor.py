@@ -128,6 +128,8 @@ def test_once_writes_csv_and_metrics_of_the_environment(box, tmp_path):
 def test_one_tick_heals_a_dead_service_and_logs_it(box, tmp_path):
     sb = box
     before = service_state(sb)
+    # An edit since `up` is the operator's to apply: the heal restores what was applied.
+    sb.write_spec("box", SPEC.format(data=sb.data).replace("echo run", "echo edited"))
     os.kill(before["supervisor"]["pid"], signal.SIGKILL)  # the service dies with it
     assert wait_until(lambda: not alive(before["supervisor"]))
     (env,) = sb.envctl_json("status", "box")
@@ -137,6 +139,8 @@ def test_one_tick_heals_a_dead_service_and_logs_it(box, tmp_path):
     assert after["state"] == "running" and alive(after["supervisor"])
     assert after["supervisor"] != before["supervisor"]
     assert wait_until(lambda: (sb.data / "runs").read_text().count("run") == 2)
+    assert "edited" not in (sb.data / "runs").read_text()
+    assert after["command"] == before["command"]
     assert {(x["environment"], x["result"]): v for x, v in m["envctl_heals_total"]} == {
         ("box", "ok"): 1, ("box", "failed"): 0}
     assert by_env(m["envctl_service_up"]) == {"box": 1}
@@ -148,6 +152,21 @@ def test_one_tick_heals_a_dead_service_and_logs_it(box, tmp_path):
     assert [e["event"] for e in env["events"]] == ["drift", "healed"]
     res = sb.envctl("status", "box")
     assert "monitor events:" in res.stdout and " healed: " in res.stdout
+    # A `down` killed half-way (the service gone, the cgroup and older steps not yet) is not
+    # drift to heal back, even when something it had yet to remove goes missing meanwhile.
+    res = sb.envctl("down", "box", env={"ENVCTL_FAULT": "kill@remove:cgroup*"})
+    assert res.returncode != 0, res.stderr
+    gone = [p for p in sb.cgroups() if p.endswith("/box")]  # empty now: the service is gone
+    assert gone
+    for path in gone:
+        os.rmdir(path)
+    res = sb.envctl("monitor", "--once", "--csv-dir", "none", env=sb.gpu_env)
+    assert res.returncode == 0, res.stderr
+    lines = [json.loads(x) for x in (sb.state / "events.jsonl").read_text().splitlines()]
+    assert [x["event"] for x in lines[-2:]] == ["drift", "heal-skipped"], lines[-2:]
+    assert "did not finish" in lines[-1]["detail"]
+    assert not any(os.path.exists(p) for p in gone)  # not made again
+    assert service_state(sb) is None or service_state(sb)["state"] != "running"
     # Down leaves the history (the events log) and the lock file, nothing else.
     assert sb.envctl("down", "box").returncode == 0
     residue = sb.residue()

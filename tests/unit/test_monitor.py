@@ -321,6 +321,41 @@ def test_a_lost_gpu_is_reported_once_and_not_asked_again(tmp_path, fake_nvml, mo
     s.close()
 
 
+def test_a_gpu_lost_after_good_ticks_keeps_no_stale_values(tmp_path, fake_nvml, monkeypatch):
+    fh = fake_host(tmp_path, 1, gpus=1)
+    monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))
+    s = fh.sampler(nvml=NvmlSession(fake_nvml), host_stats=False)
+    assert s.tick().gpus[0].fb_used is not None
+
+    def lost(*args):
+        raise fake_nvml.NVMLError(fake_nvml.NVML_ERROR_GPU_IS_LOST)
+
+    for name in ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo",
+                 "nvmlDeviceGetTemperature", "nvmlDeviceGetPowerUsage"):
+        monkeypatch.setattr(fake_nvml, name, lost)
+    for _ in range(2):
+        g = s.tick().gpus[0]
+        assert g.lost and (g.util, g.fb_used, g.fb_total, g.temp, g.power_w) == (None,) * 5
+    s.close()
+
+
+def test_a_broken_xid_event_set_is_reported_once(tmp_path, fake_nvml, monkeypatch):
+    fh = fake_host(tmp_path, 1, gpus=1)
+    monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))
+    session = NvmlSession(fake_nvml)
+
+    def broken(event_set, timeout):
+        raise fake_nvml.NVMLError(fake_nvml.NVML_ERROR_UNKNOWN)
+
+    monkeypatch.setattr(fake_nvml, "nvmlEventSetWait_v2", broken)
+    s = fh.sampler(nvml=session, host_stats=False)
+    for _ in range(50):
+        snap = s.tick()
+    assert len([p for p in snap.problems if "XID" in p]) <= 1
+    assert len([p for p in session.problems if "XID" in p]) == 1
+    s.close()
+
+
 def test_nvml_is_not_opened_when_discovery_would_not_ask_it(tmp_path, fake_nvml, monkeypatch):
     from envctl.monitor.nvml import open_session
     from tests.fakes import FakeGpu, make_tree

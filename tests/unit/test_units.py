@@ -88,7 +88,8 @@ def test_the_monitor_unit_restarts_always_after_the_boot_unit():
     s = settings((REPO / "systemd/envctl-monitor.service").read_text())
     assert s["[Service]Restart"] == ["always"]
     assert "envctl.service" in s["[Unit]After"]
-    assert s["[Unit]Wants"] == ["envctl.service"]  # not Requires: up when one env failed
+    # Neither Wants nor Requires: (re)starting the monitor must never run `up --all` again.
+    assert "[Unit]Wants" not in s and "[Unit]Requires" not in s
     assert s["[Service]KillMode"] == ["process"]
     assert s["[Service]ExecStart"][0].startswith("envctl monitor --listen 127.0.0.1:")
 
@@ -339,3 +340,24 @@ def test_cli_install_and_uninstall(capsys, tmp_path, monkeypatch, fake_systemctl
     assert "removed envctl-monitor.service" in out
     code, out, _ = run_cli(capsys, "uninstall-units")
     assert code == 0 and out.strip() == "nothing installed"
+
+
+def test_install_units_carries_the_config_directory_this_command_reads(capsys, tmp_path,
+                                                                        monkeypatch,
+                                                                        fake_systemctl):
+    """Without -C or ENVCTL_CONFIG_DIR, a checkout's ./configs (what `envctl up` reads from
+    there) goes into the units as an absolute path: they run from /."""
+    from envctl.workspace import SYSTEM_CONFIG_DIR
+
+    if SYSTEM_CONFIG_DIR.is_dir():
+        pytest.skip("/etc/envctl/environments exists here: it wins over ./configs")
+    monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("ENVCTL_SYSTEMCTL", fake_systemctl[0])
+    monkeypatch.delenv("ENVCTL_CONFIG_DIR", raising=False)
+    (tmp_path / "configs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    d = tmp_path / "units"
+    code, _, err = run_cli(capsys, "install-units", "--unit-dir", str(d))
+    assert code == 0, err
+    s = settings((d / "envctl.service").read_text())
+    assert f'"ENVCTL_CONFIG_DIR={tmp_path.resolve() / "configs"}"' in s["[Service]Environment"]

@@ -334,6 +334,10 @@ class Engine:
             runs = []
             for env in dict.fromkeys(envs):
                 journal = self.journal(env)
+                if journal.entries:
+                    # Until the journal is gone: a `down` that did not finish is not drift
+                    # for the monitor to repair (envctl.monitor.health); `up` clears it.
+                    journal.set_meta({**journal.meta, "down": True})
                 runs.append(_Teardown(env, journal, Outcome(env),
                                       self._teardown_order(env, journal, ledger)))
             try:

@@ -48,7 +48,6 @@ class Options:
     textfile: Path | None = None
     csv_dir: Path | None = DEFAULT_CSV_DIR
     heal: bool = True
-    config_dir: Path | None = None
 
 
 class Monitor:
@@ -64,8 +63,7 @@ class Monitor:
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.sampler = sampler or Sampler.for_host(host)
         if health is None:
-            health = Health(host, heal=options.heal, config_dir=options.config_dir,
-                            say=self.say)
+            health = Health(host, heal=options.heal, say=self.say)
         self.health: Health | None = health or None
         self.csv = CsvWriter(options.csv_dir) if options.csv_dir is not None else None
         self.collector = SnapshotCollector()
@@ -140,7 +138,10 @@ class Monitor:
             while not self.stopping:
                 now = time.monotonic()
                 if now >= next_at:
-                    self.tick()
+                    try:
+                        self.tick()
+                    except Exception as exc:  # noqa: BLE001 - the daemon outlives one bad tick
+                        self.say(f"monitor: tick failed: bug: {exc!r}")
                     # Fixed rate; a tick that overran starts the next one at once, no burst.
                     next_at = max(next_at + self.opts.interval, time.monotonic())
                     continue

@@ -22,12 +22,10 @@ minute after every heal is thus healed after 10 s, 20 s, 40 s … 15 min: never 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from envctl.monitor import events
@@ -118,43 +116,38 @@ def check_env(host: Any, env: str) -> Check:
     return Check(env_state(steps), problems)
 
 
-def heal_env(host: Any, env: str, config_dir: Path | None = None) -> list[str] | None:
-    """Re-converge `env` as `envctl up NAME` does, under the global lock taken without
-    waiting, with the specs of `config_dir` (None: where `envctl up` looks). The steps it
-    changed; None when the check under the lock found nothing to do. LockBusy when the lock
-    is held; CannotHeal when its spec cannot be planned; the engine's errors (StepFailed:
-    rolled back) otherwise."""
-    from envctl import app as ops
+def heal_env(host: Any, env: str) -> list[str] | None:
+    """Re-converge what `env`'s journal records as applied, under the global lock taken
+    without waiting: the resources the last `envctl up` applied, never its spec as edited
+    since (applying an edit is `envctl up`'s, which the operator runs), and nothing removed.
+    The steps it changed; None when the check under the lock found nothing to do. LockBusy
+    when the lock is held; CannotHeal when the journal cannot be read; the engine's errors
+    (StepFailed: rolled back) otherwise."""
     from envctl.engine.engine import KEEP, Engine, env_state
-    from envctl.errors import EnvctlError, LockTimeout
-    from envctl.workspace import Workspace
-    from envctl.workspace import config_dir as resolve
+    from envctl.errors import LockTimeout, StateCorrupt
 
-    try:
-        ws = Workspace.open(resolve(str(config_dir) if config_dir else None), host=host,
-                            secure=os.geteuid() == 0)
-        plan = ws.plan(ws.get(env))
-        claims = ws.claims(env)
-    except EnvctlError as exc:
-        raise CannotHeal(f"its spec cannot be planned: {exc}") from exc
     engine = Engine(host, lock_timeout=0)
     try:
         with engine.locked():
             if env_state(engine.status(env, None)) != "degraded":
                 return None  # a user's up fixed it, or a down took it away, meanwhile
-            result = ops.up([plan], engine, {env: claims}, locked=True)  # as `envctl up`
+            try:
+                journal = engine.journal(env)
+                if journal.meta.get("down"):
+                    raise CannotHeal("a `envctl down` of it did not finish: run it again")
+                resources = [e.load() for e in journal.entries]
+            except StateCorrupt as exc:
+                raise CannotHeal(f"its journal cannot be read: {exc}") from exc
+            outcome = engine.up(env, resources, locked=True)  # meta as recorded
     except LockTimeout as exc:
         raise LockBusy(str(exc)) from exc
-    if env in result.failed:
-        raise result.errors[env]
-    return [f"{s.op} {s.resource.describe()}" for o in result.outcomes for s in o.steps
-            if s.op != KEEP]
+    return [f"{s.op} {s.resource.describe()}" for s in outcome.steps if s.op != KEEP]
 
 
 class Health:
     """The health loop's state across ticks: last findings, backoff, heal counts."""
 
-    def __init__(self, host: Any, *, heal: bool = True, config_dir: Path | None = None,
+    def __init__(self, host: Any, *, heal: bool = True,
                  backoff: Backoff | None = None,
                  checker: Callable[[str], Check] | None = None,
                  healer: Callable[[str], list[str] | None] | None = None,
@@ -164,7 +157,7 @@ class Health:
         self.heal = heal
         self.backoff = backoff or Backoff()
         self.checker = checker or (lambda env: check_env(host, env))
-        self.healer = healer or (lambda env: heal_env(host, env, config_dir))
+        self.healer = healer or (lambda env: heal_env(host, env))
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.wall = wall
         self.last: dict[str, Check] = {}
@@ -194,6 +187,8 @@ class Health:
                 found = self.checker(env)
             except EnvctlError as exc:  # a damaged journal: `status` says the same
                 found = Check("degraded", [f"cannot check: {exc}"])
+            except Exception as exc:  # noqa: BLE001 - one environment must not end the daemon
+                found = Check("degraded", [f"cannot check: bug: {exc!r}"])
             before = self.last.get(env)
             self.last[env] = found
             if found.state == "up":

@@ -154,6 +154,11 @@ class NvmlSession:
             procs = self._ask(i, "procs", nv.nvmlDeviceGetComputeRunningProcesses)
             g.processes = [(int(p.pid), None if p.usedGpuMemory is None else int(
                 p.usedGpuMemory)) for p in procs or ()]
+            if g.lost:  # lost during this tick: nothing of it is current any more
+                g.util = g.mem_util = g.fb_total = g.fb_used = g.fb_free = g.temp = None
+                g.power_w = None
+                g.ecc.clear()
+                g.processes = []
         self._drain_events()
         return self.gpus
 
@@ -167,7 +172,13 @@ class NvmlSession:
                 data = nv.nvmlEventSetWait_v2(self._events, 0)
             except nv.NVMLError as exc:
                 if exc.value != nv.NVML_ERROR_TIMEOUT:
-                    self.problems.append(f"reading XID events: {exc}")
+                    # Said once: the event set stops being read (the problem would otherwise
+                    # be appended, and copied into every snapshot, at every tick).
+                    self.problems.append(f"reading XID events: {exc}; XID events no longer "
+                                         "watched")
+                    with contextlib.suppress(nv.NVMLError):
+                        nv.nvmlEventSetFree(self._events)
+                    self._events = None
                 return
             i = self._by_key.get(_key(data.device))
             if i is not None and data.eventType == nv.nvmlEventTypeXidCriticalError:
