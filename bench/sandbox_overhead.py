@@ -9,6 +9,8 @@ and `srv` (native, the TCP server). Each run does the three variants of a case i
 order (native, envctl native, envctl gvisor; then starting from the next), and medians are
 compared:
 - compute: examples/matmul.c built with -O2 -fopenmp, the seconds it reports for the multiply;
+  and a NumPy 2000x2000 matmul where the environments' python3 has NumPy (its directory a
+  read-only data mount, BLAS and LAPACK in the rootfs; bench/runtime_overhead.py does the same);
 - syscalls: `dd bs=512 count=N if=/dev/zero of=/dev/null`, the seconds dd reports (gVisor's
   ptrace platform stops the Sentry on every system call: its N is `--dd-gvisor`, 30000 by
   default, and its time is scaled to N; said so in the output);
@@ -37,7 +39,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from runtime_overhead import WALK, dd_seconds, matmul_seconds, timed  # noqa: E402
+from runtime_overhead import (  # noqa: E402
+    MOUNT,
+    NUMPY,
+    WALK,
+    dd_seconds,
+    matmul_seconds,
+    numpy_site,
+    timed,
+)
 
 from tests.integration.sandbox import Sandbox  # noqa: E402
 
@@ -47,10 +57,10 @@ network: {{bridge: sbx-br, bridge_address: 10.232.0.1/24, address: {address}, is
 rootfs:
   binaries: [sh, "true", dd, python3, {matmul}, {walk}]
   python: true
-mounts:
+{libraries}mounts:
   - {{source: /usr/share/doc, target: /data, read_only: true}}
   - {{source: {rw}, target: /scratch, read_only: false, create: true}}
-{runtime}"""
+{numpy}{runtime}"""
 ADDRESSES = {"nat": "10.232.0.2", "gv": "10.232.0.3", "srv": "10.232.0.4"}
 SERVER = ("import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
           "socket.SO_REUSEADDR, 1)\ns.bind(('0.0.0.0', 7000)); s.listen(8)\nwhile True:\n"
@@ -98,14 +108,18 @@ def main() -> None:
         (t / "walk.c").write_text(WALK)
         subprocess.run(["gcc", "-O2", "-o", str(walk), str(t / "walk.c")], check=True)
         (t / "client.py").write_text(CLIENT)
+        numpy = numpy_site()
         sb = Sandbox(t / "sb")
         server = None
         try:
             for name, address in ADDRESSES.items():
                 runtime = "runtime: {isolation: gvisor, gvisor: {platform: ptrace}}\n" \
                     if name == "gv" else ""
-                sb.write_spec(name, ENV.format(name=name, address=address, matmul=matmul,
-                                               walk=walk, rw=t / f"rw-{name}", runtime=runtime))
+                sb.write_spec(name, ENV.format(
+                    name=name, address=address, matmul=matmul, walk=walk, rw=t / f"rw-{name}",
+                    runtime=runtime,
+                    libraries="  libraries: [libblas.so.3, liblapack.so.3]\n" if numpy else "",
+                    numpy=MOUNT.format(source=numpy[1], target=numpy[1]) if numpy else ""))
             up = sb.envctl("up", "--all")
             if up.returncode != 0:
                 raise SystemExit(up.stderr)
@@ -125,6 +139,12 @@ def main() -> None:
 
             row(f"compute: matmul n={args.n}", rotate(
                 args.runs, three([str(matmul), str(args.n)]), sb, matmul_seconds))
+            if numpy:
+                py = [numpy[0], "-c", NUMPY]
+                row("compute: NumPy 2000x2000 matmul", rotate(
+                    args.runs, three(py), sb, matmul_seconds))
+            else:
+                print("NumPy: not installed for the environments' python3: case skipped")
             dd = ["dd", "bs=512", "if=/dev/zero", "of=/dev/null"]
             scale = args.dd / args.dd_gvisor
             vals = rotate(args.runs, [[*dd, f"count={args.dd}"], [*nat, *dd, f"count={args.dd}"],

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from envctl.engine.engine import Engine, Outcome, Step
 from envctl.engine.journal import Entry, Journal, Ledger
-from envctl.errors import EnvctlError, HostError, NeedsRootError, SpecError, StateCorrupt
+from envctl.errors import HostError, NeedsRootError, SpecError, StateCorrupt
 from envctl.host.context import Host
 from envctl.resources.base import Status
 
@@ -34,20 +34,17 @@ class UpResult:
 
     outcomes: list[Outcome] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # env -> the error (rolled back)
-    errors: dict[str, EnvctlError] = field(default_factory=dict)  # env -> the exception
 
 
-def up(plans: list[Plan], engine: Engine, claims: dict[str, dict], *,
-       locked: bool = False) -> UpResult:
-    """Each environment in turn, under one lock hold (Engine.up_many; `locked`: the caller
-    holds it already). A failing one is rolled back and the others still come up: at boot,
-    one broken partition must not keep the rest down. A signal (Ctrl-C, SIGTERM) stops
-    everything after the rollback. Each journal records the environment's `claims` and its
-    plan's warnings (for `status`)."""
+def up(plans: list[Plan], engine: Engine, claims: dict[str, dict]) -> UpResult:
+    """Each environment in turn, under one lock hold (Engine.up_many). A failing one is rolled
+    back and the others still come up: at boot, one broken partition must not keep the rest
+    down. A signal (Ctrl-C, SIGTERM) stops everything after the rollback. Each journal records
+    the environment's `claims` and its plan's warnings (for `status`)."""
     items = [(p.env, p.resources, {"claims": claims.get(p.env, {}), "warnings": p.warnings})
              for p in plans]
-    outcomes, failed = engine.up_many(items, locked=locked)
-    return UpResult(outcomes, {env: str(exc) for env, exc in failed.items()}, dict(failed))
+    outcomes, failed = engine.up_many(items)
+    return UpResult(outcomes, {env: str(exc) for env, exc in failed.items()})
 
 
 def down(engine: Engine, names: list[str]) -> list[Outcome]:
