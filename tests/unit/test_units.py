@@ -81,6 +81,9 @@ def test_the_boot_unit_is_the_oneshot_the_issue_asks_for():
         s.get("[Unit]Wants", []) + s.get("[Unit]Requires", []))
     # The supervisors `up` forks stay in the unit's cgroup: only `up` itself may be killed.
     assert s["[Service]KillMode"] == ["process"]
+    # `up --all` exiting 1 (one environment not up) keeps the unit active: a failed unit is
+    # never stopped, so ExecStop would not take the others down at stop or shutdown.
+    assert s["[Service]SuccessExitStatus"] == ["1"]
     assert s["[Install]WantedBy"] == ["multi-user.target"]
 
 
