@@ -152,16 +152,23 @@ def status_rows(ws: Workspace | None, host: Host, names: list[str]) -> dict[str,
     return out
 
 
+def _up_journal(host: Host, name: str) -> Journal | None:
+    """The journal of an environment that is (partly) up; None when it has none, it is
+    empty, or it cannot be read (`status` shows the damage through its steps)."""
+    try:
+        journal = Journal.open(host.state_dir, name, boot=host.boot_id)
+    except StateCorrupt:
+        return None
+    return journal if journal.entries else None
+
+
 def status_warnings(ws: Workspace | None, host: Host, names: list[str]) -> dict[str, list[str]]:
     """What the last `up` of each environment skipped or warned about; the plan's warnings
     for one that is not up."""
     out = {}
     for name in names:
-        try:
-            journal = Journal.open(host.state_dir, name, boot=host.boot_id)
-        except StateCorrupt:
-            journal = None
-        if journal is not None and journal.entries and "warnings" in journal.meta:
+        journal = _up_journal(host, name)
+        if journal is not None and "warnings" in journal.meta:
             out[name] = list(journal.meta["warnings"])
         elif ws is not None and name in ws.names():
             try:
@@ -176,11 +183,8 @@ def status_isolation(ws: Workspace | None, host: Host, names: list[str]) -> dict
     its last `up` recorded it, else as its spec says."""
     out = {}
     for name in names:
-        try:
-            journal = Journal.open(host.state_dir, name, boot=host.boot_id)
-        except StateCorrupt:
-            journal = None
-        if journal is not None and journal.entries:
+        journal = _up_journal(host, name)
+        if journal is not None:
             out[name] = journal.claims.get("isolation") or {"level": "native"}
         elif ws is not None and name in ws.names():
             runtime = ws.get(name).spec.runtime

@@ -18,6 +18,7 @@ import pytest
 from envctl.monitor.prom import parse_exposition
 from tests.fakes import FakeGpu, make_tree, nvml_json
 from tests.integration.sandbox import REPO
+from tests.integration.test_service import service_state
 
 pytestmark = pytest.mark.root
 
@@ -36,13 +37,6 @@ service:
   restart: on-failure
 """
 UUIDS = ["GPU-11111111-aaaa-bbbb-cccc-000000000000", "GPU-22222222-aaaa-bbbb-cccc-000000000001"]
-
-
-def service_state(sb) -> dict | None:
-    try:
-        return json.loads((sb.run_dir / "box" / "service.json").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def alive(identity: dict) -> bool:
