@@ -5,7 +5,8 @@ A line: {"time": 1767000000.5, "env": "box", "event": "healed", "detail": "…"}
 `drift` (found drifted or a service dead; detail: which steps), `healed` (re-converged; detail:
 which steps changed), `heal-failed` (the `up` failed and was rolled back; detail: why, and when
 the next attempt is due), `heal-deferred` (another envctl held the global lock: tried again next
-tick), `heal-skipped` (cannot be healed here: its spec is gone or broken).
+tick), `heal-skipped` (cannot be healed here: its `down` did not finish, or its journal cannot
+be read).
 
 The file is history, like job records: `down` leaves it (the state directory then keeps it and
 the lock file). It is kept small: past MAX_BYTES it is renamed to `events.jsonl.1` (the one

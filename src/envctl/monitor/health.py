@@ -1,5 +1,5 @@
 """The monitor's health loop: check every environment that is up, and re-converge one that
-drifted or whose service died, as `envctl up NAME` would, with exponential backoff per
+drifted or whose service died to what its last `up` applied, with exponential backoff per
 environment and a line in the events log for what it found and did.
 
 Each tick, for each environment that is up:
@@ -8,11 +8,12 @@ Each tick, for each environment that is up:
    planner: a spec edited since `up` is not drift). `up` -> healthy; `down` -> not up any
    more (taken down meanwhile), nothing to do; `degraded` -> drift (`drift` event, once per
    change of what is wrong).
-2. heal it when its backoff allows (and --no-heal was not given): plan its spec, take the
-   global lock *without waiting* (a user's `up`/`down` holds it: `heal-deferred`, try again
-   next tick, no backoff), check again under the lock (the user's command may have fixed it or
-   taken it down), then `Engine.up_many` with the same items `envctl up NAME` gives it: the
-   same steps, journal, rollback and claims. `healed` or `heal-failed` goes to the events log.
+2. heal it when its backoff allows (and --no-heal was not given): take the global lock
+   *without waiting* (a user's `up`/`down` holds it: `heal-deferred`, try again next tick, no
+   backoff), check again under the lock (the user's command may have fixed it or taken it
+   down), then `Engine.up` of the resources its journal records as applied (never the spec as
+   edited since: that is `envctl up`'s), with its rollback. `healed` or `heal-failed` goes to
+   the events log; an unfinished `down` or an unreadable journal is `heal-skipped`.
 
 Backoff: the first heal of a drift runs at once; after each attempt (whatever its result) the
 next may run only `base * 2**(n-1)` seconds later (capped at `cap`); the count is forgotten
@@ -95,7 +96,8 @@ class LockBusy(Exception):
 
 
 class CannotHeal(Exception):
-    """This environment cannot be healed here (its spec is gone or does not load)."""
+    """This environment cannot be healed here (its `down` did not finish, or its journal
+    cannot be read)."""
 
 
 @dataclass
