@@ -13,7 +13,12 @@ start` -> converged again; the state is copied to /out/state for the second boot
 follows a power loss (`poweroff -f`: nothing stopped).
 
 TestSecondBoot: with the first boot's state (journals of another boot), boot converges again:
-both up, the unit active, status clean; `systemctl stop envctl` -> nothing left.
+both up, the unit active, status clean; web's service killed -> the monitor brings it back (its
+supervisor now in the monitor's cgroup). Everything is left up, and the boot ends with a clean
+`systemctl poweroff`: envctl-shutdown-probe.service, ordered before envctl.service and the
+monitor, so stopped after both at shutdown, runs this file's `shutdown_probe` as its ExecStop=
+and writes what envctl left (residue(), `envctl status --json`, envctl.service's stop result
+and journal) to /out/shutdown.json for tests/vm/test_vm_boot.py to check on the host.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -73,10 +79,38 @@ FIXED = "name: broken\nkind: cpu\nresources:\n  pids: {max: 32}\n"
 DROPIN = "[Service]\nExecStart=\nExecStart={envctl} monitor --listen 127.0.0.1:9464 --interval 2\n"
 
 
-def preboot_script(envctl: str, *, state_from: str = "") -> str:
+# Stopped after envctl.service and the monitor at shutdown (Before=: stop order is the reverse
+# of start order), while /out and the checkout are still mounted (RequiresMountsFor=): its
+# ExecStop= records what the shutdown's `envctl down --all --force` left.
+SHUTDOWN_PROBE = """\
+[Unit]
+Description=envctl VM test: what envctl left at shutdown
+Before=envctl.service envctl-monitor.service
+RequiresMountsFor=/out {repo}
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+Environment=ENVCTL_VM_ENVCTL={envctl}
+ExecStart=/bin/true
+ExecStop={python} {repo}/tests/vm/guest_boot.py shutdown-probe /out/shutdown.json
+TimeoutStopSec=10min
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def preboot_script(envctl: str, *, state_from: str = "", shutdown_probe: bool = False) -> str:
     """What runs chrooted into the VM's root before systemd starts (harness.run_systemd_boot):
-    specs, units, the monitor's drop-in, and (second boot) the first boot's state."""
+    specs, units, the monitor's drop-in, (second boot) the first boot's state, and
+    (`shutdown_probe`) envctl-shutdown-probe.service."""
     restore = (f"mkdir -p {STATE} && cp -a {state_from}/. {STATE}/\n" if state_from else "")
+    if shutdown_probe:
+        repo = Path(__file__).resolve().parents[2]
+        unit = SHUTDOWN_PROBE.format(repo=repo, envctl=envctl, python=sys.executable)
+        restore += (f"cat > {UNIT_FILES}/envctl-shutdown-probe.service <<'END'\n{unit}END\n"
+                    f"mkdir -p {UNIT_FILES}/multi-user.target.wants\n"
+                    f"ln -sf ../envctl-shutdown-probe.service "
+                    f"{UNIT_FILES}/multi-user.target.wants/\n")
     return (f"set -ex\nmkdir -p {CONFIG}\n"
             f"cat > {CONFIG}/web.yaml <<'END'\n{WEB}END\n"
             f"cat > {CONFIG}/broken.yaml <<'END'\n{BROKEN if not state_from else FIXED}END\n"
@@ -191,6 +225,32 @@ def residue() -> dict[str, list[str]]:
     return {k: v for k, v in found.items() if v}
 
 
+def envctl_processes() -> list[str]:
+    """Processes in a cgroup of envctl's (its slices, its two units), but this one."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cgroup = (proc / "cgroup").read_text().strip()
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "envctl" in cgroup and "envctl-shutdown-probe" not in cgroup:
+            found.append(f"{proc.name} {cgroup} {cmd}")
+    return found
+
+
+def kill_service_and_wait_for_the_monitor() -> None:
+    old = running("web")
+    os.kill(old["pid"], signal.SIGKILL)
+    new = wait_for(lambda: (st := running("web")) and st["pid"] != old["pid"] and st,
+                   "the monitor to restart web's service")
+    # restart: no, so its own supervisor ended: the new one is the monitor's child.
+    assert cgroup_of(new["supervisor"]["pid"]) == "/system.slice/envctl-monitor.service"
+    assert_up("web")
+
+
 def stop_and_check_residue() -> None:
     run("systemctl", "stop", "envctl.service", timeout=600)
     assert show("envctl-monitor.service", "ActiveState")["ActiveState"] == "inactive"
@@ -231,13 +291,7 @@ class TestFirstBoot:
         wait_for(lambda: 'environment="web"' in metrics(), "the monitor's /metrics with web")
 
     def test_a_killed_service_is_brought_back_by_the_monitor(self):
-        old = running("web")
-        os.kill(old["pid"], signal.SIGKILL)
-        new = wait_for(lambda: (st := running("web")) and st["pid"] != old["pid"] and st,
-                       "the monitor to restart web's service")
-        # restart: no, so its own supervisor ended: the new one is the monitor's child.
-        assert cgroup_of(new["supervisor"]["pid"]) == "/system.slice/envctl-monitor.service"
-        assert_up("web")
+        kill_service_and_wait_for_the_monitor()
 
     def test_stop_with_one_broken_leaves_nothing_and_start_brings_web_back(self):
         stop_and_check_residue()
@@ -283,11 +337,49 @@ class TestSecondBoot:
                       check=False).stdout
         assert "error" not in journal.lower(), journal
 
-    def test_stop_leaves_nothing_behind(self):
-        stop_and_check_residue()
+    def test_a_killed_service_is_brought_back_by_the_monitor(self):
+        kill_service_and_wait_for_the_monitor()
+
+    def test_everything_is_left_up_for_the_clean_poweroff(self):
+        # The runner powers off cleanly after this file: the probe records what the
+        # shutdown's ExecStop= left (checked in tests/vm/test_vm_boot.py).
+        assert show("envctl-shutdown-probe.service", "ActiveState")["ActiveState"] == "active"
+        assert show("envctl.service", "ActiveState")["ActiveState"] == "active"
+        assert show("envctl-monitor.service", "ActiveState")["ActiveState"] == "active"
+        assert_web_up()
+        assert_up("broken")
+
+
+def shutdown_probe(target: Path) -> None:
+    """ExecStop= of envctl-shutdown-probe.service: runs at shutdown once envctl.service and
+    the monitor have stopped. Writes the record atomically: a file there means the probe ran
+    to its end."""
+    probes = {
+        "envctl_service": lambda: show("envctl.service", "ActiveState", "Result",
+                                       "ExecMainStatus"),
+        "monitor": lambda: show("envctl-monitor.service", "ActiveState")["ActiveState"],
+        "residue": residue,
+        "status": lambda: json.loads(run(ENVCTL, "status", "--json").stdout),
+        "journal": lambda: run("journalctl", "-b", "-u", "envctl.service", "--no-pager",
+                               "-o", "cat", check=False).stdout,
+        "processes": envctl_processes,
+    }
+    record = {}
+    for key, probe in probes.items():
+        try:
+            record[key] = probe()
+        except Exception as exc:  # recorded for the host side's message, not lost
+            record[key] = f"probe failed: {exc!r}"
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, target)
 
 
 @pytest.fixture(autouse=True)
 def _root():
     if os.geteuid() != 0 or not Path("/run/systemd/system").is_dir():
         pytest.skip("runs inside the boot VM (tests/vm/test_vm_boot.py)")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["shutdown-probe"]:
+    shutdown_probe(Path(sys.argv[2]))

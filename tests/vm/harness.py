@@ -363,24 +363,29 @@ def boot_initramfs() -> Path:
     return target
 
 
-def run_systemd_boot(script: str, *, preboot: str, out: Path, timeout: float = 900,
-                     memory_mb: int = 2048, cpus: int = 2) -> Result:
+def run_systemd_boot(script: str, *, preboot: str, out: Path, clean_poweroff: bool = False,
+                     timeout: float = 900, memory_mb: int = 2048, cpus: int = 2) -> Result:
     """Boot the VM to multi-user.target with systemd as PID 1 on cgroup v2, after `preboot`
     (sh, chrooted into the root-to-be before systemd starts; its output in out/preboot.log);
-    run `script` (sh) once envctl.service has started; power off (`systemctl poweroff -f`:
-    no unit is stopped, as at a power loss). `out` (the guest's /out) is the caller's, so
-    what one boot leaves there can go into the next."""
+    run `script` (sh) once envctl.service has started; power off: `systemctl poweroff -f`
+    (no unit is stopped, as at a power loss), or with `clean_poweroff` a plain `systemctl
+    poweroff` (every unit stopped, as an operator shuts a host down). `out` (the guest's /out)
+    is the caller's, so what one boot leaves there can go into the next."""
     vmlinuz, _ = kernel()
     initrd = boot_initramfs()
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o777)
-    for name in ("rc", "log", "preboot.rc", "preboot.log"):
+    for name in ("rc", "log", "preboot.rc", "preboot.log", "shutdown.json"):
         (out / name).unlink(missing_ok=True)
     (out / "run.sh").write_text(script)
     (out / "preboot.sh").write_text(preboot)
     (out / "modules_path").write_text(str(kernel_modules()))
     (out / "envctl-vm.target").write_text(BOOT_TARGET)
-    (out / "envctl-vm.service").write_text(BOOT_SERVICE)
+    service = BOOT_SERVICE
+    if clean_poweroff:
+        service = BOOT_SERVICE.replace("systemctl poweroff -f'", "systemctl poweroff'")
+        assert service != BOOT_SERVICE
+    (out / "envctl-vm.service").write_text(service)
     cmdline = ("console=ttyS0 quiet panic=-1 systemd.firstboot=off systemd.show_status=0 "
                "systemd.unit=envctl-vm.target systemd.unified_cgroup_hierarchy=1")
     return _boot(vmlinuz, initrd, cmdline, out, memory_mb=memory_mb, cpus=cpus,
