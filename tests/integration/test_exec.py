@@ -435,6 +435,67 @@ def test_binds_status_and_a_cpu_subset_through_the_api(sandbox, programs, tmp_pa
     down_box(sb)
 
 
+JOIN_FAILS = r"""
+import json, os, sys
+from envctl.host.context import Host
+from envctl.runtime.context import EnvContext
+from envctl.runtime import launch as rl
+
+def children():
+    found = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[1] == str(os.getpid()):
+                    found.append(d)
+        except OSError:
+            pass  # gone meanwhile
+    return found
+
+
+ctx = EnvContext.load(Host.from_env(), "box")
+user = rl.resolve_user("root", ctx, {})
+out = {}
+for case in ("gone cgroup", "bad bind"):
+    dirs = rl.create_cgroup(ctx, "job-1")
+    binds = []
+    if case == "gone cgroup":
+        os.rmdir(dirs[-1])  # the caller's join fails while the launcher sets up
+    else:
+        binds = [rl.Bind("/nonexistent-envctl-source", "/opt")]  # the launcher fails first
+    try:
+        rl.start(rl.Launch(ctx, ["true"], rl.job_environ(ctx, user), user, cgroup_dirs=dirs,
+                           binds=binds))
+        out[case] = "started"
+    except rl.LaunchError as exc:
+        out[case] = {"step": exc.step, "message": str(exc), "gone": str(dirs[-1])}
+    finally:
+        rl.remove_cgroup(ctx, "job-1")
+    out[case + " children"] = children()
+print(json.dumps(out))
+"""
+
+
+def test_a_failed_cgroup_join_or_setup_is_reported_and_leaves_nothing(sandbox, programs):
+    """The caller joins the launcher to its cgroup while the launcher sets up: a join that
+    fails (the cgroup removed meanwhile) names the step and the directory, and a launcher that
+    failed first (a bind) reports its own step, not the join's; no child is left behind."""
+    sb = sandbox
+    up_box(sb, programs)
+    res = sb.run(sys.executable, "-c", JOIN_FAILS)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    gone = out["gone cgroup"]
+    assert gone["step"] == "join cgroup", gone
+    assert gone["message"].startswith("enter environment 'box': join cgroup: "), gone
+    assert gone["gone"] in gone["message"], gone
+    bad = out["bad bind"]
+    assert bad["step"] == "bind /opt" and "No such file" in bad["message"], bad
+    assert out["gone cgroup children"] == [] and out["bad bind children"] == [], out
+    assert not [p for p in sb.cgroups() if "job-1" in p]
+    down_box(sb)
+
+
 def test_kill_9_of_envctl_takes_the_command_with_it(sandbox, programs):
     sb = sandbox
     up_box(sb, programs)

@@ -20,23 +20,27 @@ API (kept stable for the job system):
         cgroup (EnvCgroup: driver, parent, version, controllers), cpus, gpus, device_gids
 
 Notes for callers: a bind's target must already exist in the (read-only) rootfs; stdio fds
-the caller has closed become /dev/null; joining a cgroup costs one RCU grace period (15-20 ms
-here: cgroup_threadgroup_rwsem), paid by the launcher; FORWARDED_SIGNALS reach the job's
-process itself (not its group), anything else sent to the launcher (SIGKILL) ends it all.
+the caller has closed become /dev/null; joining a cgroup costs one RCU grace period (~10 ms
+here: cgroup_threadgroup_rwsem), paid by the caller while the launcher sets up its
+namespaces; FORWARDED_SIGNALS reach the job's process itself (not its group), anything else
+sent to the launcher (SIGKILL) ends it all.
 
 Processes. `start` forks the *launcher* (a child of the caller, in the host's PID namespace):
-it joins the environment's network namespace, writes its pid into each of `cgroup_dirs`, joins
-the environment's persistent mount namespace, unshares mount, PID, UTS, IPC and cgroup
-namespaces, makes every mount private, sets the hostname, bind-mounts `binds`, and forks the
-*init*: PID 1 of the new PID namespace. The init mounts /proc (and masks its host-wide knobs),
-pivot_roots into the rootfs with the old root detached, opens the pseudo-terminal, and forks
-the *job*: setsid (and the pty as controlling terminal), CPU affinity, the capability bounding
-set, the user, PR_SET_NO_NEW_PRIVS, chdir, execve. The init forwards FORWARDED_SIGNALS to the
-job, reaps everything, writes the job's raw wait status to `status_fd` and exits with the
-job's exit code (128+N for signal N); so does the launcher, whose pid `Started` holds. The
-launcher dies with the caller and the init with the launcher (PR_SET_PDEATHSIG SIGKILL): when
-the init dies, the kernel kills every process of the PID namespace. The caller must therefore
-call `start` from the thread that stays until the job ends (the main thread).
+it joins the environment's network namespace and its persistent mount namespace, unshares
+mount, PID, UTS and IPC namespaces, makes every mount private, sets the hostname and bind-
+mounts `binds`. Meanwhile the caller writes the launcher's pid into each of `cgroup_dirs` (or
+calls `attach`, the systemd driver's scope) and then tells it to go on; the launcher unshares
+its cgroup namespace (rooted at the launch's cgroup) and forks the *init*: PID 1 of the new PID
+namespace, in the launch's cgroup from its first instruction. The init mounts /proc (and masks
+its host-wide knobs), pivot_roots into the rootfs with the old root detached, opens the pseudo-
+terminal, and forks the *job*: setsid (and the pty as controlling terminal), CPU affinity, the
+capability bounding set, the user, PR_SET_NO_NEW_PRIVS, chdir, execve. The init forwards
+FORWARDED_SIGNALS to the job, reaps everything, writes the job's raw wait status to `status_fd`
+and exits with the job's exit code (128+N for signal N); so does the launcher, whose pid
+`Started` holds. The launcher dies with the caller and the init with the launcher
+(PR_SET_PDEATHSIG SIGKILL): when the init dies, the kernel kills every process of the PID
+namespace. The caller must therefore call `start` from the thread that stays until the job ends
+(the main thread).
 
 Everything the children need is imported before the fork: after pivot_root the host's Python
 library is no longer reachable.
@@ -472,12 +476,17 @@ def systemd_attach(ctx: EnvContext) -> Callable[[int], None] | None:
     goes when its processes have. None for the cgroupfs driver."""
     if ctx.cgroup is None or ctx.cgroup.driver != "systemd":
         return None
-    from envctl.host.systemd import Systemd
+    from envctl.host.scope import ScopeError, attach_scope
+    from envctl.spec.naming import env_slice, slice_cgroup
 
-    sd = Systemd.from_env().for_parent(ctx.cgroup.parent)
+    parent = ctx.cgroup.parent_name
+    unit, cgroup = env_slice(ctx.env, parent), slice_cgroup(ctx.env, parent)
 
     def attach(pid: int) -> None:
-        sd.attach(ctx.env, pid)
+        try:
+            attach_scope(unit, cgroup, pid)
+        except ScopeError as exc:
+            raise HostError(f"attach to slice '{unit}': {exc}") from None
     return attach
 
 
@@ -526,7 +535,7 @@ def start(launch: Launch, *, init: Callable[[Launch, _Plan, int], NoReturn] | No
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         fds += [err_r, err_w]
         sync_r = sync_w = -1
-        if launch.attach is not None:
+        if launch.attach is not None or launch.cgroup_dirs:
             sync_r, sync_w = os.pipe2(os.O_CLOEXEC)
             fds += [sync_r, sync_w]
         mine = theirs = -1
@@ -626,9 +635,10 @@ def _started(launch: Launch, pid: int, err_r: int, err_w: int, sync_w: int, mine
     fds.remove(err_w)
     started = Started(pid, os.pidfd_open(pid))
     try:
-        if launch.attach is not None:
-            launch.attach(pid)
-            os.write(sync_w, b"g")
+        if sync_w >= 0:
+            _join(launch, pid, err_r)
+            with contextlib.suppress(BrokenPipeError):  # it failed meanwhile: its report says
+                os.write(sync_w, b"g")
         if launch.pty:
             import socket
 
@@ -650,6 +660,36 @@ def _started(launch: Launch, pid: int, err_r: int, err_w: int, sync_w: int, mine
                 os.waitpid(pid, 0)
             started.close()
         raise
+
+
+def _join(launch: Launch, pid: int, err_r: int) -> None:
+    """Put the launcher into the launch's cgroup (its directories, or the systemd driver's
+    attach) while it sets up its namespaces: a migration waits for an RCU grace period
+    (~10 ms on cgroup v1 here), and systemd for a D-Bus round trip. The launcher forks the
+    namespace's init, which inherits the cgroup, only once this is done. A failure here
+    reports the launcher's own error when it failed first (its migration then fails too)."""
+    step = "join cgroup"
+    try:
+        me = str(pid).encode()
+        for d in launch.cgroup_dirs:
+            fd = os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, me)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, str(d)) from None
+            finally:
+                os.close(fd)
+        if launch.attach is not None:
+            step = "attach"
+            launch.attach(pid)
+    except (OSError, HostError) as exc:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        report = _read_all(err_r)  # the launcher's own failure, if it had one
+        if report or isinstance(exc, HostError):
+            raise _error(launch, report) if report else exc from None
+        raise _error(launch, f"{step}\0{exc.errno or 0}\0{exc.filename or ''}".encode()
+                     ) from None
 
 
 def _read_all(fd: int) -> bytes:
@@ -722,28 +762,13 @@ def _launcher(launch: Launch, plan: _Plan,
         init = [0]
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, _forward_to(init))
-        if plan.sync_r >= 0:
-            step = "attach"
-            if os.read(plan.sync_r, 1) != b"g":
-                os._exit(SETUP_FAILED)  # the caller gave up
         if plan.netns_fd >= 0:
             step = "setns net"
             _check_call(libc.setns(plan.netns_fd, CLONE_NEWNET), str(launch.ctx.netns))
-        step = "join cgroup"
-        me = str(os.getpid()).encode()
-        for d in launch.cgroup_dirs:
-            fd = os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                os.write(fd, me)
-            except OSError as exc:
-                raise OSError(exc.errno, exc.strerror, str(d)) from None
-            finally:
-                os.close(fd)
         step = "setns mnt"
         _check_call(libc.setns(plan.mntns_fd, CLONE_NEWNS), str(launch.ctx.mntns))
         step = "unshare"
-        _check_call(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC
-                                 | CLONE_NEWCGROUP))
+        _check_call(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC))
         step = "make / private"
         _check_call(libc.mount(None, b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None))
         step = "sethostname"
@@ -751,6 +776,14 @@ def _launcher(launch: Launch, plan: _Plan,
         for b in plan.binds:
             step = f"bind {b.target}"
             _bind(launch.ctx.root, b)
+        if plan.sync_r >= 0:
+            # The caller has put this process into the launch's cgroup meanwhile (_join):
+            # the init forked next inherits it.
+            step = "join cgroup"
+            if os.read(plan.sync_r, 1) != b"g":
+                os._exit(SETUP_FAILED)  # the caller gave up (its own error says why)
+        step = "unshare cgroup"  # rooted at the launch's cgroup: after the join
+        _check_call(libc.unshare(CLONE_NEWCGROUP))
         step = "fork init"
         alive_r, alive_w = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
