@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The default name of envctl's parent cgroup / slice (ENVCTL_CGROUP_PARENT overrides it).
-DEFAULT_PARENT = "envctl"
+from envctl.spec.naming import DEFAULT_PARENT  # noqa: F401 - re-exported: facts name it
+
 # cgroup v2 controllers an environment's cgroup uses, in the order they are delegated.
 V2_CONTROLLERS = ("cpu", "cpuset", "memory", "io", "pids")
 

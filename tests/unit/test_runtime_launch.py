@@ -342,7 +342,10 @@ def test_cli_exec_refuses_an_environment_that_is_not_up(tmp_path):
 FORBIDDEN = ("pydantic", "yaml", "envctl.spec", "envctl.plan", "envctl.workspace",
              "envctl.render", "envctl.app", "rich", "pyroute2", "envctl.facts",
              "envctl.resources", "envctl.engine", "envctl.host.cgroups", "typer", "click",
-             "dataclasses", "inspect", "typing")
+             "dataclasses", "inspect", "typing", "shutil", "bz2", "lzma", "hashlib")
+# The slice names of the systemd driver: a module that imports nothing (and its package, whose
+# __init__ is a docstring).
+ALLOWED = ("envctl.spec", "envctl.spec.naming")
 
 
 @pytest.mark.parametrize("entry_point", [
@@ -375,4 +378,65 @@ def test_exec_imports_neither_specs_nor_planner_nor_resource_kinds(tmp_path, roo
     modules = {line.split("|")[-1].strip() for line in res.stderr.splitlines()
                if line.startswith("import time:") and "cumulative" not in line}
     assert "envctl.runtime.context" in modules
-    assert sorted(m for m in modules if m.startswith(FORBIDDEN)) == []
+    assert sorted(m for m in modules if m.startswith(FORBIDDEN) and m not in ALLOWED) == []
+
+
+# What the supervisor and the launcher import after the CLI's fork (a job's /job bind: the
+# mount helpers; the systemd driver: its scope), which the test above never reaches.
+AFTER_THE_FORK = """
+import sys
+from pathlib import Path
+
+from envctl.runtime import launch, submit, supervisor  # noqa: F401
+from envctl.runtime.context import EnvCgroup, EnvContext
+
+from envctl.host import mounts  # noqa: F401 - launch.start with binds
+ctx = EnvContext(env="box", root=Path("/"), mntns=Path("/nonexistent"), netns=None,
+                 hostname="box", cgroup=EnvCgroup("systemd", "", 2))
+assert launch.systemd_attach(ctx) is not None
+print("\\n".join(sys.modules))
+"""
+
+
+def test_the_supervisor_and_launcher_import_nothing_costly():
+    """`submit-job`'s supervisor and launcher, forked from the CLI, stay on the latency
+    budget too: no dataclasses (via the mount helpers) and no systemd adapter, facts or spec
+    units (via the systemd driver's attach)."""
+    res = subprocess.run([sys.executable, "-c", AFTER_THE_FORK], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert res.returncode == 0, res.stderr
+    modules = set(res.stdout.split())
+    assert {"envctl.host.mounts", "envctl.host.scope"} <= modules
+    assert sorted(m for m in modules if m.startswith(FORBIDDEN) and m not in ALLOWED) == []
+
+
+def test_the_systemd_drivers_attach_names_the_slice_and_reports_a_refusal(tmp_path,
+                                                                          monkeypatch):
+    """Launch.attach for the systemd driver: StartTransientUnit of `<slice>-<pid>.scope` in the
+    environment's slice (of the parent `up` recorded), and systemd's refusal as a HostError
+    naming the slice."""
+    from envctl.errors import HostError
+    from envctl.runtime.context import EnvCgroup, EnvContext
+
+    fake = tmp_path / "bin" / "busctl"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/argv\n"
+                    "echo 'Unit envctl-box-4242.scope already exists.' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    for parent, unit in (("", "envctl-box.slice"), ("hpc", "hpc-box.slice")):
+        ctx = EnvContext(env="box", root=tmp_path, mntns=tmp_path / "mnt", netns=None,
+                         hostname="box", cgroup=EnvCgroup("systemd", parent, 2))
+        with pytest.raises(HostError) as err:
+            rl.systemd_attach(ctx)(4242)
+        assert str(err.value) == (f"attach to slice '{unit}': process 4242: Unit "
+                                  "envctl-box-4242.scope already exists.")
+        argv = (tmp_path / "argv").read_text().split()
+        assert argv[:6] == ["call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                            "org.freedesktop.systemd1.Manager", "StartTransientUnit",
+                            "ssa(sv)a(sa(sv))"]
+        assert argv[6] == f"{unit.removesuffix('.slice')}-4242.scope"
+        assert argv[-6:-4] == ["s", unit]
+    cgroupfs = EnvContext(env="box", root=tmp_path, mntns=tmp_path / "mnt", netns=None,
+                          hostname="box", cgroup=EnvCgroup("cgroupfs", "", 1))
+    assert rl.systemd_attach(cgroupfs) is None

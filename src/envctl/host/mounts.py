@@ -33,14 +33,14 @@ import os
 import re
 import stat
 import sys
+from collections import namedtuple
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from envctl.errors import HostError
 from envctl.host.libc import libc, signals_held
 from envctl.host.safepath import Escape, fd_path, open_beneath
+from envctl.record import Record
 
 CLONE_FS = 0x00000200
 CLONE_NEWNS = 0x00020000
@@ -117,8 +117,7 @@ def mount_id(fd: int) -> int:
 # ---------------------------------------------------------------- mountinfo
 
 
-@dataclass(frozen=True)
-class MountInfo:
+class MountInfo(Record, frozen=True):
     """One line of /proc/PID/mountinfo (proc(5)), paths unescaped."""
 
     mount_id: int
@@ -179,10 +178,11 @@ def mountinfo(path: str = SELF_MOUNTINFO) -> list[MountInfo]:
 # ---------------------------------------------------------------- the namespaces
 
 
-class DirState(NamedTuple):
-    exists: bool
-    mounted: bool
-    propagation: str  # of the top mount at the directory; "" when it is not a mount point
+class DirState(namedtuple("DirState", "exists mounted propagation")):
+    """Whether a directory exists, is a mount point, and the propagation of its top mount
+    ("" when it is not a mount point)."""
+
+    __slots__ = ()
 
 
 class NoMountNamespace(HostError):
@@ -490,8 +490,7 @@ class Moved(OSError):
     """The mount point was swapped while it was being mounted on; the mount was undone."""
 
 
-@dataclass
-class MountPoint:
+class MountPoint(Record):
     """A mount point inside a root filesystem, opened beneath the root (O_PATH): `path` is
     where it is in this namespace, the rootfs's own symlinks resolved."""
 

@@ -48,6 +48,7 @@ from envctl.host.cgroups import (
     wait_for,
     wait_unpopulated,
 )
+from envctl.host.scope import run as _run
 from envctl.spec.naming import env_slice, escape, parent_slice, slice_cgroup  # noqa: F401
 from envctl.spec.units import format_cpu_list, parse_cpu_list
 
@@ -432,35 +433,16 @@ class Systemd:
                 *extra, "--", *argv]
 
     def attach(self, env: str, pid: int, *, timeout: float = 10.0) -> str:
-        """Move running process `pid` into the environment's slice, as a transient scope made
-        with D-Bus StartTransientUnit (busctl); returns the scope's name. A slice holds no
-        process itself: the scope does, and goes away when its processes have exited."""
+        """Move running process `pid` into the environment's slice as a transient scope
+        (envctl.host.scope); returns the scope's name."""
+        from envctl.host.scope import ScopeError, attach_scope
+
         unit = self.unit(env)
-        scope = f"{unit.removesuffix('.slice')}-{pid}.scope"
-        argv = [*self.busctl, "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
-                scope, "fail", "3", "PIDs", "au", "1", str(pid), "Slice", "s", unit,
-                "CollectMode", "s", "inactive-or-failed", "0"]
         try:
-            res = self.runner(argv)
-        except OSError as exc:
-            raise HostError(f"attach to slice '{unit}': {argv[0]}: {exc.strerror}") from exc
-        if res.returncode != 0:
-            cause = (res.stderr or res.stdout or "").strip() or f"exit {res.returncode}"
-            raise HostError(f"attach to slice '{unit}': process {pid}: {cause}")
-        # The call only queues a job: wait until the process is in the scope.
-        want = f"/{self.cgroup(env)}/{scope}"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                text = (self.proc / str(pid) / "cgroup").read_text()
-            except FileNotFoundError as exc:
-                raise HostError(f"attach to slice '{unit}': process {pid} exited") from exc
-            if any(line.endswith(want) for line in text.splitlines()):
-                return scope
-            time.sleep(0.02)
-        raise HostError(f"attach to slice '{unit}': process {pid} not in {want} after "
-                        f"{timeout:g} s")
+            return attach_scope(unit, self.cgroup(env), pid, busctl=self.busctl,
+                                proc=str(self.proc), runner=self.runner, timeout=timeout)
+        except ScopeError as exc:
+            raise HostError(f"attach to slice '{unit}': {exc}") from None
 
     # -- /dev/char links
     def char_link(self, major: int, minor: int) -> Path:
@@ -600,6 +582,3 @@ class CharLinkFact:
     detail: str = ""
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from envctl.errors import HostError, StateCorrupt, UsageError
 from envctl.record import Factory, Record
+from envctl.spec.naming import DEFAULT_PARENT
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): see record.py
 if TYPE_CHECKING:
@@ -25,9 +26,6 @@ if TYPE_CHECKING:
 
 # <run>/MNT_DIR/ENV holds an environment's mount namespace (envctl.resources.mounts.MNT_DIR).
 MNT_DIR = "mnt.d"
-# The cgroup parent when a step recorded none: ENVCTL_CGROUP_PARENT, else envctl.facts's
-# DEFAULT_PARENT (not imported: envctl.facts costs ~7 ms of dataclasses at start-up).
-DEFAULT_PARENT = "envctl"
 # The kinds read here whose objects die with a reboot: entries of another boot are dropped, as
 # Journal.open drops them (the rootfs tree is on disk and stays).
 _VOLATILE = ("mntns", "netns", "cgroup", "cgroup-slice", "env-dev")

@@ -39,7 +39,6 @@ import gc
 import json
 import os
 import select
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -191,6 +190,8 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
     except OSError as exc:
         for fd in fds:
             os.close(fd)
+        import shutil  # here, not at the top: it imports bz2 and lzma (~3 ms of a submit)
+
         shutil.rmtree(jdir, ignore_errors=True)
         raise HostError(f"submit job {jid}: {exc.filename or jdir}: {exc.strerror}") from exc
     try:
@@ -211,10 +212,20 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
 def _stage(src: Path, dest: Path, uid: int, gid: int) -> None:
     """Copy the executable in with its permission bits (never set-id ones: it runs with
     no_new_privs anyway), owned by the job's user so that a mode like 0700 still lets the
-    job run it. /job is bound read-only: the job cannot change it."""
-    shutil.copyfile(src, dest)
-    os.chmod(dest, src.stat().st_mode & 0o777)
-    os.chown(dest, uid, gid)
+    job run it. /job is bound read-only: the job cannot change it. (sendfile, as
+    shutil.copyfile does on Linux, without importing shutil.)"""
+    fd_in = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd_out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            while os.sendfile(fd_out, fd_in, None, 1 << 30):
+                pass
+            os.fchmod(fd_out, os.fstat(fd_in).st_mode & 0o777)
+            os.fchown(fd_out, uid, gid)
+        finally:
+            os.close(fd_out)
+    finally:
+        os.close(fd_in)
 
 
 def _open_output(path: Path, uid: int, gid: int) -> int:

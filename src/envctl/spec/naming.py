@@ -1,10 +1,12 @@
-"""Names envctl gives the kernel objects it makes for an environment (pure, no I/O)."""
+"""Names envctl gives the kernel objects it makes for an environment (pure, no I/O).
+
+Imports nothing of envctl's and nothing costly: the launch path (`exec`, `submit-job`) names
+the systemd driver's slice with it."""
 
 from __future__ import annotations
 
-import hashlib
-
-from envctl.facts import DEFAULT_PARENT
+# The default name of envctl's parent cgroup / slice (ENVCTL_CGROUP_PARENT overrides it).
+DEFAULT_PARENT = "envctl"
 
 IFNAMSIZ = 15  # usable characters of an interface name (16 bytes with the NUL)
 VETH_PREFIX = "ve-"
@@ -12,6 +14,8 @@ TAG_PREFIX = "envctl:"
 
 
 def short_hash(text: str, length: int = 5) -> str:
+    import hashlib  # here: ~2 ms (OpenSSL) that the launch path never needs
+
     return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
