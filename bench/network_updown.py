@@ -16,7 +16,6 @@ Cases:
 from __future__ import annotations
 
 import argparse
-import compileall
 import ipaddress
 import statistics
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import precompile  # noqa: E402
 from envctl.plan.network import peer_mac  # noqa: E402
 from envctl.spec.naming import host_veth  # noqa: E402
 from tests.integration.sandbox import Sandbox  # noqa: E402
@@ -143,9 +143,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--n", type=int, default=32)
     args = ap.parse_args()
-    # Bytecode as an installed envctl has it (pip compiles at install); the checkout runs from
-    # source, where PYTHONDONTWRITEBYTECODE would otherwise make every run compile it again.
-    compileall.compile_dir(REPO / "src" / "envctl", quiet=1)
+    precompile()
     for case, n in (("shipped", 2), ("generated", args.n)):
         pairs = [one_pair(case, n) for _ in range(args.runs)]
         e = statistics.median(p[0] for p in pairs)

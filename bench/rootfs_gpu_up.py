@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import precompile  # noqa: E402
 from tests.integration.sandbox import Sandbox  # noqa: E402
 from tests.integration.test_gpu_env import fake_gpu_host  # noqa: E402
 
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--copy-size", type=float, default=1.0,
                     help="GiB the seed-style copy is timed with (it writes them to disk)")
     args = ap.parse_args()
+    precompile()
     sizes = [float(s) for s in args.sizes.split(",")]
     print(f"toolkit of {FILES} sparse files; {args.runs} runs each, medians")
     print(f"{'toolkit':>9}  {'envctl up':>10}  {'envctl down':>11}")

@@ -38,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import precompile  # noqa: E402
 from tests.integration.sandbox import Sandbox  # noqa: E402
 
 SPEC = """name: bench
@@ -126,6 +127,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1700, help="matrix size (about 3 s at 1700 here)")
     ap.add_argument("--launches", type=int, default=20)
     args = ap.parse_args()
+    precompile()
     if shutil.which("gcc") is None:
         raise SystemExit("needs gcc (scripts/install-deps installs it)")
     with tempfile.TemporaryDirectory(prefix="envctl-bench-", dir="/var/tmp") as tmp:

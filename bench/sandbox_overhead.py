@@ -49,6 +49,7 @@ from runtime_overhead import (  # noqa: E402
     timed,
 )
 
+from bench.common import precompile  # noqa: E402
 from tests.integration.sandbox import Sandbox  # noqa: E402
 
 ENV = """name: {name}
@@ -100,6 +101,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--launches", type=int, default=10)
     args = ap.parse_args()
+    precompile()
     with tempfile.TemporaryDirectory(prefix="envctl-sbx-", dir="/var/tmp") as tmp:
         t = Path(tmp)
         matmul, walk = t / "matmul", t / "walk"
