@@ -208,3 +208,45 @@ def test_heal_never_waits_for_the_global_lock(tmp_path):
     assert heal_env(host, "box") is None
     assert not Path(host.state_dir / "journal").exists()
 
+
+
+def test_nothing_is_logged_or_healed_while_the_host_shuts_down(tmp_path):
+    """systemd stops the environments' slices and scopes at shutdown, before envctl.service's
+    ExecStop= takes them down: that is not drift, and a heal would start them again."""
+    asked: list[int] = []
+    shutting_down = {"now": False}
+
+    def stopping():
+        asked.append(1)
+        return shutting_down["now"]
+
+    healed: list[str] = []
+    state = {"check": Check("up")}
+    h, clock, said = health(tmp_path, lambda env: state["check"],
+                            lambda env: healed.append(env) or ["+ x"])
+    h.stopping = stopping
+    h.run(["box"])
+    assert asked == []  # nothing wrong: never asked
+    shutting_down["now"] = True
+    state["check"] = DRIFT
+    for _ in range(3):
+        view = h.run(["box"])
+        clock.t += 30
+    assert healed == [] and logged(tmp_path) == []
+    assert view["box"]["state"] == "degraded"  # shown as it is
+    assert said == ["the host is shutting down: no drift reported or healed from now on"]
+    assert len(asked) == 3  # once a round
+    shutting_down["now"] = False  # (a shutdown cancelled: back to normal)
+    h.run(["box"])
+    assert healed == ["box"] and logged(tmp_path) == [("box", "drift"), ("box", "healed")]
+
+
+def test_a_failing_shutdown_probe_does_not_stop_the_loop(tmp_path):
+    def stopping():
+        raise RuntimeError("no bus")
+
+    healed: list[str] = []
+    h, _, _ = health(tmp_path, lambda env: DRIFT, lambda env: healed.append(env) or ["+ x"])
+    h.stopping = stopping
+    h.run(["box"])
+    assert healed == ["box"]

@@ -485,6 +485,23 @@ def test_run_and_attach_argv(host, tmp_path):
                            "inactive-or-failed", "0"]
 
 
+def test_stopping_is_what_is_system_running_says(host):
+    s = host.systemd
+    for out, code, want in (("stopping\n", 1, True), ("running\n", 0, False),
+                            ("degraded\n", 1, False), ("offline\n", 1, False)):
+        seen = []
+        s.runner = lambda argv, out=out, code=code: (
+            seen.append(argv) or subprocess.CompletedProcess(argv, code, out, ""))
+        assert s.stopping() is want
+        assert seen == [[*s.systemctl, "is-system-running"]]
+
+    def missing(argv):
+        raise FileNotFoundError(2, "No such file or directory", argv[0])
+
+    s.runner = missing
+    assert s.stopping() is False
+
+
 # ---------------------------------------------------------------- ownership and teardown
 
 

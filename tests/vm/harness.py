@@ -375,7 +375,7 @@ def run_systemd_boot(script: str, *, preboot: str, out: Path, clean_poweroff: bo
     initrd = boot_initramfs()
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o777)
-    for name in ("rc", "log", "preboot.rc", "preboot.log", "shutdown.json"):
+    for name in ("rc", "log", "preboot.rc", "preboot.log", "shutdown.json", "left_up_at"):
         (out / name).unlink(missing_ok=True)
     (out / "run.sh").write_text(script)
     (out / "preboot.sh").write_text(preboot)

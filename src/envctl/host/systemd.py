@@ -232,6 +232,15 @@ class Systemd:
         return self.unit_dir / unit
 
     # -- systemctl
+    def stopping(self) -> bool:
+        """Whether systemd is shutting the host down (`systemctl is-system-running` says
+        "stopping"); False when it cannot say."""
+        try:
+            res = self.runner([*self.systemctl, "is-system-running"])
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return res.stdout.strip() == "stopping"
+
     def _ctl(self, action: str, unit: str, *args: str,
              ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess:
         argv = [*self.systemctl, *args]

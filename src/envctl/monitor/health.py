@@ -15,6 +15,10 @@ Each tick, for each environment that is up:
    edited since: that is `envctl up`'s), with its rollback. `healed` or `heal-failed` goes to
    the events log; an unfinished `down` or an unreadable journal is `heal-skipped`.
 
+While systemd shuts the host down, nothing is reported or healed: systemd stops the
+environments' slices and scopes itself, and envctl.service's ExecStop= takes them down (the
+monitor would otherwise log their teardown as drift and try to start them again).
+
 Backoff: the first heal of a drift runs at once; after each attempt (whatever its result) the
 next may run only `base * 2**(n-1)` seconds later (capped at `cap`); the count is forgotten
 once the environment has stayed healthy for `reset_after` seconds. A service that dies a
@@ -23,6 +27,7 @@ minute after every heal is thus healed after 10 s, 20 s, 40 s … 15 min: never 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -118,6 +123,13 @@ def check_env(host: Any, env: str) -> Check:
     return Check(env_state(steps), problems)
 
 
+def host_stopping(host: Any) -> bool:
+    """Whether systemd is shutting this host down; False where systemd is not PID 1."""
+    if not os.path.isdir("/run/systemd/system"):  # sd_booted(3)
+        return False
+    return host.systemd.stopping()
+
+
 def heal_env(host: Any, env: str) -> list[str] | None:
     """Re-converge what `env`'s journal records as applied, under the global lock taken
     without waiting: the resources the last `envctl up` applied, never its spec as edited
@@ -154,12 +166,16 @@ class Health:
                  checker: Callable[[str], Check] | None = None,
                  healer: Callable[[str], list[str] | None] | None = None,
                  say: Callable[[str], None] | None = None,
-                 wall: Callable[[], float] = time.time):
+                 wall: Callable[[], float] = time.time,
+                 stopping: Callable[[], bool] | None = None):
         self.host = host
         self.heal = heal
         self.backoff = backoff or Backoff()
         self.checker = checker or (lambda env: check_env(host, env))
         self.healer = healer or (lambda env: heal_env(host, env))
+        self.stopping = stopping or (lambda: host_stopping(host))
+        self.shutdown_said = False
+        self.muted: set[str] = set()  # drift found while the host was shutting down
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.wall = wall
         self.last: dict[str, Check] = {}
@@ -181,6 +197,7 @@ class Health:
         from envctl.errors import EnvctlError
 
         self.healed = set()
+        stopping: bool | None = None  # asked once a round, and only when something is wrong
         for gone in [e for e in self.last if e not in envs]:
             del self.last[gone]
             self.backoff.forget(gone)
@@ -199,12 +216,28 @@ class Health:
             if found.state == "down":
                 self.backoff.forget(env)
                 continue
+            if stopping is None:
+                stopping = self._host_stopping()
+            if stopping:
+                self.muted.add(env)  # systemd's teardown: shown as it is, not logged or healed
+                continue
             self.backoff.unhealthy(env)
-            if before is None or before.problems != found.problems:
+            if before is None or before.problems != found.problems or env in self.muted:
+                self.muted.discard(env)
                 self._event(env, "drift", "; ".join(found.problems))
             if self.heal and self.backoff.due(env):
                 self._heal(env)
         return self.view()
+
+    def _host_stopping(self) -> bool:
+        try:
+            stopping = self.stopping()
+        except Exception:  # noqa: BLE001 - cannot tell: go on as on any other tick
+            return False
+        if stopping and not self.shutdown_said:
+            self.shutdown_said = True
+            self.say("the host is shutting down: no drift reported or healed from now on")
+        return stopping
 
     def _heal(self, env: str) -> None:
         from envctl.errors import EnvctlError
