@@ -118,25 +118,30 @@ def kernel() -> tuple[Path, Path]:
 
 def initramfs() -> Path:
     """The busybox initramfs (cached; rebuilt when this file's /init changes)."""
+    return _initramfs("initrd", INIT.format(modules=" ".join(MODULES)), MODULES,
+                      dirs=("host",))
+
+
+def _initramfs(name: str, init: str, wanted: tuple[str, ...], *,
+               dirs: tuple[str, ...] = ()) -> Path:
+    """CACHE/<name>.gz: busybox, `init` as /init, and the plain .ko of each of `wanted`
+    (busybox insmod reads no compressed module); rebuilt only when `init` changes."""
     _, modules = kernel()
-    init = INIT.format(modules=" ".join(MODULES))
-    target = CACHE / "initrd.gz"
-    stamp = CACHE / "initrd.init"
+    target, stamp = CACHE / f"{name}.gz", CACHE / f"{name}.init"
     if target.exists() and stamp.exists() and stamp.read_text() == init:
         return target
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for d in ("bin", "proc", "sys", "dev", "host", "lib/modules"):
+        for d in ("bin", "proc", "sys", "dev", "lib/modules", *dirs):
             (root / d).mkdir(parents=True)
         shutil.copy(_busybox(), root / "bin/busybox")
-        for m in MODULES:
-            found = list(modules.rglob(f"{m}.ko*"))
+        for m in wanted:
+            found = [p for p in modules.rglob(f"{m}.ko*") if p.is_file()]
             if not found:
                 raise RuntimeError(f"module {m} not in the kernel package")
-            data = found[0].read_bytes()
-            if found[0].name.endswith(".xz") or found[0].name.endswith(".zst"):
+            if found[0].name.endswith((".xz", ".zst", ".gz")):
                 raise RuntimeError(f"{found[0]} is compressed; busybox insmod needs plain .ko")
-            (root / "lib/modules" / f"{m}.ko").write_bytes(data)
+            shutil.copy(found[0], root / "lib/modules" / f"{m}.ko")
         _pack(root, init, target)
     stamp.write_text(init)
     return target
@@ -210,24 +215,8 @@ systemctl poweroff -f'
 
 def systemd_initramfs() -> Path:
     """The initramfs that boots systemd (cached like `initramfs()`)."""
-    _, modules = kernel()
-    init = SYSTEMD_INIT.format(modules=" ".join(SYSTEMD_MODULES))
-    target, stamp = CACHE / "initrd-systemd.gz", CACHE / "initrd-systemd.init"
-    if target.exists() and stamp.exists() and stamp.read_text() == init:
-        return target
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        for d in ("bin", "proc", "sys", "dev", "lib/modules"):
-            (root / d).mkdir(parents=True)
-        shutil.copy(_busybox(), root / "bin/busybox")
-        for m in SYSTEMD_MODULES:
-            found = [p for p in modules.rglob(f"{m}.ko") if p.is_file()]
-            if not found:
-                raise RuntimeError(f"module {m} (plain .ko) not in the kernel package")
-            shutil.copy(found[0], root / "lib/modules" / f"{m}.ko")
-        _pack(root, init, target)
-    stamp.write_text(init)
-    return target
+    return _initramfs("initrd-systemd", SYSTEMD_INIT.format(modules=" ".join(SYSTEMD_MODULES)),
+                      SYSTEMD_MODULES)
 
 
 def run_systemd(script: str, *, timeout: float = 900, memory_mb: int = 2048,
@@ -342,25 +331,9 @@ def kernel_modules() -> Path:
 
 def boot_initramfs() -> Path:
     """The initramfs of `run_systemd_boot` (cached like `initramfs()`)."""
-    _, modules = kernel()
     kernel_modules()
-    init = BOOT_INIT.format(modules=" ".join(SYSTEMD_MODULES))
-    target, stamp = CACHE / "initrd-boot.gz", CACHE / "initrd-boot.init"
-    if target.exists() and stamp.exists() and stamp.read_text() == init:
-        return target
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        for d in ("bin", "proc", "sys", "dev", "lib/modules"):
-            (root / d).mkdir(parents=True)
-        shutil.copy(_busybox(), root / "bin/busybox")
-        for m in SYSTEMD_MODULES:
-            found = [p for p in modules.rglob(f"{m}.ko") if p.is_file()]
-            if not found:
-                raise RuntimeError(f"module {m} (plain .ko) not in the kernel package")
-            shutil.copy(found[0], root / "lib/modules" / f"{m}.ko")
-        _pack(root, init, target)
-    stamp.write_text(init)
-    return target
+    return _initramfs("initrd-boot", BOOT_INIT.format(modules=" ".join(SYSTEMD_MODULES)),
+                      SYSTEMD_MODULES)
 
 
 def run_systemd_boot(script: str, *, preboot: str, out: Path, clean_poweroff: bool = False,
