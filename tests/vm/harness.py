@@ -195,6 +195,8 @@ umount /proc /sys /dev 2>/dev/null
 exec switch_root /newroot /lib/systemd/systemd systemd.firstboot=off \
   systemd.unit=envctl-vm.target
 """
+SYSTEMD_CMDLINE = ("console=ttyS0 quiet panic=-1 systemd.firstboot=off systemd.show_status=0 "
+                   "systemd.unit=envctl-vm.target systemd.unified_cgroup_hierarchy=1")
 SYSTEMD_TARGET = """[Unit]
 Description=envctl VM test
 Requires=basic.target
@@ -231,9 +233,7 @@ def run_systemd(script: str, *, timeout: float = 900, memory_mb: int = 2048,
         (out / "run.sh").write_text(script)
         (out / "envctl-vm.target").write_text(SYSTEMD_TARGET)
         (out / "envctl-vm.service").write_text(SYSTEMD_SERVICE)
-        cmdline = ("console=ttyS0 quiet panic=-1 systemd.firstboot=off systemd.show_status=0 "
-                   "systemd.unit=envctl-vm.target systemd.unified_cgroup_hierarchy=1")
-        return _boot(vmlinuz, initrd, cmdline, out, memory_mb=memory_mb, cpus=cpus,
+        return _boot(vmlinuz, initrd, SYSTEMD_CMDLINE, out, memory_mb=memory_mb, cpus=cpus,
                      timeout=timeout)
 
 
@@ -359,7 +359,5 @@ def run_systemd_boot(script: str, *, preboot: str, out: Path, clean_poweroff: bo
         service = BOOT_SERVICE.replace("systemctl poweroff -f'", "systemctl poweroff'")
         assert service != BOOT_SERVICE
     (out / "envctl-vm.service").write_text(service)
-    cmdline = ("console=ttyS0 quiet panic=-1 systemd.firstboot=off systemd.show_status=0 "
-               "systemd.unit=envctl-vm.target systemd.unified_cgroup_hierarchy=1")
-    return _boot(vmlinuz, initrd, cmdline, out, memory_mb=memory_mb, cpus=cpus,
+    return _boot(vmlinuz, initrd, SYSTEMD_CMDLINE, out, memory_mb=memory_mb, cpus=cpus,
                  timeout=timeout)
