@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from envctl.spec.naming import DEFAULT_PARENT  # noqa: F401 - re-exported: facts name it
-
+# The default name of envctl's parent cgroup / slice (ENVCTL_CGROUP_PARENT overrides it);
+# envctl.spec.naming holds the same value for the launch path (facts import nothing of
+# envctl's: tests/unit/test_layering.py checks both).
+DEFAULT_PARENT = "envctl"
 # cgroup v2 controllers an environment's cgroup uses, in the order they are delegated.
 V2_CONTROLLERS = ("cpu", "cpuset", "memory", "io", "pids")
 

@@ -116,6 +116,15 @@ def test_facts_are_pure_values():
     assert _graph()["envctl.facts"] == set()
 
 
+def test_the_default_parent_has_one_value():
+    """envctl.facts and envctl.spec.naming (which the launch path imports instead of the
+    facts) name the same default parent cgroup."""
+    from envctl import facts
+    from envctl.spec import naming
+
+    assert facts.DEFAULT_PARENT == naming.DEFAULT_PARENT == "envctl"
+
+
 def test_planning_every_shipped_spec_touches_nothing():
     """Plan the shipped specs with hand-made facts under an audit hook that fails on any file
     opened, directory listed, socket, process, ctypes library or syscall: the planner is a pure

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -385,6 +386,7 @@ def test_exec_imports_neither_specs_nor_planner_nor_resource_kinds(tmp_path, roo
 # mount helpers; the systemd driver: its scope), which the test above never reaches.
 AFTER_THE_FORK = """
 import sys
+import time
 from pathlib import Path
 
 from envctl.runtime import launch, submit, supervisor  # noqa: F401
@@ -440,3 +442,36 @@ def test_the_systemd_drivers_attach_names_the_slice_and_reports_a_refusal(tmp_pa
     cgroupfs = EnvContext(env="box", root=tmp_path, mntns=tmp_path / "mnt", netns=None,
                           hostname="box", cgroup=EnvCgroup("cgroupfs", "", 1))
     assert rl.systemd_attach(cgroupfs) is None
+
+
+@pytest.mark.parametrize("attach_fails", [False, True])
+def test_a_launcher_that_fails_while_it_is_attached_reports_its_own_step(tmp_path, rootfs,
+                                                                         attach_fails):
+    """The caller joins the launcher to its cgroup while the launcher sets up: when the
+    launcher fails first (here: a "mount namespace" that is a plain file), its step is what
+    the launch reports, whether the join then succeeds (the go-ahead meets a closed pipe) or
+    fails (an attach refused for the ended process)."""
+    from envctl.errors import HostError
+
+    holder = tmp_path / "not-a-namespace"
+    holder.write_text("")
+    ctx = ctx_of(rootfs, mntns=holder)
+
+    def attach(pid):
+        deadline = time.monotonic() + 30
+        while True:  # until the launcher has failed and ended (a zombie: nobody reaped it)
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            if stat[stat.rfind(b")") + 2:][:1] == b"Z":
+                break
+            assert time.monotonic() < deadline, "the launcher never ended"
+            time.sleep(0.01)
+        if attach_fails:
+            raise HostError(f"attach to slice 'envctl-box.slice': process {pid} exited")
+
+    user = rl.User(os.getuid(), os.getgid())
+    with pytest.raises(rl.LaunchError) as err:
+        rl.start(rl.Launch(ctx, ["true"], {}, user, attach=attach))
+    assert err.value.step == "setns mnt", err.value
+    assert str(err.value).startswith("enter environment 'box': setns mnt: ")
+    assert str(holder) in str(err.value)

@@ -489,8 +489,8 @@ def test_stopping_is_what_is_system_running_says(host):
     s = host.systemd
     for out, code, want in (("stopping\n", 1, True), ("running\n", 0, False),
                             ("degraded\n", 1, False), ("offline\n", 1, False)):
-        seen = []
-        s.runner = lambda argv, out=out, code=code: (
+        seen: list[list[str]] = []
+        s.runner = lambda argv, out=out, code=code, seen=seen: (
             seen.append(argv) or subprocess.CompletedProcess(argv, code, out, ""))
         assert s.stopping() is want
         assert seen == [[*s.systemctl, "is-system-running"]]

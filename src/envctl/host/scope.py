@@ -14,7 +14,7 @@ import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     Runner = Callable[[list[str]], subprocess.CompletedProcess]
 
@@ -29,11 +29,14 @@ def run(argv: list[str]) -> subprocess.CompletedProcess:
 
 
 def attach_scope(unit: str, cgroup: str, pid: int, *, busctl: Sequence[str] = ("busctl",),
-                 proc: str = "/proc", runner: Runner = run, timeout: float = 10.0) -> str:
+                 proc: str = "/proc", v1_mounts: Mapping[str, str] | None = None,
+                 runner: Runner = run, timeout: float = 10.0) -> str:
     """Move running process `pid` into slice `unit` (whose cgroup is `cgroup`, relative to the
     hierarchy's root) as a transient scope made with D-Bus StartTransientUnit (busctl);
-    returns the scope's name. A slice holds no process itself: the scope does, and goes away
-    when its processes have exited. ScopeError when systemd refuses or `pid` is gone."""
+    returns the scope's name once systemd has moved it (`v1_mounts`: v1 controller -> mount
+    point, on a hybrid host; see `attached`). A slice holds no process itself: the scope does,
+    and goes away when its processes have exited. ScopeError when systemd refuses or `pid`
+    has ended (a zombie's pid is accepted and never moved)."""
     scope = f"{unit.removesuffix('.slice')}-{pid}.scope"
     argv = [*busctl, "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
             "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
@@ -57,8 +60,40 @@ def attach_scope(unit: str, cgroup: str, pid: int, *, busctl: Sequence[str] = ("
                 text = f.read()
         except FileNotFoundError as exc:
             raise ScopeError(f"process {pid} exited") from exc
-        if any(line.endswith(want) for line in text.splitlines()):
+        if attached(text, want, v1_mounts or {}):
             return scope
+        if _ended(proc, pid):
+            raise ScopeError(f"process {pid} exited")
         time.sleep(pause)
         pause = min(pause * 2, 0.02)
     raise ScopeError(f"process {pid} not in {want} after {timeout:g} s")
+
+
+def attached(text: str, want: str, v1_mounts: Mapping[str, str]) -> bool:
+    """Whether /proc/PID/cgroup `text` shows the process moved into the scope at `want`: its
+    line of the systemd hierarchy (or cgroup2's) ends with it, and so does its line of every
+    v1 controller hierarchy in which the scope has a cgroup. systemd moves a process into the
+    systemd hierarchy first and then into each v1 one (a hybrid host), so the first line
+    alone can be seen before the others; a controller the scope has no cgroup for stays
+    where it was."""
+    moved = False
+    for line in text.splitlines():
+        _, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if path.endswith(want):
+            moved = True
+        elif controllers and not controllers.startswith("name="):
+            mount = v1_mounts.get(controllers.split(",")[0])
+            if mount and os.path.isdir(mount.rstrip("/") + want):
+                return False  # the scope has a cgroup there, and the process is not in it yet
+    return moved
+
+
+def _ended(proc: str, pid: int) -> bool:
+    """Whether `pid` has exited (a zombie, or reaped)."""
+    try:
+        with open(os.path.join(proc, str(pid), "stat"), "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")

@@ -449,7 +449,8 @@ class Systemd:
         unit = self.unit(env)
         try:
             return attach_scope(unit, self.cgroup(env), pid, busctl=self.busctl,
-                                proc=str(self.proc), runner=self.runner, timeout=timeout)
+                                proc=str(self.proc), v1_mounts=self.lay.v1,
+                                runner=self.runner, timeout=timeout)
         except ScopeError as exc:
             raise HostError(f"attach to slice '{unit}': {exc}") from None
 

@@ -235,8 +235,8 @@ class Health:
         except Exception:  # noqa: BLE001 - cannot tell: go on as on any other tick
             return False
         if stopping and not self.shutdown_said:
-            self.shutdown_said = True
             self.say("the host is shutting down: no drift reported or healed from now on")
+        self.shutdown_said = stopping  # a shutdown cancelled and started again: said again
         return stopping
 
     def _heal(self, env: str) -> None:

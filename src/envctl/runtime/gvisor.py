@@ -10,17 +10,17 @@ API (called by launch.start for an environment whose context says gvisor):
     sweep(box_dir) -> list[str]    # removes the bundles of launches that are gone
 
 Processes. launch.start forks the launcher as for a native launch: it joins the environment's
-network namespace, the launch's cgroups and the environment's mount namespace, unshares mount,
-PID, UTS, IPC and cgroup namespaces, binds `Launch.binds` over the rootfs, and forks an init,
-here this module's: PID 1 of the new PID namespace, in which every runsc process (the
-sandbox, the gofer, the short-lived commands) then lives. The init mounts /proc for that
-namespace, takes the job's CPUs, writes `config.json`, runs `runsc create` and `runsc start`
-as its children, and reaps until the sandbox (now its child) exits with the job's code;
-FORWARDED_SIGNALS it receives go to the container's process through `runsc kill`. When the
-job ends it removes the bundle and runsc's state,
-writes the job's wait status to `status_fd` and exits with the job's code; so does the
-launcher. SIGKILL to the launcher kills the init (PR_SET_PDEATHSIG) and the kernel kills
-the whole PID namespace with it: the sandbox never outlives its launch.
+network and mount namespaces, unshares mount, PID, UTS and IPC namespaces, binds `Launch.binds`
+over the rootfs, waits until the caller has put it into the launch's cgroups, unshares the
+cgroup namespace, and forks an init, here this module's: PID 1 of the new PID namespace, in
+which every runsc process (the sandbox, the gofer, the short-lived commands) then lives. The
+init mounts /proc for that namespace, takes the job's CPUs, writes `config.json`, runs `runsc
+create` and `runsc start` as its children, and reaps until the sandbox (now its child) exits
+with the job's code; FORWARDED_SIGNALS it receives go to the container's process through `runsc
+kill`. When the job ends it removes the bundle and runsc's state, writes the job's wait status
+to `status_fd` and exits with the job's code; so does the launcher. SIGKILL to the launcher
+kills the init (PR_SET_PDEATHSIG) and the kernel kills the whole PID namespace with it: the
+sandbox never outlives its launch.
 
 Where things are: `<run>/<env>/gvisor/<id>/` holds `config.json`, runsc's state (`--root
 state`), its log and the console socket; `<id>.lock` beside it is flock'd by the launch for

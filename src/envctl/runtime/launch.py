@@ -481,10 +481,11 @@ def systemd_attach(ctx: EnvContext) -> Callable[[int], None] | None:
 
     parent = ctx.cgroup.parent_name
     unit, cgroup = env_slice(ctx.env, parent), slice_cgroup(ctx.env, parent)
+    v1, _ = _cgroup_mounts()
 
     def attach(pid: int) -> None:
         try:
-            attach_scope(unit, cgroup, pid)
+            attach_scope(unit, cgroup, pid, v1_mounts=v1)
         except ScopeError as exc:
             raise HostError(f"attach to slice '{unit}': {exc}") from None
     return attach
@@ -500,7 +501,8 @@ class _Plan(Record):
     netns_fd: int
     mntns_fd: int
     err_w: int
-    sync_r: int
+    sync_r: int  # the launcher's end of the go-ahead pipe (-1: no cgroup to join)
+    sync_w: int  # the caller's end, which the launcher closes
     sock: int  # the children's end of the pty socket pair
     cpus: tuple[int, ...]
     keep: int  # capability bits kept
@@ -547,11 +549,15 @@ def start(launch: Launch, *, init: Callable[[Launch, _Plan, int], NoReturn] | No
             fds += [mine, theirs]
         if launch.binds:
             from envctl.host import mounts  # noqa: F401 - for the launcher, before the fork
-        plan = _Plan(os.getpid(), netns_fd, mntns_fd, err_w, sync_r, theirs, **plan_args)
+        plan = _Plan(os.getpid(), netns_fd, mntns_fd, err_w, sync_r, sync_w, theirs,
+                     **plan_args)
         with _signals_blocked():
             pid = os.fork()
             if pid == 0:
                 _launcher(launch, plan, init)  # never returns
+        if sync_r >= 0:  # the launcher's end: closed here, a launcher that died is EPIPE
+            os.close(sync_r)
+            fds.remove(sync_r)
         if theirs >= 0:  # the children's end: ours open would hide their exit from recv_fds
             os.close(theirs)
             fds.remove(theirs)
@@ -633,7 +639,12 @@ def _started(launch: Launch, pid: int, err_r: int, err_w: int, sync_w: int, mine
     """The caller's side after the fork: attach, take the pty, wait for the exec."""
     os.close(err_w)
     fds.remove(err_w)
-    started = Started(pid, os.pidfd_open(pid))
+    try:
+        started = Started(pid, os.pidfd_open(pid))
+    except OSError:  # EMFILE: the launcher must not wait for a go-ahead that never comes
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
     try:
         if sync_w >= 0:
             _join(launch, pid, err_r)
@@ -666,8 +677,10 @@ def _join(launch: Launch, pid: int, err_r: int) -> None:
     """Put the launcher into the launch's cgroup (its directories, or the systemd driver's
     attach) while it sets up its namespaces: a migration waits for an RCU grace period
     (~10 ms on cgroup v1 here), and systemd for a D-Bus round trip. The launcher forks the
-    namespace's init, which inherits the cgroup, only once this is done. A failure here
-    reports the launcher's own error when it failed first (its migration then fails too)."""
+    namespace's init, which inherits the cgroup, only once this is done. A launcher that
+    failed meanwhile is a zombie: a cgroup.procs write of its pid is accepted and moves
+    nothing (its report is read next, by the caller), and the scope's attach sees it end. When
+    the join fails, the launcher is killed, and its own error is reported if it wrote one."""
     step = "join cgroup"
     try:
         me = str(pid).encode()
@@ -754,6 +767,8 @@ def _launcher(launch: Launch, plan: _Plan,
     """The caller's child, in the host's PID namespace (see the module docstring)."""
     step = "start"
     try:
+        if plan.sync_w >= 0:
+            os.close(plan.sync_w)  # EOF on sync_r, then, when the caller gives up or dies
         os.setsid()  # out of the caller's terminal group: signals reach the job once, forwarded
         _check_call(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
         if os.getppid() != plan.parent:

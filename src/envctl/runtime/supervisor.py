@@ -222,6 +222,8 @@ def _stage(src: Path, dest: Path, uid: int, gid: int) -> None:
                 pass
             os.fchmod(fd_out, os.fstat(fd_in).st_mode & 0o777)
             os.fchown(fd_out, uid, gid)
+        except OSError as exc:  # sendfile's errors name no file: the copy's source is it
+            raise OSError(exc.errno, exc.strerror, str(src)) from None
         finally:
             os.close(fd_out)
     finally:

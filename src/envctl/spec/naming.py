@@ -5,7 +5,9 @@ the systemd driver's slice with it."""
 
 from __future__ import annotations
 
-# The default name of envctl's parent cgroup / slice (ENVCTL_CGROUP_PARENT overrides it).
+# The default name of envctl's parent cgroup / slice (ENVCTL_CGROUP_PARENT overrides it):
+# envctl.facts's, which imports nothing of envctl's (tests/unit/test_layering.py checks that
+# the two are the same).
 DEFAULT_PARENT = "envctl"
 
 IFNAMSIZ = 15  # usable characters of an interface name (16 bytes with the NUL)
