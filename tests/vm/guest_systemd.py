@@ -79,7 +79,8 @@ def names(sb) -> tuple[str, str, Path]:
 def slice_residue(sb) -> dict[str, list[str]]:
     prefix = sd.parent_slice(sb.cgroup_parent).removesuffix(".slice")
     units = subprocess.run(["systemctl", "list-units", "--all", "--plain", "--no-legend",
-                            f"{prefix}*"], capture_output=True, text=True).stdout.split("\n")
+                            f"{prefix}*"], capture_output=True, text=True,
+                           timeout=120).stdout.split("\n")
     found = {"units": sorted(line.split()[0] for line in units if line.strip()),
              "unit_files": sorted(p.name for p in UNITS.glob(f"{prefix}*")),
              "slice_cgroups": sorted(str(p) for p in ROOT.glob(f"{prefix}*"))}
@@ -88,7 +89,7 @@ def slice_residue(sb) -> dict[str, list[str]]:
 
 def show(unit: str, *keys: str) -> dict[str, str]:
     out = subprocess.run(["systemctl", "show", "-p", ",".join(keys), "--", unit],
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True, timeout=120).stdout
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
@@ -134,13 +135,13 @@ def test_slice_limits_devices_reload_drift_and_teardown(sb):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         scope = child.stdout.readline().split()
-        assert scope[:1] == ["scope"], child.stderr.read()
+        assert scope[:1] == ["scope"], stderr_of(child)
         # (nsenter execs the probe: same pid)
         assert Path(f"/proc/{child.pid}/cgroup").read_text().strip() == \
             f"0::/{parent}/{unit}/{scope[1]}"
         for reload in (False, True):
             if reload:
-                subprocess.run(["systemctl", "daemon-reload"], check=True)
+                subprocess.run(["systemctl", "daemon-reload"], check=True, timeout=120)
             child.stdin.write("probe\n")
             child.stdin.flush()
             # (/dev/urandom is 1:9, through the link envctl made)
@@ -154,7 +155,7 @@ def test_slice_limits_devices_reload_drift_and_teardown(sb):
 
         # Drift: an operator's set-property is reported precisely and repaired by `up`.
         subprocess.run(["systemctl", "set-property", "--runtime", unit, "TasksMax=5"],
-                       check=True)
+                       check=True, timeout=120)
         status = sb.envctl_json("status", "lim")[0]
         diffs = [d for s in status["steps"] for d in s["diffs"]]
         assert diffs == [{"field": "TasksMax", "want": "32", "have": "5"}], status
@@ -203,6 +204,14 @@ time.sleep(1000)
 """
 
 
+def stderr_of(proc: subprocess.Popen) -> str:
+    """What `proc` wrote to stderr, for a failure message; killed first if it still runs (a
+    read of a live process's stderr would wait for it to end)."""
+    if proc.poll() is None:
+        proc.kill()
+    return proc.communicate(timeout=30)[1]
+
+
 def wait_for(done, timeout: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout
     while not done():
@@ -220,7 +229,7 @@ def test_teardown_kills_a_stubborn_process_in_a_delegated_sub_cgroup(sb):
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = kid.stdout.readline().split()
-        assert line[:1] == ["moved"], kid.stderr.read() if kid.poll() is not None else line
+        assert line[:1] == ["moved"], (line, stderr_of(kid))
         assert Path(line[1]).is_relative_to(cg)
         res = sb.envctl("down", "lim", env={"ENVCTL_KILL_GRACE": "1"}, timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr
@@ -241,7 +250,7 @@ def test_an_operators_drop_in_is_kept(sb):
         assert up(sb, "  pids: {max: 32}").returncode == 0
         # A repair through set-property leaves envctl's own runtime drop-in; down removes it.
         subprocess.run(["systemctl", "set-property", "--runtime", unit, "TasksMax=5"],
-                       check=True)
+                       check=True, timeout=120)
         assert sb.envctl("up", "lim", timeout=300).returncode == 0
         control = Path("/run/systemd/system.control") / f"{unit}.d"
         assert (control / "50-TasksMax.conf").exists()
@@ -251,7 +260,7 @@ def test_an_operators_drop_in_is_kept(sb):
     finally:
         dropin.unlink(missing_ok=True)
         dropin.parent.rmdir()
-        subprocess.run(["systemctl", "daemon-reload"], check=True)
+        subprocess.run(["systemctl", "daemon-reload"], check=True, timeout=120)
 
 
 def test_a_slice_somebody_started_is_refused_and_left_running(sb):
@@ -276,7 +285,7 @@ def test_a_slice_somebody_started_is_refused_and_left_running(sb):
         theirs.wait()
         for u in (unit, parent):  # slices stay active until stopped
             with contextlib.suppress(subprocess.CalledProcessError):
-                subprocess.run(["systemctl", "stop", u], check=True)
+                subprocess.run(["systemctl", "stop", u], check=True, timeout=120)
 
 
 def test_exec_and_a_job_run_in_transient_scopes_of_the_slice(sb, tmp_path):
@@ -292,7 +301,7 @@ def test_exec_and_a_job_run_in_transient_scopes_of_the_slice(sb, tmp_path):
         def scopes() -> list[Path]:
             return [p for p in cg.glob("*.scope") if (p / "cgroup.procs").read_text().strip()]
 
-        assert wait_for(lambda: scopes()), f"no scope under {cg}: {proc.stderr.read()}"
+        assert wait_for(lambda: scopes()), f"no scope under {cg}: {stderr_of(proc)}"
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -26,6 +26,12 @@ CACHE = Path(os.environ.get("ENVCTL_VM_CACHE", "/var/cache/envctl-vm"))
 MODULES = ("virtio_ring", "virtio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev",
            "virtio_pci", "netfs", "fscache", "9pnet", "9pnet_virtio", "9p")
 QEMU = "qemu-system-x86_64"
+# The mount options of the read-only 9p shares (the host root, the checkout). cache=loose:
+# the guest keeps what it has read (pages, attributes, directory entries) instead of asking
+# the host again on every open, stat and read; every Python start in the guest reads hundreds
+# of files, and under TCG each round trip is slow. Safe because nothing the guest reads there
+# changes while it runs (its results go to the uncached `out` share).
+RO_9P = "trans=virtio,version=9p2000.L,ro,cache=loose,msize=262144"
 
 INIT = """#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -37,7 +43,7 @@ for try in 1 2 3 4 5; do
   for m in {modules}; do insmod /lib/modules/$m.ko 2>/dev/null; done
 done
 mkdir -p /host
-mount -t 9p -o trans=virtio,version=9p2000.L,ro hostroot /host || echo "envctl-vm: no 9p root"
+mount -t 9p -o {ro_9p} hostroot /host || echo "envctl-vm: no 9p root"
 mount -t proc proc /host/proc
 mount -t sysfs sys /host/sys
 mount -t devtmpfs dev /host/dev
@@ -53,7 +59,7 @@ mount -t 9p -o trans=virtio,version=9p2000.L out /host/tmp/out
 # tmpfs above hides.
 repo=$(cat /host/tmp/out/repo_path)
 mkdir -p "/host$repo"
-mount -t 9p -o trans=virtio,version=9p2000.L,ro repo "/host$repo"
+mount -t 9p -o {ro_9p} repo "/host$repo"
 echo "envctl-vm: running"
 # switch_root, not chroot: the host root must be the mount namespace's root, or nsenter -m
 # (the test sandboxes) would land back in this initramfs.
@@ -118,14 +124,15 @@ def kernel() -> tuple[Path, Path]:
 
 def initramfs() -> Path:
     """The busybox initramfs (cached; rebuilt when this file's /init changes)."""
-    return _initramfs("initrd", INIT.format(modules=" ".join(MODULES)), MODULES,
-                      dirs=("host",))
+    return _initramfs("initrd", INIT, MODULES, dirs=("host",))
 
 
-def _initramfs(name: str, init: str, wanted: tuple[str, ...], *,
+def _initramfs(name: str, template: str, wanted: tuple[str, ...], *,
                dirs: tuple[str, ...] = ()) -> Path:
-    """CACHE/<name>.gz: busybox, `init` as /init, and the plain .ko of each of `wanted`
-    (busybox insmod reads no compressed module); rebuilt only when `init` changes."""
+    """CACHE/<name>.gz: busybox, `template` as /init (its {modules}: `wanted`, {ro_9p}:
+    RO_9P), and the plain .ko of each of `wanted` (busybox insmod reads no compressed
+    module); rebuilt only when /init changes."""
+    init = template.format(modules=" ".join(wanted), ro_9p=RO_9P)
     _, modules = kernel()
     target, stamp = CACHE / f"{name}.gz", CACHE / f"{name}.init"
     if target.exists() and stamp.exists() and stamp.read_text() == init:
@@ -154,9 +161,8 @@ def run(script: str, *, timeout: float = 900, memory_mb: int = 1024, cpus: int =
     with tempfile.TemporaryDirectory(prefix="envctl-vm-") as tmp:
         out = Path(tmp)
         out.chmod(0o777)
-        (out / "run.sh").write_text(script)
-        return _boot(vmlinuz, initrd, "console=ttyS0 quiet panic=-1", out,
-                     memory_mb=memory_mb, cpus=cpus, timeout=timeout)
+        return _boot(vmlinuz, initrd, "console=ttyS0 quiet panic=-1", out, script,
+                     guest_out="/tmp/out", memory_mb=memory_mb, cpus=cpus, timeout=timeout)
 
 
 # ---------------------------------------------------------------- systemd as PID 1
@@ -175,7 +181,7 @@ for try in 1 2 3 4 5; do
   for m in {modules}; do insmod /lib/modules/$m.ko 2>/dev/null; done
 done
 mkdir -p /lower /upper /newroot
-mount -t 9p -o trans=virtio,version=9p2000.L,ro hostroot /lower || echo "envctl-vm: no 9p root"
+mount -t 9p -o {ro_9p} hostroot /lower || echo "envctl-vm: no 9p root"
 mount -t tmpfs -o mode=755 upper /upper
 mkdir -p /upper/data /upper/work
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/data,workdir=/upper/work /newroot
@@ -185,7 +191,7 @@ mount -t 9p -o trans=virtio,version=9p2000.L out /newroot/out
 # contents systemd-tmpfiles empties at boot.
 repo=$(cat /newroot/out/repo_path)
 mkdir -p "/newroot$repo"
-mount -t 9p -o trans=virtio,version=9p2000.L,ro repo "/newroot$repo"
+mount -t 9p -o {ro_9p} repo "/newroot$repo"
 # Nothing of the host's own configuration: no fstab entries, no units it enables.
 : > /newroot/etc/fstab
 cp /newroot/out/envctl-vm.target /newroot/out/envctl-vm.service /newroot/etc/systemd/system/
@@ -217,8 +223,7 @@ systemctl poweroff -f'
 
 def systemd_initramfs() -> Path:
     """The initramfs that boots systemd (cached like `initramfs()`)."""
-    return _initramfs("initrd-systemd", SYSTEMD_INIT.format(modules=" ".join(SYSTEMD_MODULES)),
-                      SYSTEMD_MODULES)
+    return _initramfs("initrd-systemd", SYSTEMD_INIT, SYSTEMD_MODULES)
 
 
 def run_systemd(script: str, *, timeout: float = 900, memory_mb: int = 2048,
@@ -230,17 +235,48 @@ def run_systemd(script: str, *, timeout: float = 900, memory_mb: int = 2048,
     with tempfile.TemporaryDirectory(prefix="envctl-vm-") as tmp:
         out = Path(tmp)
         out.chmod(0o777)
-        (out / "run.sh").write_text(script)
         (out / "envctl-vm.target").write_text(SYSTEMD_TARGET)
         (out / "envctl-vm.service").write_text(SYSTEMD_SERVICE)
-        return _boot(vmlinuz, initrd, SYSTEMD_CMDLINE, out, memory_mb=memory_mb, cpus=cpus,
-                     timeout=timeout)
+        return _boot(vmlinuz, initrd, SYSTEMD_CMDLINE, out, script, memory_mb=memory_mb,
+                     cpus=cpus, timeout=timeout)
 
 
-def _boot(vmlinuz: Path, initrd: Path, cmdline: str, out: Path, *, memory_mb: int, cpus: int,
-          timeout: float) -> Result:
-    """Boot qemu (TCG) with the host root and the checkout read-only on 9p and `out` writable;
-    collect the results."""
+# What a guest whose command runs too long is doing: every process (state, CPU, where it
+# sleeps in the kernel), the kernel stack of each one in uninterruptible sleep and of each
+# Python one, and systemd's jobs where systemd runs. Written to OUT/stall.txt by `_watched`.
+STALL_DUMP = r"""date; cat /proc/uptime /proc/loadavg
+ps -eo pid,ppid,stat,pcpu,etimes,wchan:30,args
+for p in /proc/[0-9]*; do
+  st=$(sed 's/.*) //' "$p/stat" 2>/dev/null | cut -c1)
+  case "$st $(tr '\0' ' ' < "$p/cmdline" 2>/dev/null)" in
+    "D "*|*python*) echo "--- ${p#/proc/} $st $(tr '\0' ' ' < "$p/cmdline")"; cat "$p/stack";;
+  esac
+done
+[ -d /run/systemd/system ] && systemctl list-jobs --no-pager
+"""
+
+
+def _watched(script: str, guest_out: str, after: float) -> str:
+    """`script` with a watchdog beside it: if it still runs `after` seconds in, STALL_DUMP goes
+    to GUEST_OUT/stall.txt, which `_boot` adds to the result's log, so that a VM killed at
+    its time-out says what it was stuck in. The watchdog goes when the script ends; the
+    script's exit status is kept."""
+    # (the subshell's stderr is dropped: it would say "Terminated" when its sleep is killed)
+    return (f"(sleep {int(after)} && {{\n{STALL_DUMP}}} > {guest_out}/stall.txt 2>&1) "
+            "2>/dev/null &\n"
+            "envctl_vm_watchdog=$!\n"
+            f"(\n{script}\n)\n"
+            "envctl_vm_rc=$?\n"
+            'pkill -P "$envctl_vm_watchdog" sleep 2>/dev/null\n'
+            'exit "$envctl_vm_rc"\n')
+
+
+def _boot(vmlinuz: Path, initrd: Path, cmdline: str, out: Path, script: str, *,
+          guest_out: str = "/out", memory_mb: int, cpus: int, timeout: float) -> Result:
+    """Boot qemu (TCG) with the host root and the checkout read-only on 9p and `out` writable
+    (the guest's `guest_out`), run `script` there from out/run.sh (watched: `_watched`, at
+    three quarters of `timeout`); collect the results."""
+    (out / "run.sh").write_text(_watched(script, guest_out, timeout * 0.75))
     (out / "repo_path").write_text(str(REPO))
     argv = [QEMU, "-accel", "tcg", "-m", str(memory_mb), "-smp", str(cpus), "-nographic",
             "-kernel", str(vmlinuz), "-initrd", str(initrd), "-append", cmdline, "-no-reboot",
@@ -260,14 +296,23 @@ def _boot(vmlinuz: Path, initrd: Path, cmdline: str, out: Path, *, memory_mb: in
     rc_file, log_file = out / "rc", out / "log"
     rc = int(rc_file.read_text().strip()) if rc_file.exists() else None
     log = log_file.read_text(errors="replace") if log_file.exists() else ""
+    stall = out / "stall.txt"
+    if stall.exists():
+        log += f"\n--- the guest's command was still running at {timeout * 0.75:.0f} s:\n"
+        log += stall.read_text(errors="replace")
     return Result(rc, log, console)
 
 
 def guest_pytest(test_file: str, *, timeout: int) -> str:
-    """The script that runs one guest test file with the host's Python inside the VM."""
+    """The script that runs one guest test file with the host's Python inside the VM: each
+    test's name before it runs (-v), so a VM that is killed says which test it was in; at
+    `timeout` seconds a test fails with its traceback (pytest-timeout), and at half of that
+    every thread's traceback is dumped (faulthandler) while it goes on. Keep `timeout` well
+    under the VM's own, so that a stuck test is reported as one and the rest still run."""
     return (f"cd {shlex.quote(str(REPO))} && PYTHONDONTWRITEBYTECODE=1 "
             f"{shlex.quote(sys.executable)} -m pytest -p no:cacheprovider -o addopts= -rA "
-            f"-q --timeout {timeout} {shlex.quote(test_file)}\n")
+            f"-v --durations=0 --durations-min=5 --timeout {timeout} "
+            f"-o faulthandler_timeout={timeout // 2} {shlex.quote(test_file)}\n")
 
 
 def assert_guest_passed(result: Result) -> None:
@@ -332,8 +377,7 @@ def kernel_modules() -> Path:
 def boot_initramfs() -> Path:
     """The initramfs of `run_systemd_boot` (cached like `initramfs()`)."""
     kernel_modules()
-    return _initramfs("initrd-boot", BOOT_INIT.format(modules=" ".join(SYSTEMD_MODULES)),
-                      SYSTEMD_MODULES)
+    return _initramfs("initrd-boot", BOOT_INIT, SYSTEMD_MODULES)
 
 
 def run_systemd_boot(script: str, *, preboot: str, out: Path, clean_poweroff: bool = False,
@@ -348,9 +392,9 @@ def run_systemd_boot(script: str, *, preboot: str, out: Path, clean_poweroff: bo
     initrd = boot_initramfs()
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o777)
-    for name in ("rc", "log", "preboot.rc", "preboot.log", "shutdown.json", "left_up_at"):
+    for name in ("rc", "log", "stall.txt", "preboot.rc", "preboot.log", "shutdown.json",
+                 "left_up_at"):
         (out / name).unlink(missing_ok=True)
-    (out / "run.sh").write_text(script)
     (out / "preboot.sh").write_text(preboot)
     (out / "modules_path").write_text(str(kernel_modules()))
     (out / "envctl-vm.target").write_text(BOOT_TARGET)
@@ -359,5 +403,5 @@ def run_systemd_boot(script: str, *, preboot: str, out: Path, clean_poweroff: bo
         service = BOOT_SERVICE.replace("systemctl poweroff -f'", "systemctl poweroff'")
         assert service != BOOT_SERVICE
     (out / "envctl-vm.service").write_text(service)
-    return _boot(vmlinuz, initrd, SYSTEMD_CMDLINE, out, memory_mb=memory_mb, cpus=cpus,
-                 timeout=timeout)
+    return _boot(vmlinuz, initrd, SYSTEMD_CMDLINE, out, script, memory_mb=memory_mb,
+                 cpus=cpus, timeout=timeout)

@@ -31,7 +31,7 @@ def vm_ready():
 def boot(out: Path, test: str, preboot: str, *, clean_poweroff: bool = False
          ) -> harness.Result:
     script = (f"export ENVCTL_VM_ENVCTL={shlex.quote(ENVCTL)}\n"
-              + harness.guest_pytest(f"tests/vm/guest_boot.py::{test}", timeout=900))
+              + harness.guest_pytest(f"tests/vm/guest_boot.py::{test}", timeout=600))
     res = harness.run_systemd_boot(script, preboot=preboot, out=out, timeout=1100,
                                    clean_poweroff=clean_poweroff)
     pre = (out / "preboot.log").read_text() if (out / "preboot.log").exists() else ""

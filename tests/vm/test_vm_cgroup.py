@@ -20,5 +20,5 @@ def vm_ready():
 
 
 def test_cgroup_v2_in_a_real_v2_kernel(vm_ready):
-    script = harness.guest_pytest("tests/vm/guest_cgroup_v2.py", timeout=900)
+    script = harness.guest_pytest("tests/vm/guest_cgroup_v2.py", timeout=400)
     harness.assert_guest_passed(harness.run(script, timeout=1500))

@@ -1,0 +1,42 @@
+"""The VM harness's own pieces that run on this host: the watchdog beside a guest's command
+(tests/vm/harness.py `_watched`) and the /init templates."""
+
+from __future__ import annotations
+
+import subprocess
+
+from tests.vm import harness
+
+
+def _sh(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+
+
+def test_a_command_that_ends_in_time_keeps_its_status_and_leaves_no_dump(tmp_path):
+    res = _sh(harness._watched("echo out; exit 7", str(tmp_path), 60))
+    assert (res.returncode, res.stdout, res.stderr) == (7, "out\n", "")  # no "Terminated"
+    assert not (tmp_path / "stall.txt").exists()
+    # The watchdog's sleep went with the command: nothing of it is left running.
+    left = subprocess.run(["pgrep", "-f", "^sleep 60$"], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout
+
+
+def test_a_command_still_running_gets_its_processes_dumped(tmp_path):
+    # The command runs until the dump is there (a condition, not a sleep of the right length).
+    script = f"while [ ! -s {tmp_path}/stall.txt ]; do sleep 0.05; done; sleep 0.5; exit 3"
+    res = _sh(harness._watched(script, str(tmp_path), 0))
+    assert res.returncode == 3, res.stderr
+    dump = (tmp_path / "stall.txt").read_text()
+    assert "WCHAN" in dump, dump  # ps ran
+    # This test's own Python process has its section, headed by its pid and state.
+    assert any(line.startswith("--- ") and "pytest" in line for line in dump.splitlines()), dump
+
+
+def test_every_init_template_formats_with_the_read_only_share_options():
+    for template in (harness.INIT, harness.SYSTEMD_INIT, harness.BOOT_INIT):
+        init = template.format(modules="9p", ro_9p=harness.RO_9P)
+        mounts = [line for line in init.splitlines() if line.startswith("mount -t 9p")]
+        ro = [m for m in mounts if " hostroot " in m or " repo " in m]
+        assert len(ro) == 2 and all(harness.RO_9P in m for m in ro), mounts
+        # The results share stays uncached: the host reads what the guest wrote there.
+        assert all("cache=" not in m for m in mounts if m not in ro), mounts
