@@ -13,11 +13,11 @@ def _sh(script: str) -> subprocess.CompletedProcess:
 
 
 def test_a_command_that_ends_in_time_keeps_its_status_and_leaves_no_dump(tmp_path):
-    res = _sh(harness._watched("echo out; exit 7", str(tmp_path), 60))
+    res = _sh(harness._watched("echo out; exit 7", str(tmp_path), 6007))  # an unusual sleep
     assert (res.returncode, res.stdout, res.stderr) == (7, "out\n", "")  # no "Terminated"
     assert not (tmp_path / "stall.txt").exists()
     # The watchdog's sleep went with the command: nothing of it is left running.
-    left = subprocess.run(["pgrep", "-f", "^sleep 60$"], capture_output=True, text=True)
+    left = subprocess.run(["pgrep", "-f", "^sleep 6007$"], capture_output=True, text=True)
     assert left.stdout == "", left.stdout
 
 
