@@ -7,7 +7,7 @@ import pytest
 
 from tests.vm import harness
 
-pytestmark = [pytest.mark.vm, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
@@ -19,5 +19,5 @@ def vm_ready():
 
 
 def test_systemd_driver_under_a_real_systemd(vm_ready):
-    script = harness.guest_pytest("tests/vm/guest_systemd.py", timeout=300)
-    harness.assert_guest_passed(harness.run_systemd(script, timeout=1200))
+    script = harness.guest_pytest("tests/vm/guest_systemd.py", timeout=450)
+    harness.assert_guest_passed(harness.run_systemd(script, timeout=1500))
