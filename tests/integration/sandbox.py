@@ -27,6 +27,14 @@ FAKED_SYSCTLS = ("vm/zone_reclaim_mode", "kernel/numa_balancing")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
+def stderr_of(proc: subprocess.Popen) -> str:
+    """What `proc` wrote to stderr, for a failure message; killed first if it still runs (a
+    read of a live process's stderr would wait for it to end, until the test's time-out)."""
+    if proc.poll() is None:
+        proc.kill()
+    return proc.communicate(timeout=30)[1]
+
+
 class Sandbox:
     def __init__(self, root: Path, *, config_dir: Path | None = None,
                  netns_mounted: bool = True):
@@ -56,7 +64,7 @@ class Sandbox:
              "\n".join(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
-            raise RuntimeError(f"sandbox did not start: {self.proc.stderr.read()}")
+            raise RuntimeError(f"sandbox did not start: {stderr_of(self.proc)}")
         time.sleep(0.01)
         self.pid = self.proc.pid
         # cgroupfs is global (no namespace hides it): every sandbox gets its own parent.

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from tests.integration.sandbox import stderr_of
+
 pytestmark = pytest.mark.root
 
 SPEC = """\
@@ -146,7 +148,7 @@ def test_two_concurrent_ups_serialize(alpha, tmp_path):
         wait_for("the first envctl to journal a step", alpha.journals, first)
         second = alpha.popen(sys.executable, "-m", "envctl", "up", "alpha")
         line = second.stderr.readline()  # its first word: it found the lock taken
-        assert "waiting for another envctl" in line, line + second.stderr.read()
+        assert "waiting for another envctl" in line, line + stderr_of(second)
     finally:
         go.touch()
     out, err = first.communicate(timeout=120)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.sandbox import CGROUP_ROOT
+from tests.integration.sandbox import CGROUP_ROOT, stderr_of
 
 pytestmark = pytest.mark.root
 
@@ -139,7 +139,7 @@ def test_exit_codes_signals_and_stdio_pass_through(sandbox, programs):
     proc = subprocess.Popen(cmd, env=sb.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+        assert proc.stdout.readline() == "ready\n", stderr_of(proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     finally:
@@ -255,7 +255,7 @@ def gateway_and_peer(sb, port: int):
                     str(port))
     try:
         for proc in (gateway, peer):
-            assert proc.stdout.readline() == "listening\n", proc.stderr.read()
+            assert proc.stdout.readline() == "listening\n", stderr_of(proc)
         res = sb.run("bash", "-c", f"exec 3<>/dev/tcp/10.231.0.3/{port}")
         assert res.returncode == 0, res.stderr
         assert peer.stdout.readline().startswith("hit 10.231.0.1")
@@ -343,7 +343,7 @@ def test_per_exec_cgroup_and_cpus(sandbox, programs):
         lines = []
         while (line := proc.stdout.readline()) not in ("ready\n", ""):
             lines.append(line)
-        assert line == "ready\n", proc.stderr.read()
+        assert line == "ready\n", stderr_of(proc)
         status = "".join(lines)
         # nsenter execs envctl: the Popen's pid is envctl's, and names its cgroup.
         name = f"exec-{proc.pid}"
@@ -504,7 +504,7 @@ def test_kill_9_of_envctl_takes_the_command_with_it(sandbox, programs):
     proc = subprocess.Popen(cmd, env=sb.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+        assert proc.stdout.readline() == "ready\n", stderr_of(proc)
         found = _exec_cgroups(sb)
         pids = {int(p) for p in Path(found[0], "cgroup.procs").read_text().split()}
         assert len(pids) == 3  # the launcher, the init, the command

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.sandbox import stderr_of
+
 pytestmark = pytest.mark.root
 
 PRELUDE = r'''
@@ -299,7 +301,7 @@ print(json.dumps(out), flush=True)
             env=sb.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
         line = res.stdout.readline()
-        assert line.strip() == "up", res.stderr.read()
+        assert line.strip() == "up", stderr_of(res)
         during = peer_rows()
         res.stdin.write("\n")
         res.stdin.flush()

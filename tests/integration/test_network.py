@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.integration.sandbox import stderr_of
+
 pytestmark = pytest.mark.root
 
 BACKENDS = ["nftables", "iptables"]
@@ -81,7 +83,7 @@ def serve(sb, ns, port, *, udp=False):
     cmd = ("ip", "netns", "exec", ns, sys.executable, "-c", UDP_SERVER if udp else SERVER,
            str(port))
     proc = sb.popen(*cmd) if ns else sb.popen(*cmd[4:])
-    assert proc.stdout.readline().strip() == "listening", proc.stderr.read()
+    assert proc.stdout.readline().strip() == "listening", stderr_of(proc)
     return proc
 
 

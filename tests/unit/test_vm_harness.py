@@ -1,10 +1,13 @@
-"""The VM harness's own pieces that run on this host: the watchdog beside a guest's command
-(tests/vm/harness.py `_watched`) and the /init templates."""
+"""The test helpers that guard against a hung test: the VM harness's watchdog beside a guest's
+command (tests/vm/harness.py `_watched`), its /init templates, and the sandbox's `stderr_of`
+for failure messages."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 
+from tests.integration.sandbox import stderr_of
 from tests.vm import harness
 
 
@@ -40,3 +43,19 @@ def test_every_init_template_formats_with_the_read_only_share_options():
         assert len(ro) == 2 and all(harness.RO_9P in m for m in ro), mounts
         # The results share stays uncached: the host reads what the guest wrote there.
         assert all("cache=" not in m for m in mounts if m not in ro), mounts
+
+
+
+def test_stderr_of_a_live_process_kills_it_rather_than_waiting_for_it():
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                             "print('why', file=sys.stderr, flush=True)\n"
+                             "print('ready', flush=True)\ntime.sleep(600)"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        assert stderr_of(proc) == "why\n"  # at once, not after 600 s (the test's limit is 300)
+        assert proc.returncode == -9
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

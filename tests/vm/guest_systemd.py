@@ -20,7 +20,7 @@ import pytest
 
 from envctl.host import systemd as sd
 from envctl.host.cgroups import read_cgroup_facts
-from tests.integration.sandbox import Sandbox
+from tests.integration.sandbox import Sandbox, stderr_of
 
 pytestmark = pytest.mark.root
 ROOT = Path("/sys/fs/cgroup")
@@ -202,14 +202,6 @@ signal.signal(signal.SIGTERM, signal.SIG_IGN)
 print("moved", here / "job", flush=True)
 time.sleep(1000)
 """
-
-
-def stderr_of(proc: subprocess.Popen) -> str:
-    """What `proc` wrote to stderr, for a failure message; killed first if it still runs (a
-    read of a live process's stderr would wait for it to end)."""
-    if proc.poll() is None:
-        proc.kill()
-    return proc.communicate(timeout=30)[1]
 
 
 def wait_for(done, timeout: float = 60.0) -> bool:

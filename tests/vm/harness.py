@@ -276,7 +276,8 @@ def _boot(vmlinuz: Path, initrd: Path, cmdline: str, out: Path, script: str, *,
     """Boot qemu (TCG) with the host root and the checkout read-only on 9p and `out` writable
     (the guest's `guest_out`), run `script` there from out/run.sh (watched: `_watched`, at
     three quarters of `timeout`); collect the results."""
-    (out / "run.sh").write_text(_watched(script, guest_out, timeout * 0.75))
+    after = timeout * 0.75
+    (out / "run.sh").write_text(_watched(script, guest_out, after))
     (out / "repo_path").write_text(str(REPO))
     argv = [QEMU, "-accel", "tcg", "-m", str(memory_mb), "-smp", str(cpus), "-nographic",
             "-kernel", str(vmlinuz), "-initrd", str(initrd), "-append", cmdline, "-no-reboot",
@@ -298,7 +299,7 @@ def _boot(vmlinuz: Path, initrd: Path, cmdline: str, out: Path, script: str, *,
     log = log_file.read_text(errors="replace") if log_file.exists() else ""
     stall = out / "stall.txt"
     if stall.exists():
-        log += f"\n--- the guest's command was still running at {timeout * 0.75:.0f} s:\n"
+        log += f"\n--- the guest's command was still running at {after:.0f} s:\n"
         log += stall.read_text(errors="replace")
     return Result(rc, log, console)
 
