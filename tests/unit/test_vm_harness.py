@@ -25,11 +25,14 @@ def test_a_command_that_ends_in_time_keeps_its_status_and_leaves_no_dump(tmp_pat
 
 
 def test_a_command_still_running_gets_its_processes_dumped(tmp_path):
-    # The command runs until the dump is there (a condition, not a sleep of the right length).
-    script = f"while [ ! -s {tmp_path}/stall.txt ]; do sleep 0.05; done; sleep 0.5; exit 3"
+    # The command runs until the whole dump is there (a condition, not a sleep of the right
+    # length: on a loaded host the dump of every process takes seconds).
+    stall = tmp_path / "stall.txt"
+    script = f"until grep -qa '^--- end of dump$' {stall} 2>/dev/null; do sleep 0.05; done; exit 3"
     res = _sh(harness._watched(script, str(tmp_path), 0))
     assert res.returncode == 3, res.stderr
-    dump = (tmp_path / "stall.txt").read_text()
+    # Read as the harness reads it: some process's cmdline may hold bytes that are not UTF-8.
+    dump = stall.read_bytes().decode(errors="replace")
     assert "WCHAN" in dump, dump  # ps ran
     # This test's own Python process has its section, headed by its pid and state.
     assert any(line.startswith("--- ") and "pytest" in line for line in dump.splitlines()), dump

@@ -243,7 +243,8 @@ def run_systemd(script: str, *, timeout: float = 900, memory_mb: int = 2048,
 
 # What a guest whose command runs too long is doing: every process (state, CPU, where it
 # sleeps in the kernel), the kernel stack of each one in uninterruptible sleep and of each
-# Python one, and systemd's jobs where systemd runs. Written to OUT/stall.txt by `_watched`.
+# Python one, and systemd's jobs where systemd runs, then an end line (a dump without it was cut
+# short). Written to OUT/stall.txt by `_watched`; a process's cmdline need not be UTF-8.
 STALL_DUMP = r"""date; cat /proc/uptime /proc/loadavg
 ps -eo pid,ppid,stat,pcpu,etimes,wchan:30,args
 for p in /proc/[0-9]*; do
@@ -253,6 +254,7 @@ for p in /proc/[0-9]*; do
   esac
 done
 [ -d /run/systemd/system ] && systemctl list-jobs --no-pager
+echo "--- end of dump"
 """
 
 
