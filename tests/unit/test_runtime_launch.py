@@ -444,6 +444,36 @@ def test_the_systemd_drivers_attach_names_the_slice_and_reports_a_refusal(tmp_pa
     assert rl.systemd_attach(cgroupfs) is None
 
 
+def test_a_supervisors_own_scope_is_named_for_it_and_a_refusal_names_the_slice(tmp_path,
+                                                                              monkeypatch):
+    """supervisor_scope (systemd driver): StartTransientUnit of this process into
+    `<slice>-<what>-<pid>.scope` of the environment's slice, started at once and awaited by
+    what it returns; systemd's refusal is a HostError naming the slice. None for cgroupfs."""
+    from envctl.errors import HostError
+    from envctl.runtime.context import EnvCgroup, EnvContext
+
+    fake = tmp_path / "bin" / "busctl"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/argv\n"
+                    "echo 'Access denied' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    ctx = EnvContext(env="box", root=tmp_path, mntns=tmp_path / "mnt", netns=None,
+                     hostname="box", cgroup=EnvCgroup("systemd", "hpc", 2))
+    done = rl.supervisor_scope(ctx, "job7-supervisor")
+    with pytest.raises(HostError) as err:
+        done()
+    pid = os.getpid()
+    assert str(err.value) == (f"supervisor scope in slice 'hpc-box.slice': process {pid}: "
+                              "Access denied")
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv[6] == f"hpc-box-job7-supervisor-{pid}.scope"
+    assert argv[10:13] == ["au", "1", str(pid)] and argv[-6:-4] == ["s", "hpc-box.slice"]
+    cgroupfs = EnvContext(env="box", root=tmp_path, mntns=tmp_path / "mnt", netns=None,
+                          hostname="box", cgroup=EnvCgroup("cgroupfs", "", 2))
+    assert rl.supervisor_scope(cgroupfs, "job7-supervisor") is None
+
+
 @pytest.mark.parametrize("attach_fails", [False, True])
 def test_a_launcher_that_fails_while_it_is_attached_reports_its_own_step(tmp_path, rootfs,
                                                                          attach_fails):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from envctl.host.scope import ScopeError, attach_scope, attached
+from envctl.host.scope import ScopeError, attach_scope, attached, begin_scope
 
 WANT = "/envctl.slice/envctl-box.slice/envctl-box-42.scope"
 
@@ -50,3 +50,49 @@ def test_a_process_that_ended_is_reported_at_once_not_after_the_timeout():
         assert time.monotonic() - t0 < 30  # not the 60 s timeout
     finally:
         child.wait()
+
+
+def _fake_proc(tmp_path, pid: int, cgroup: str):
+    (tmp_path / str(pid)).mkdir()
+    (tmp_path / str(pid) / "cgroup").write_text(f"0::{cgroup}\n")
+    (tmp_path / str(pid) / "stat").write_text(f"{pid} (python3) S 1 2 3\n")
+    return tmp_path
+
+
+def _busctl(tmp_path, code: int, message: str = "") -> list[str]:
+    """A stand-in for busctl that logs its arguments and answers with `code` (its message on
+    stderr)."""
+    script = (f"import sys; open({str(tmp_path / 'argv')!r}, 'w').write(repr(sys.argv[1:])); "
+              f"sys.stderr.write({message!r}); sys.exit({code})")
+    return [sys.executable, "-c", script]
+
+
+def test_begin_scope_asks_systemd_for_the_named_scope_and_finish_waits_for_the_move(tmp_path):
+    scope = "envctl-box-job7-supervisor-42.scope"
+    (tmp_path / "proc").mkdir()
+    proc = _fake_proc(tmp_path / "proc", 42, f"/envctl.slice/envctl-box.slice/{scope}")
+    call = begin_scope("envctl-box.slice", "envctl.slice/envctl-box.slice", 42, scope,
+                       busctl=_busctl(tmp_path, 0), proc=str(proc))
+    assert call.finish(timeout=60) == scope
+    argv = eval((tmp_path / "argv").read_text())  # noqa: S307 - what the fake wrote
+    assert argv[:5] == ["call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                        "org.freedesktop.systemd1.Manager", "StartTransientUnit"]
+    assert argv[6:8] == [scope, "fail"]
+    assert argv[9:13] == ["PIDs", "au", "1", "42"]
+    assert argv[13:16] == ["Slice", "s", "envctl-box.slice"]
+
+
+def test_a_scope_systemd_refuses_is_an_error_naming_why(tmp_path):
+    (tmp_path / "proc").mkdir()
+    proc = _fake_proc(tmp_path / "proc", 42, "/user.slice/session-1.scope")
+    call = begin_scope("envctl-box.slice", "envctl.slice/envctl-box.slice", 42, "x.scope",
+                       busctl=_busctl(tmp_path, 1, "Unit x.scope already exists."),
+                       proc=str(proc))
+    with pytest.raises(ScopeError, match="process 42: Unit x.scope already exists"):
+        call.finish(timeout=60)
+
+
+def test_a_missing_busctl_is_an_error_at_once(tmp_path):
+    with pytest.raises(ScopeError, match="no-such-busctl"):
+        begin_scope("envctl-box.slice", "envctl.slice/envctl-box.slice", 42, "x.scope",
+                    busctl=[str(tmp_path / "no-such-busctl")])

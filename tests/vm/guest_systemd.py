@@ -349,3 +349,105 @@ def test_the_service_runs_restarts_and_stops_in_scopes_of_the_slice(sb):
     assert wait_for(lambda: not (ROOT / where.lstrip("/")).exists()), "the old scope stayed"
     sb.envctl("down", "lim", check=True, timeout=300)
     assert not Path(f"/proc/{second['pid']}").exists()  # the fixture checks the slices
+
+
+def in_unit(sb, *args: str) -> subprocess.CompletedProcess:
+    """envctl as the main process of a transient service (as a timer's or a oneshot's would
+    run it): when it exits, systemd stops the unit and kills what is left in its cgroup."""
+    env = sb.env()
+    sets = [f"--setenv={k}={v}" for k, v in env.items()
+            if k.startswith("ENVCTL_") or k in ("PYTHONPATH", "PATH")]
+    return subprocess.run(["systemd-run", "--pipe", "--wait", "--quiet", "--collect", *sets,
+                           "--", "nsenter", "-t", str(sb.pid), "-n", "-m", "--",
+                           sys.executable, "-m", "envctl", *args],
+                          capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_supervisors_outlive_the_unit_that_ran_envctl(sb, tmp_path):
+    """The service's supervisor (started by `up`) and a job's (by `submit-job`) each move into
+    a scope of their own in the environment's slice before they say they run: the transient
+    unit that ran envctl ends, systemd kills what is left in it, and both go on; the job ends
+    COMPLETED, not CANCELLED by that SIGTERM."""
+    parent, unit, cg = names(sb)
+    base = unit.removesuffix(".slice")
+    sb.write_spec("lim", 'name: lim\nkind: cpu\nrootfs: {binaries: [sh, sleep]}\n'
+                         "resources:\n  driver: systemd\n  memory: {max: 64M}\n"
+                         "service: {command: [sleep, '100000'], restart: on-failure}\n")
+    res = in_unit(sb, "up", "lim")
+    assert res.returncode == 0, res.stdout + res.stderr
+    state = json.loads((sb.run_dir / "lim" / "service.json").read_text())
+    sup = state["supervisor"]["pid"]
+
+    def cgroup_of(pid: int) -> str:
+        return Path(f"/proc/{pid}/cgroup").read_text().strip().split("::", 1)[1]
+
+    assert state["state"] == "running", state
+    assert cgroup_of(sup) == f"/{parent}/{unit}/{base}-service-supervisor-{sup}.scope"
+    job = tmp_path / "job.sh"
+    job.write_text("#!/bin/sh\nwhile [ ! -e /job/go ]; do sleep 0.1; done\necho done\n")
+    job.chmod(0o755)
+    res = in_unit(sb, "submit-job", "lim", "--user", "root", "--json", str(job))
+    assert res.returncode == 0, res.stdout + res.stderr
+    rec = json.loads(res.stdout)
+    jsup = rec["supervisor"]["pid"]
+    # The unit is gone (systemd-run --wait returned): both supervisors were out of it.
+    assert cgroup_of(jsup) == \
+        f"/{parent}/{unit}/{base}-job{rec['id']}-supervisor-{jsup}.scope"
+    assert Path(f"/proc/{sup}").exists()
+    (sb.state / "jobs" / str(rec["id"]) / "go").write_text("")
+    res = sb.envctl("wait", str(rec["id"]), "--json", timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    done = json.loads(res.stdout)[0]
+    assert (done["state"], done["exit_code"]) == ("COMPLETED", 0), done
+    # Each scope goes with its process.
+    assert wait_for(lambda: not (cg / f"{base}-job{rec['id']}-supervisor-{jsup}.scope").exists())
+    sb.envctl("down", "lim", check=True, timeout=300)
+    assert not Path(f"/proc/{sup}").exists()
+    assert not (cg / f"{base}-service-supervisor-{sup}.scope").exists()
+    import shutil
+
+    shutil.rmtree(sb.state)
+
+
+def test_a_supervisor_systemd_will_not_scope_fails_its_job_and_leaves_nothing(sb, tmp_path):
+    """systemd refuses the supervisor's own scope (a busctl that refuses that one call): the
+    job, already started, is killed and recorded FAILED with the reason, as never started;
+    its scope and processes go. The service's first start fails `up` the same way."""
+    parent, unit, cg = names(sb)
+    fake = tmp_path / "bin" / "busctl"
+    fake.parent.mkdir()
+    real = subprocess.run(["sh", "-c", "command -v busctl"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    fake.write_text('#!/bin/sh\ncase "$*" in *-supervisor-*) '
+                    'echo "refused by the test" >&2; exit 1;; esac\n'
+                    f'exec {real} "$@"\n')
+    fake.chmod(0o755)
+    path = {"PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    sb.write_spec("lim", 'name: lim\nkind: cpu\nrootfs: {binaries: [sh, sleep]}\n'
+                         "resources:\n  driver: systemd\n")
+    assert sb.envctl("up", "lim", timeout=300).returncode == 0
+    job = tmp_path / "job.sh"
+    job.write_text("#!/bin/sh\nexec sleep 1000\n")
+    job.chmod(0o755)
+    res = sb.envctl("submit-job", "lim", "--user", "root", "--json", str(job), env=path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    rec = json.loads(res.stdout)
+    assert rec["state"] == "FAILED" and rec["start_time"] is None, rec
+    assert "refused by the test" in rec["error"] and f"slice '{unit}'" in rec["error"], rec
+    assert wait_for(lambda: not list(cg.glob("*.scope"))), list(cg.glob("*.scope"))
+    ps = subprocess.run(["pgrep", "-f", "^sleep 1000$"], capture_output=True, text=True)
+    assert ps.stdout == "", ps.stdout
+    # The service: `up` fails its step with the same reason and rolls it back.
+    sb.write_spec("lim", 'name: lim\nkind: cpu\nrootfs: {binaries: [sh, sleep]}\n'
+                         "resources:\n  driver: systemd\n"
+                         "service: {command: [sleep, '1000']}\n")
+    res = sb.envctl("up", "lim", env=path, timeout=300)
+    assert res.returncode != 0 and "refused by the test" in res.stderr, res.stderr
+    assert wait_for(lambda: not list(cg.glob("*.scope"))), list(cg.glob("*.scope"))
+    ps = subprocess.run(["pgrep", "-f", "^sleep 1000$"], capture_output=True, text=True)
+    assert ps.stdout == "", ps.stdout
+    sb.envctl("down", "lim", check=True, timeout=300)
+    import shutil
+
+    shutil.rmtree(sb.state)

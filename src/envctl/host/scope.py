@@ -38,20 +38,68 @@ def attach_scope(unit: str, cgroup: str, pid: int, *, busctl: Sequence[str] = ("
     and goes away when its processes have exited. ScopeError when systemd refuses or `pid`
     has ended (a zombie's pid is accepted and never moved)."""
     scope = f"{unit.removesuffix('.slice')}-{pid}.scope"
-    argv = [*busctl, "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-            "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
-            scope, "fail", "3", "PIDs", "au", "1", str(pid), "Slice", "s", unit,
-            "CollectMode", "s", "inactive-or-failed", "0"]
+    argv = _call(busctl, unit, scope, pid)
     try:
         res = runner(argv)
     except OSError as exc:
         raise ScopeError(f"{argv[0]}: {exc.strerror}") from exc
-    if res.returncode != 0:
+    _check(res.returncode, res.stderr or res.stdout, pid)
+    return _wait_moved(scope, f"/{cgroup}/{scope}", pid, proc, v1_mounts or {}, timeout)
+
+
+class ScopeCall:
+    """A StartTransientUnit call under way for one process, so that the caller can go on with
+    its own work meanwhile (`begin_scope`); `finish` waits for systemd to have moved it."""
+
+    def __init__(self, child: subprocess.Popen, scope: str, want: str, pid: int, proc: str,
+                 v1_mounts: Mapping[str, str]):
+        self.child, self.scope, self.want, self.pid = child, scope, want, pid
+        self.proc, self.v1_mounts = proc, v1_mounts
+
+    def finish(self, timeout: float = 10.0) -> str:
+        """The scope's name once the process is in it; ScopeError as `attach_scope`'s."""
+        try:
+            _, err = self.child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+            self.child.wait()
+            raise ScopeError(f"process {self.pid}: no answer from systemd in {timeout:g} s"
+                             ) from None
+        _check(self.child.returncode, err, self.pid)
+        return _wait_moved(self.scope, self.want, self.pid, self.proc, self.v1_mounts, timeout)
+
+
+def begin_scope(unit: str, cgroup: str, pid: int, scope: str, *,
+                busctl: Sequence[str] = ("busctl",), proc: str = "/proc",
+                v1_mounts: Mapping[str, str] | None = None) -> ScopeCall:
+    """Ask systemd to move `pid` into a new transient scope named `scope` of slice `unit` (as
+    `attach_scope` does), without waiting for the answer: `finish` on what it returns."""
+    argv = _call(busctl, unit, scope, pid)
+    try:
+        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+    except OSError as exc:
+        raise ScopeError(f"{argv[0]}: {exc.strerror}") from exc
+    return ScopeCall(child, scope, f"/{cgroup}/{scope}", pid, proc, v1_mounts or {})
+
+
+def _call(busctl: Sequence[str], unit: str, scope: str, pid: int) -> list[str]:
+    return [*busctl, "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+            "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
+            scope, "fail", "3", "PIDs", "au", "1", str(pid), "Slice", "s", unit,
+            "CollectMode", "s", "inactive-or-failed", "0"]
+
+
+def _check(returncode: int, message: str | None, pid: int) -> None:
+    if returncode != 0:
         raise ScopeError(f"process {pid}: "
-                         f"{(res.stderr or res.stdout or '').strip() or f'exit {res.returncode}'}")
-    # The call only queues a job: wait until the process is in the scope (usually within a
-    # millisecond or two; a launch waits on this, so poll fast at first).
-    want = f"/{cgroup}/{scope}"
+                         f"{(message or '').strip() or f'exit {returncode}'}")
+
+
+def _wait_moved(scope: str, want: str, pid: int, proc: str, v1_mounts: Mapping[str, str],
+                timeout: float) -> str:
+    """The call only queues a job: wait until the process is in the scope at `want` (usually
+    within a millisecond or two; a launch waits on this, so poll fast at first)."""
     deadline = time.monotonic() + timeout
     pause = 0.0005
     while time.monotonic() < deadline:
@@ -60,7 +108,7 @@ def attach_scope(unit: str, cgroup: str, pid: int, *, busctl: Sequence[str] = ("
                 text = f.read()
         except FileNotFoundError as exc:
             raise ScopeError(f"process {pid} exited") from exc
-        if attached(text, want, v1_mounts or {}):
+        if attached(text, want, v1_mounts):
             return scope
         if _ended(proc, pid):
             raise ScopeError(f"process {pid} exited")

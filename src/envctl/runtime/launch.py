@@ -491,6 +491,38 @@ def systemd_attach(ctx: EnvContext) -> Callable[[int], None] | None:
     return attach
 
 
+def supervisor_scope(ctx: EnvContext, what: str) -> Callable[[], str] | None:
+    """For the systemd driver: start moving this process (a job's or the service's detached
+    supervisor) into a transient scope of its own in the environment's slice,
+    `<slice>-<what>-<pid>.scope`, and return what waits for it to be done (the scope's name;
+    HostError when systemd refused). Out of the cgroup of whatever ran envctl — an SSH
+    session's scope, a oneshot unit's, a timer's service — the supervisor no longer goes when
+    systemd stops that unit (at logout with KillUserProcesses=yes, when a oneshot exits), as
+    podman gives conmon a scope of its own. Its own scope, not the job's: killing the job's
+    scope must not kill its supervisor. The caller goes on meanwhile (the launch). None for
+    the cgroupfs driver, which never talks to systemd."""
+    if ctx.cgroup is None or ctx.cgroup.driver != "systemd":
+        return None
+    from envctl.host.scope import ScopeError, begin_scope
+    from envctl.spec.naming import env_slice, slice_cgroup
+
+    parent = ctx.cgroup.parent_name
+    unit, cgroup = env_slice(ctx.env, parent), slice_cgroup(ctx.env, parent)
+    pid = os.getpid()
+    scope = f"{unit.removesuffix('.slice')}-{what}-{pid}.scope"
+    try:
+        call = begin_scope(unit, cgroup, pid, scope, v1_mounts=_cgroup_mounts()[0])
+    except ScopeError as exc:
+        raise HostError(f"supervisor scope in slice '{unit}': {exc}") from None
+
+    def done() -> str:
+        try:
+            return call.finish()
+        except ScopeError as exc:
+            raise HostError(f"supervisor scope in slice '{unit}': {exc}") from None
+    return done
+
+
 # ---------------------------------------------------------------- start
 
 

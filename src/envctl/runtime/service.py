@@ -430,6 +430,7 @@ class _Supervisor:
             job_environ,
             remove_cgroup,
             start,
+            supervisor_scope,
             systemd_attach,
         )
 
@@ -437,7 +438,11 @@ class _Supervisor:
         user = User(0, 0, tuple(g for g in ctx.device_gids if g != 0))
         log = -1
         status_r = status_w = -1
+        started = None
         try:
+            # The first run moves the supervisor out of the cgroup of what ran `up` (systemd
+            # driver; see there), beside the launch, and says "R" only once it is done.
+            scoped = supervisor_scope(ctx, "service-supervisor") if first else None
             dirs = create_cgroup(ctx, CGROUP_NAME)
             log = self._open_log()
             status_r, status_w = os.pipe2(os.O_CLOEXEC)
@@ -446,16 +451,22 @@ class _Supervisor:
                             user=user, cgroup_dirs=dirs, stdio=(self.devnull, log, log),
                             status_fd=status_w, attach=systemd_attach(ctx))
             started = start(launch)
+            os.close(status_w)
+            status_w = -1
+            if scoped is not None:
+                scoped()
         except (EnvctlError, OSError) as exc:
             code = exc.exit_code if isinstance(exc, LaunchError) else 1
             why = str(exc) if isinstance(exc, EnvctlError) else \
                 f"{exc.filename or 'start'}: {exc.strerror}"
+            if started is not None:  # it runs, but its supervisor would die with `up`'s caller
+                started.kill()
+                self.watch(started, status_r)
             for fd in (status_r, status_w, log):
                 if fd >= 0:
                     os.close(fd)
             self._cleanup(remove_cgroup)
             return None, why, code
-        os.close(status_w)
         os.close(log)
         now = time.time()
         self.save(state="running", pid=_service_pid(started.pid), launcher=started.pid,

@@ -316,12 +316,22 @@ class _Supervisor:
 
     # -- running
     def run(self) -> None:
-        from envctl.runtime.launch import Bind, Launch, create_cgroup, start, systemd_attach
+        from envctl.runtime.launch import (
+            Bind,
+            Launch,
+            create_cgroup,
+            start,
+            supervisor_scope,
+            systemd_attach,
+        )
 
         self.job.supervisor = jobs.identity()
         self.save()
         self.tell(f"P {os.getpid()}")
+        started = None
         try:
+            # Out of the submitter's cgroup, beside the launch (systemd driver; see there).
+            scoped = supervisor_scope(self.ctx, f"job{self.job.id}-supervisor")
             dirs = create_cgroup(self.ctx, self.cg_name, cpus=tuple(self.job.cpus))
             if self.ctx.cgroup is not None and self.ctx.cgroup.driver == "cgroupfs":
                 self.cg_dirs = dirs
@@ -340,8 +350,14 @@ class _Supervisor:
                 started = start(launch)
             finally:
                 os.close(status_w)
+            if scoped is not None:
+                scoped()
         except (EnvctlError, OSError) as exc:  # OSError: a cgroup or pipe the kernel refused
-            self.finish(None, error=str(exc), exit_code=getattr(exc, "exit_code", None))
+            status = None
+            if started is not None:  # it runs, but its supervisor would die with the submitter
+                started.kill()
+                status, _, _ = self.watch(started, status_r)
+            self.finish(status, error=str(exc), exit_code=getattr(exc, "exit_code", None))
             self.tell(f"E {exc}")  # after the final record: the CLI reads it next
             return
         self.job.state = State.RUNNING
