@@ -3,22 +3,23 @@ multi-user.target with envctl's units installed by `envctl install-units` before
 started): what the boot did, then the units' lifecycle. Two boots, one class each:
 
 TestFirstBoot: `web` (netns, address, limits, a service) came up and `broken` (a kernel module
-this kernel lacks) was skipped; envctl.service is active (`up` exited 1: SuccessExitStatus)
-and its status names `broken`; the service's supervisor outlived `up` in envctl.service's
-cgroup; the monitor serves /metrics on loopback; the service's process killed -> the monitor
-brings it back; `systemctl stop envctl` with `broken` still broken -> nothing left, and start
--> web up again; `broken` fixed and
-`systemctl restart envctl` -> both up; `systemctl stop envctl` -> nothing left; `systemctl
-start` -> converged again; the state is copied to /out/state for the second boot, which
-follows a power loss (`poweroff -f`: nothing stopped).
+this kernel lacks) was skipped; envctl.service is active (`up` exited 1: SuccessExitStatus) and
+its status names `broken`; the service's supervisor outlived `up` in a scope of its own
+(nothing left in envctl.service's cgroup); the monitor serves /metrics on loopback; the
+service's process killed -> the monitor brings it back; `systemctl stop envctl` with `broken`
+still broken -> nothing left, and start -> web up again; `broken` fixed and `systemctl restart
+envctl` -> both up; `systemctl stop envctl` -> nothing left; `systemctl start` -> converged
+again; the state is copied to /out/state for the second boot, which follows a power loss
+(`poweroff -f`: nothing stopped).
 
 TestSecondBoot: with the first boot's state (journals of another boot), boot converges again:
 both up, the unit active, status clean; web's service killed -> the monitor brings it back (its
-supervisor now in the monitor's cgroup). Everything is left up, and the boot ends with a clean
-`systemctl poweroff`: envctl-shutdown-probe.service, ordered before envctl.service and the
-monitor, so stopped after both at shutdown, runs this file's `shutdown_probe` as its ExecStop=
-and writes what envctl left (residue(), `envctl status --json`, envctl.service's stop result
-and journal) to /out/shutdown.json for tests/vm/test_vm_boot.py to check on the host.
+supervisor, forked by the monitor, in a scope of its own). Everything is left up, and the boot
+ends with a clean `systemctl poweroff`: envctl-shutdown-probe.service, ordered before
+envctl.service and the monitor, so stopped after both at shutdown, runs this file's
+`shutdown_probe` as its ExecStop= and writes what envctl left (residue(), `envctl status
+--json`, envctl.service's stop result and journal) to /out/shutdown.json for
+tests/vm/test_vm_boot.py to check on the host.
 """
 
 from __future__ import annotations
@@ -246,9 +247,17 @@ def kill_service_and_wait_for_the_monitor() -> None:
     os.kill(old["pid"], signal.SIGKILL)
     new = wait_for(lambda: (st := running("web")) and st["pid"] != old["pid"] and st,
                    "the monitor to restart web's service")
-    # restart: no, so its own supervisor ended: the new one is the monitor's child.
-    assert cgroup_of(new["supervisor"]["pid"]) == "/system.slice/envctl-monitor.service"
+    # restart: no, so its own supervisor ended: the new one, forked by the monitor, moved out
+    # of the monitor's cgroup into a scope of its own (a restart of the monitor cannot take it).
+    assert_supervisor_scoped(new["supervisor"]["pid"])
     assert_up("web")
+
+
+def assert_supervisor_scoped(sup: int) -> None:
+    """The service's supervisor is in its own scope of web's slice, not in the unit whose
+    envctl forked it (envctl.service's `up`, the monitor's heal)."""
+    assert cgroup_of(sup) == \
+        f"/envctl.slice/envctl-web.slice/envctl-web-service-supervisor-{sup}.scope"
 
 
 def stop_and_check_residue() -> None:
@@ -281,10 +290,11 @@ class TestFirstBoot:
 
     def test_the_good_environment_is_up(self):
         assert_web_up()
-        # Its supervisor was forked by `up` and outlived it although `up` exited 1
-        # (KillMode=process): it is still in envctl.service's cgroup.
-        sup = running("web")["supervisor"]["pid"]
-        assert cgroup_of(sup) == "/system.slice/envctl.service"
+        # Its supervisor was forked by `up` and outlived it although `up` exited 1: it moved
+        # into a scope of its own, and nothing is left in envctl.service's cgroup.
+        assert_supervisor_scoped(running("web")["supervisor"]["pid"])
+        procs = CG / "system.slice" / "envctl.service" / "cgroup.procs"
+        assert not procs.exists() or procs.read_text().strip() == "", procs.read_text()
 
     def test_the_monitor_serves_metrics_on_loopback(self):
         assert show("envctl-monitor.service", "ActiveState")["ActiveState"] == "active"

@@ -461,7 +461,8 @@ class _Supervisor:
                 f"{exc.filename or 'start'}: {exc.strerror}"
             if started is not None:  # it runs, but its supervisor would die with `up`'s caller
                 started.kill()
-                self.watch(started, status_r)
+                self.watch(started, status_r)  # which closes status_r
+                status_r = -1
             for fd in (status_r, status_w, log):
                 if fd >= 0:
                     os.close(fd)
