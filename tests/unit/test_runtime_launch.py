@@ -412,6 +412,16 @@ def test_the_supervisor_and_launcher_import_nothing_costly():
     assert sorted(m for m in modules if m.startswith(FORBIDDEN) and m not in ALLOWED) == []
 
 
+def _refusing_busctl(tmp_path, monkeypatch, message: str) -> None:
+    """A busctl first on PATH that writes its arguments to tmp_path/argv and refuses."""
+    fake = tmp_path / "bin" / "busctl"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/argv\n"
+                    f"echo '{message}' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+
+
 def test_the_systemd_drivers_attach_names_the_slice_and_reports_a_refusal(tmp_path,
                                                                           monkeypatch):
     """Launch.attach for the systemd driver: StartTransientUnit of `<slice>-<pid>.scope` in the
@@ -420,12 +430,7 @@ def test_the_systemd_drivers_attach_names_the_slice_and_reports_a_refusal(tmp_pa
     from envctl.errors import HostError
     from envctl.runtime.context import EnvCgroup, EnvContext
 
-    fake = tmp_path / "bin" / "busctl"
-    fake.parent.mkdir()
-    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/argv\n"
-                    "echo 'Unit envctl-box-4242.scope already exists.' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    _refusing_busctl(tmp_path, monkeypatch, "Unit envctl-box-4242.scope already exists.")
     for parent, unit in (("", "envctl-box.slice"), ("hpc", "hpc-box.slice")):
         ctx = EnvContext(env="box", root=tmp_path, mntns=tmp_path / "mnt", netns=None,
                          hostname="box", cgroup=EnvCgroup("systemd", parent, 2))
@@ -452,12 +457,7 @@ def test_a_supervisors_own_scope_is_named_for_it_and_a_refusal_names_the_slice(t
     from envctl.errors import HostError
     from envctl.runtime.context import EnvCgroup, EnvContext
 
-    fake = tmp_path / "bin" / "busctl"
-    fake.parent.mkdir()
-    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/argv\n"
-                    "echo 'Access denied' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    _refusing_busctl(tmp_path, monkeypatch, "Access denied")
     ctx = EnvContext(env="box", root=tmp_path, mntns=tmp_path / "mnt", netns=None,
                      hostname="box", cgroup=EnvCgroup("systemd", "hpc", 2))
     done = rl.supervisor_scope(ctx, "job7-supervisor")
