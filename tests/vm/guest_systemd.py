@@ -403,8 +403,9 @@ def test_supervisors_outlive_the_unit_that_ran_envctl(sb, tmp_path):
     # Each scope goes with its process.
     assert wait_for(lambda: not (cg / f"{base}-job{rec['id']}-supervisor-{jsup}.scope").exists())
     sb.envctl("down", "lim", check=True, timeout=300)
-    assert not Path(f"/proc/{sup}").exists()
-    assert not (cg / f"{base}-service-supervisor-{sup}.scope").exists()
+    # (a process that has exited stays in /proc until systemd, its parent, has reaped it)
+    assert wait_for(lambda: not Path(f"/proc/{sup}").exists()), "the supervisor outlived down"
+    assert wait_for(lambda: not (cg / f"{base}-service-supervisor-{sup}.scope").exists())
     import shutil
 
     shutil.rmtree(sb.state)
