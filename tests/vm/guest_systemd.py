@@ -87,6 +87,11 @@ def slice_residue(sb) -> dict[str, list[str]]:
     return {k: v for k, v in found.items() if v}
 
 
+def cgroup_of(pid: int) -> str:
+    """Process `pid`'s cgroup (v2), as /proc/PID/cgroup's `0::` line gives it."""
+    return Path(f"/proc/{pid}/cgroup").read_text().strip().split("::", 1)[1]
+
+
 def show(unit: str, *keys: str) -> dict[str, str]:
     out = subprocess.run(["systemctl", "show", "-p", ",".join(keys), "--", unit],
                          capture_output=True, text=True, check=True, timeout=120).stdout
@@ -332,19 +337,15 @@ def test_the_service_runs_restarts_and_stops_in_scopes_of_the_slice(sb):
             return None
         return state if state.get("state") == "running" and state.get("pid") else None
 
-    def scope_of(pid: int) -> str:
-        line = Path(f"/proc/{pid}/cgroup").read_text().strip().split("\n")[-1]
-        return line.split(":", 2)[2]
-
     assert wait_for(running), f"the service did not start: {state_file.read_text()}"
     first = running()
-    where = scope_of(first["pid"])
+    where = cgroup_of(first["pid"])
     assert where.startswith(f"/{parent}/{unit}/") and ".scope" in where, where
     os.kill(first["pid"], 9)
     assert wait_for(lambda: (s := running()) and s["pid"] != first["pid"]), \
         f"not restarted: {state_file.read_text()}"
     second = running()
-    again = scope_of(second["pid"])
+    again = cgroup_of(second["pid"])
     assert again.startswith(f"/{parent}/{unit}/") and ".scope" in again, again
     assert wait_for(lambda: not (ROOT / where.lstrip("/")).exists()), "the old scope stayed"
     sb.envctl("down", "lim", check=True, timeout=300)
@@ -378,9 +379,6 @@ def test_supervisors_outlive_the_unit_that_ran_envctl(sb, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     state = json.loads((sb.run_dir / "lim" / "service.json").read_text())
     sup = state["supervisor"]["pid"]
-
-    def cgroup_of(pid: int) -> str:
-        return Path(f"/proc/{pid}/cgroup").read_text().strip().split("::", 1)[1]
 
     assert state["state"] == "running", state
     assert cgroup_of(sup) == f"/{parent}/{unit}/{base}-service-supervisor-{sup}.scope"

@@ -470,17 +470,27 @@ def _write(path: Path, value: str) -> None:
         os.close(fd)
 
 
+def _env_slice(ctx: EnvContext) -> tuple[str, str] | None:
+    """The environment's slice and its cgroup (relative to the hierarchy's root) for the
+    systemd driver; None for the cgroupfs driver."""
+    if ctx.cgroup is None or ctx.cgroup.driver != "systemd":
+        return None
+    from envctl.spec.naming import env_slice, slice_cgroup
+
+    parent = ctx.cgroup.parent_name
+    return env_slice(ctx.env, parent), slice_cgroup(ctx.env, parent)
+
+
 def systemd_attach(ctx: EnvContext) -> Callable[[int], None] | None:
     """For the systemd driver: Launch.attach putting the launcher into a transient scope of
     the environment's slice (systemd owns that tree: envctl writes none of it); the scope
     goes when its processes have. None for the cgroupfs driver."""
-    if ctx.cgroup is None or ctx.cgroup.driver != "systemd":
+    where = _env_slice(ctx)
+    if where is None:
         return None
     from envctl.host.scope import ScopeError, attach_scope
-    from envctl.spec.naming import env_slice, slice_cgroup
 
-    parent = ctx.cgroup.parent_name
-    unit, cgroup = env_slice(ctx.env, parent), slice_cgroup(ctx.env, parent)
+    unit, cgroup = where
     v1, _ = _cgroup_mounts()
 
     def attach(pid: int) -> None:
@@ -501,13 +511,12 @@ def supervisor_scope(ctx: EnvContext, what: str) -> Callable[[], str] | None:
     podman gives conmon a scope of its own. Its own scope, not the job's: killing the job's
     scope must not kill its supervisor. The caller goes on meanwhile (the launch). None for
     the cgroupfs driver, which never talks to systemd."""
-    if ctx.cgroup is None or ctx.cgroup.driver != "systemd":
+    where = _env_slice(ctx)
+    if where is None:
         return None
     from envctl.host.scope import ScopeError, begin_scope
-    from envctl.spec.naming import env_slice, slice_cgroup
 
-    parent = ctx.cgroup.parent_name
-    unit, cgroup = env_slice(ctx.env, parent), slice_cgroup(ctx.env, parent)
+    unit, cgroup = where
     pid = os.getpid()
     scope = f"{unit.removesuffix('.slice')}-{what}-{pid}.scope"
     try:
