@@ -198,14 +198,16 @@ def test_time_limit_cancel_and_oom(box):
     t = submit(sb, "--time-limit", "2s", sleeper)
     stubborn = script(sb, "stubborn.sh", "#!/bin/sh\ntrap '' TERM\nwhile :; do sleep 1; done\n")
     c = submit(sb, stubborn)
-    hog = script(sb, "hog.py", "x = b'a' * (400 << 20)\nprint('survived')\n")
-    h = submit(sb, hog)
     res = sb.envctl("cancel", "--json", "--grace", "0.5", str(c["id"]))
     assert res.returncode == 0, res.stderr
     (cancelled,) = json.loads(res.stdout)
     assert cancelled["state"] == "CANCELLED" and cancelled["signal"] == signal.SIGKILL
     _, (timed,) = wait(sb, t["id"])
     assert (timed["state"], timed["signal"]) == ("TIMEOUT", signal.SIGTERM)
+    # The hog only once the others have ended: the jobs share the environment's memory limit,
+    # and its OOM killer may pick any of their Sentries (it once took the sleeper's).
+    hog = script(sb, "hog.py", "x = b'a' * (400 << 20)\nprint('survived')\n")
+    h = submit(sb, hog)
     _, (hogged,) = wait(sb, h["id"])
     # The Sentry's memory is the job cgroup's: the OOM killer counts there.
     assert hogged["state"] == "OUT_OF_MEMORY" and hogged["oom_kills"] >= 1, hogged
