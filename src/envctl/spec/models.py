@@ -748,6 +748,25 @@ class Gvisor(Strict):
     platform: Literal["ptrace", "kvm", "systrap"] = "ptrace"
 
 
+def _seccomp_setting(v: str) -> str:
+    """runtime.seccomp: a named setting, or a profile read (and its syscall names resolved)
+    now, so that its mistakes are the spec's, with the profile's own file:line."""
+    if v in ("default", "unconfined"):
+        return v
+    if not v.startswith("/"):
+        raise ValueError(f"seccomp is default, unconfined or an absolute path to a JSON "
+                         f"profile, not {_shown(v)}")
+    _abs_path(v, "a seccomp profile")
+    from envctl.errors import InputError
+    from envctl.runtime.seccomp import load_profile  # imports nothing heavy until called
+
+    try:
+        load_profile(v)
+    except InputError as exc:
+        raise ValueError(f"seccomp profile {exc}") from None
+    return v
+
+
 class Runtime(Strict):
     """How programs run inside the environment (exec, jobs, the service)."""
 
@@ -758,11 +777,25 @@ class Runtime(Strict):
     # the same environment, entered through gVisor's runsc (envctl.runtime.gvisor).
     isolation: Literal["native", "gvisor"] = "native"
     gvisor: Gvisor = Gvisor()
+    # The seccomp filter of every program launched inside (envctl.runtime.seccomp): default
+    # (Docker's default profile, its capability groups chosen by the capabilities kept),
+    # unconfined (no filter), or an absolute path to an OCI/Docker-format JSON profile, read
+    # and checked when the spec loads.
+    seccomp: str = "default"
+    # Allow creating user namespaces inside (rootless podman, buildah); by default the seccomp
+    # filter refuses unshare/clone with CLONE_NEWUSER (clone3: ENOSYS) whatever the
+    # capabilities. No effect with seccomp: unconfined, which refuses nothing.
+    nested_userns: Flag = False
 
     @field_validator("capabilities")
     @classmethod
     def _once(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
         return None if v is None else _unique(v, "capability")
+
+    @field_validator("seccomp")
+    @classmethod
+    def _seccomp(cls, v: str) -> str:
+        return _seccomp_setting(v)
 
     @model_validator(mode="after")
     def _gvisor_used(self) -> Runtime:
