@@ -70,6 +70,11 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
     if spec.runtime.capabilities is not None:
         # Not a claim: recorded with them so that every launch reads it from the journal.
         out["capabilities"] = list(spec.runtime.capabilities)
+    if spec.runtime.seccomp != "default":
+        # Not a claim: the seccomp profile every launch installs (runtime.seccomp).
+        out["seccomp"] = spec.runtime.seccomp
+    if spec.runtime.nested_userns:
+        out["nested_userns"] = True
     if spec.runtime.isolation != "native":
         # Not a claim either: how every launch enters the environment (runtime.gvisor).
         out["isolation"] = {"level": spec.runtime.isolation,

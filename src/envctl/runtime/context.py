@@ -75,6 +75,15 @@ class EnvContext(Record, frozen=True):
     # runsc on `platform` (envctl.runtime.gvisor).
     isolation: str = "native"
     platform: str = ""
+    # Its seccomp profile (the spec's runtime.seccomp): "default", "unconfined" or a path;
+    # and whether its jobs may create user namespaces (runtime.nested_userns).
+    seccomp: str = "default"
+    nested_userns: bool = False
+    # Its memory limit in bytes (0: none): per-launch tmpfs sizes are a share of it.
+    memory_max: int = 0
+    # The host uid and gid its root is (the first of its block of user namespace ids, the
+    # journal's claims); 0: no user namespace (runtime.userns: false, or isolation: gvisor).
+    userns: int = 0
 
     @classmethod
     def load(cls, host: Host, env: str) -> EnvContext:
@@ -94,7 +103,7 @@ class EnvContext(Record, frozen=True):
         root = Path(found["rootfs"]["root"])
         netns = found.get("netns")
         gpus = (claims.get("gpus") or {}).get("uuids") or ()
-        cgroup, cpus = _cgroup(found)
+        cgroup, cpus, memory_max = _cgroup(found)
         nodes = (found.get("env-dev") or {}).get("nodes") or ()
         gids = tuple(sorted({int(n[4]) for n in nodes if int(n[4]) != 0}))
         caps = claims.get("capabilities")
@@ -105,7 +114,10 @@ class EnvContext(Record, frozen=True):
                    cpus=cpus or online_cpus(host.sys), gpus=tuple(gpus), device_gids=gids,
                    caps=tuple(caps) if isinstance(caps, list) else None,
                    isolation=sandbox.get("level", "native"),
-                   platform=sandbox.get("platform", ""))
+                   platform=sandbox.get("platform", ""),
+                   seccomp=str(claims.get("seccomp") or "default"),
+                   nested_userns=bool(claims.get("nested_userns")), memory_max=memory_max,
+                   userns=int((claims.get("userns") or {}).get("base") or 0))
 
 
 def read_journal(state_dir: Path, env: str, boot: str
@@ -208,16 +220,26 @@ def _check_holder(env: str, path: Path) -> None:
                         f"`envctl up {env}` makes it again")
 
 
-def _cgroup(found: dict[str, dict[str, Any]]) -> tuple[EnvCgroup | None, tuple[int, ...]]:
-    """The cgroup step's driver and placement, and the CPUs its cpuset names (() for all)."""
+def _cgroup(found: dict[str, dict[str, Any]]
+            ) -> tuple[EnvCgroup | None, tuple[int, ...], int]:
+    """The cgroup step's driver and placement, the CPUs its cpuset names (() for all) and its
+    memory limit in bytes (0: none)."""
     if (cg := found.get("cgroup")) is not None:
-        cpus = next((v for _, f, v in cg.get("settings", ()) if f == "cpuset.cpus"), "")
+        settings = {f: v for _, f, v in cg.get("settings", ())}
+        limit = settings.get("memory.max") or settings.get("memory.limit_in_bytes") or ""
         return (EnvCgroup("cgroupfs", cg.get("parent", ""), int(cg["version"]),
-                          tuple(cg.get("controllers", ()))), parse_cpus(cpus))
+                          tuple(cg.get("controllers", ()))),
+                parse_cpus(settings.get("cpuset.cpus", "")), _bytes(limit))
     if (sl := found.get("cgroup-slice")) is not None:
-        cpus = next((v for k, v in sl.get("properties", ()) if k == "AllowedCPUs"), "")
-        return EnvCgroup("systemd", sl.get("parent", ""), int(sl["version"])), parse_cpus(cpus)
-    return None, ()
+        props = dict(sl.get("properties", ()))
+        return (EnvCgroup("systemd", sl.get("parent", ""), int(sl["version"])),
+                parse_cpus(props.get("AllowedCPUs", "")), _bytes(props.get("MemoryMax", "")))
+    return None, (), 0
+
+
+def _bytes(limit: str) -> int:
+    """A memory limit as the planner wrote it (bytes; "max", "-1", "infinity": none) -> 0."""
+    return int(limit) if limit.isdigit() else 0
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:

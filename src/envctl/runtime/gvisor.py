@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 
 OCI_VERSION = "1.0.2"
 BOX_DIR = "gvisor"  # <run>/<env>/BOX_DIR/<id>/
+# The whole environment runsc is started with.
+RUNSC_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Mount points gVisor makes its own file systems on (never bound from the environment's).
 OWN_MOUNTS = ("/proc", "/sys", "/dev")
 CLOSE_RANGE_CLOEXEC = 1 << 2
@@ -550,9 +552,11 @@ def _appending(fds: tuple[int, ...]) -> tuple[int, ...]:
 
 def _spawn(argv: list[str], stdio: tuple[int, int, int], handled: tuple[int, ...]) -> int:
     """posix_spawn argv with `stdio` as 0, 1, 2 (every other descriptor is close-on-exec),
-    the signals the init handles (`handled`) back to their defaults and none blocked."""
+    the signals the init handles (`handled`) back to their defaults and none blocked. runsc
+    gets a PATH and nothing else of the caller's environment (an operator's tokens, agent
+    sockets): the job's own variables reach it through config.json."""
     actions = [(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(stdio)]
-    return os.posix_spawn(argv[0], argv, {k: v for k, v in os.environ.items()},
+    return os.posix_spawn(argv[0], argv, {"PATH": RUNSC_PATH},
                           file_actions=actions, setsigdef=(*handled, signal.SIGPIPE),
                           setsigmask=())
 

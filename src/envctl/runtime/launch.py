@@ -81,26 +81,38 @@ CAPS = NUMBERS
 # What the init (and the launcher) pass on to the job; others go to them alone.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
                      signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
-# /proc files and directories a job may not change (bound read-only) or see (masked): the
-# host-wide knobs and leaks that are not per-namespace, as runc masks them by default.
+# /proc and /sys files and directories a job may not change (bound read-only) or see
+# (masked): the host-wide knobs and leaks that are not per-namespace, runc's and Docker's
+# default lists (moby oci/defaults.go): RAPL energy counters (powercap: CVE-2020-8694), the
+# host's interrupts per CPU, firmware tables, keys of every user, kernel timers.
 PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
-PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "acpi", "scsi")
+MASKED = ("proc/acpi", "proc/asound", "proc/interrupts", "proc/kcore", "proc/keys",
+          "proc/latency_stats", "proc/timer_list", "proc/timer_stats", "proc/sched_debug",
+          "proc/scsi", "sys/firmware", "sys/devices/virtual/powercap")
+# A launch's user namespace: uid and gid 0 are the environment's own host id (ctx.userns),
+# 1 to USERNS_IDS - 1 the host's same ids (docs/security.md says why).
+USERNS_IDS = 1 << 16
+# The one capability the init keeps once the job runs: signals to a job of another uid (it
+# forwards SIGTERM & co.). Harmless outside: the init sees only its own PID namespace.
+CAP_KILL = 5
 # The launcher's (and init's) own exit status when something before the exec failed.
 SETUP_FAILED = 125
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000
+CLONE_NEWUSER = 0x10000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 CAP_VERSION_3 = 0x20080522
 CLOSE_RANGE_CLOEXEC = 1 << 2
 TIOCSCTTY, TIOCSWINSZ, TIOCSPTLCK, TIOCGPTPEER = 0x540E, 0x5414, 0x40045431, 0x5441
 TTY_GID = 5  # the group of /dev/pts in every environment (envctl's /etc/group: tty)
-_SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126, "close_range": 436},
-             "aarch64": {"pivot_root": 41, "capset": 91, "close_range": 436}}
+KEYCTL_JOIN_SESSION_KEYRING = 1
+_SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126, "close_range": 436, "keyctl": 250},
+             "aarch64": {"pivot_root": 41, "capset": 91, "close_range": 436, "keyctl": 219}}
 _NR = _SYSCALLS.get(os.uname().machine, _SYSCALLS["x86_64"])
 
 
@@ -552,6 +564,20 @@ class _Plan(Record):
     environ: dict[bytes, bytes]
     hostname: bytes
     binds: list[Bind]
+    # Installs the launch's seccomp filter in the calling process (envctl.runtime.seccomp,
+    # compiled and prepared before the fork); None: unconfined.
+    seccomp: Callable[[], None] | None = None
+    # The size of each per-launch tmpfs (/tmp, /dev/shm) as a share of the environment's
+    # memory limit, in bytes; 0: as large as the environment's own (the spec's) allows.
+    tmpfs_cap: int = 0
+    # The host uid/gid root inside is (the environment's user namespace); 0: none, the job's
+    # ids are the host's (runtime.userns: false).
+    userns: int = 0
+    # The init <-> job handshake (see _init): the job's ends, then the init's. -1: unused.
+    go_r: int = -1
+    ready_w: int = -1
+    go_w: int = -1
+    ready_r: int = -1
 
 
 def start(launch: Launch, *, init: Callable[[Launch, _Plan, int], NoReturn] | None = None
@@ -590,8 +616,11 @@ def start(launch: Launch, *, init: Callable[[Launch, _Plan, int], NoReturn] | No
             fds += [mine, theirs]
         if launch.binds:
             from envctl.host import mounts  # noqa: F401 - for the launcher, before the fork
+        go_r, go_w = os.pipe2(os.O_CLOEXEC)
+        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+        fds += [go_r, go_w, ready_r, ready_w]
         plan = _Plan(os.getpid(), netns_fd, mntns_fd, err_w, sync_r, sync_w, theirs,
-                     **plan_args)
+                     go_r=go_r, ready_w=ready_w, go_w=go_w, ready_r=ready_r, **plan_args)
         with _signals_blocked():
             pid = os.fork()
             if pid == 0:
@@ -642,6 +671,11 @@ def _check(launch: Launch) -> dict:
     if outside or not cpus:
         raise UsageError(f"CPUs {outside or '(none)'}: the environment '{ctx.env}' runs on "
                          f"CPUs {','.join(map(str, ctx.cpus))}")
+    if ctx.userns:
+        ids = (launch.user.uid, launch.user.gid, *launch.user.groups)
+        if any(not 0 <= i < USERNS_IDS for i in ids):
+            raise UsageError(f"user {launch.user.uid}:{launch.user.gid}: the ids of environment "
+                             f"'{ctx.env}''s user namespace are 0 to {USERNS_IDS - 1}")
     for b in launch.binds:
         if not b.target.startswith("/") or any(p in (".", "..") for p in b.target.split("/")):
             raise UsageError(f"bind target {b.target!r}: an absolute path without . or ..")
@@ -652,7 +686,27 @@ def _check(launch: Launch) -> dict:
     return {"cpus": cpus, "keep": keep, "last_cap": last_cap,
             "argv": [os.fsencode(a) for a in launch.argv],
             "environ": {os.fsencode(k): os.fsencode(v) for k, v in launch.environ.items()},
-            "hostname": ctx.hostname.encode(), "binds": list(launch.binds)}
+            "hostname": ctx.hostname.encode(), "binds": list(launch.binds),
+            "seccomp": _seccomp(ctx, keep), "tmpfs_cap": ctx.memory_max // 2,
+            "userns": ctx.userns}
+
+
+def _seccomp(ctx: EnvContext, keep: int) -> Callable[[], None] | None:
+    """The launch's seccomp filter, ready to install: the environment's profile (the spec's
+    runtime.seccomp) for the capabilities the job keeps, compiled once per profile and set of
+    capabilities and cached in the environment's run directory, <run>/<env>/seccomp, which
+    `down` removes (envctl.runtime.seccomp)."""
+    if ctx.seccomp == "unconfined":
+        return None
+    from envctl.runtime import seccomp
+
+    try:
+        prog = seccomp.compile(ctx.seccomp, keep, nested_userns=ctx.nested_userns,
+                               cache_dir=ctx.mntns.parent.parent / ctx.env / "seccomp")
+    except OSError as exc:  # the cache directory (the profile's own errors are InputError)
+        raise HostError(f"seccomp profile of '{ctx.env}': {exc.filename or ctx.seccomp}: "
+                        f"{exc.strerror}") from exc
+    return seccomp.prepare(prog) if prog is not None else None
 
 
 def _open_ns(path: Path, what: str, fds: list[int]) -> int:
@@ -832,6 +886,8 @@ def _launcher(launch: Launch, plan: _Plan,
         for b in plan.binds:
             step = f"bind {b.target}"
             _bind(launch.ctx.root, b)
+        step = "per-launch mounts"
+        _launch_mounts(launch.ctx.root, plan.tmpfs_cap)
         if plan.sync_r >= 0:
             # The caller has put this process into the launch's cgroup meanwhile (_join):
             # the init forked next inherits it.
@@ -847,7 +903,8 @@ def _launcher(launch: Launch, plan: _Plan,
             os.close(alive_w)
             (init_main or _init)(launch, plan, alive_r)  # never returns
         init[0] = pid
-        for fd in (plan.err_w, plan.sock, alive_r, plan.netns_fd, plan.mntns_fd, plan.sync_r):
+        for fd in (plan.err_w, plan.sock, alive_r, plan.netns_fd, plan.mntns_fd, plan.sync_r,
+                   plan.go_r, plan.go_w, plan.ready_r, plan.ready_w):
             if fd >= 0:
                 os.close(fd)
         if launch.status_fd is not None:
@@ -878,6 +935,43 @@ def _bind(root: Path, b: Bind) -> None:
         os.close(src)
 
 
+def _launch_mounts(root: Path, tmpfs_cap: int) -> None:
+    """The mounts of this launch alone, over the environment's shared ones (cwd anywhere):
+    - /dev read-only: its nodes are what the environment's /dev holds, and no launch can
+      swap one (a root job replacing /dev/null with a file or a symlink) for the next;
+    - a /tmp and a /dev/shm of its own (tmpfs, mode 1777, nosuid,nodev), as Slurm's
+      namespace/tmpfs gives each job: nothing one job leaves there reaches another, their
+      pages are charged to this launch's cgroup, and they go with its mount namespace. Each
+      is as large as the environment's own (the spec's shm_size; /tmp unsized), at most
+      `tmpfs_cap` bytes (half the environment's memory limit) when that is set.
+    The rootfs is read-only and host-owned, and /dev read-only in every launch: the mount
+    points are opened beneath the root through no symlink, and mounted on by descriptor."""
+    from envctl.host.safepath import fd_path, open_beneath
+
+    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        dev = open_beneath(root_fd, "dev", symlinks=False)
+        try:
+            _check_call(libc.mount(None, fd_path(dev).encode(), None, ctypes.c_ulong(
+                MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC), None), "/dev")
+        finally:
+            os.close(dev)
+        for target in ("tmp", "dev/shm"):
+            fd = open_beneath(root_fd, target, symlinks=False)
+            try:
+                st = os.fstatvfs(fd)
+                size = st.f_blocks * st.f_frsize
+                if tmpfs_cap and (not size or size > tmpfs_cap):
+                    size = tmpfs_cap
+                data = "mode=1777" + (f",size={size}" if size else "")
+                _check_call(libc.mount(b"tmpfs", fd_path(fd).encode(), b"tmpfs", ctypes.c_ulong(
+                    MS_NOSUID | MS_NODEV), data.encode()), f"/{target}")
+            finally:
+                os.close(fd)
+    finally:
+        os.close(root_fd)
+
+
 def _init(launch: Launch, plan: _Plan, alive_r: int) -> NoReturn:
     """PID 1 of the launch's PID namespace (see the module docstring)."""
     step = "init"
@@ -888,6 +982,14 @@ def _init(launch: Launch, plan: _Plan, alive_r: int) -> NoReturn:
         if select.select([alive_r], [], [], 0)[0]:
             os._exit(SETUP_FAILED)
         os.close(alive_r)
+        # The host's namespaces (the environment's mount namespace still shows the host's /)
+        # and the go-ahead pipe: the launcher's, never the init's.
+        for fd in (plan.netns_fd, plan.mntns_fd, plan.sync_r):
+            if fd >= 0:
+                os.close(fd)
+        # The host's /dev/null, opened before pivot_root, for the masks: never the rootfs's
+        # /dev/null, which a job may have made a symlink to a host file.
+        null = os.open("/dev/null", os.O_PATH | os.O_CLOEXEC)
         job = [0]
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, _forward_to(job))
@@ -896,8 +998,9 @@ def _init(launch: Launch, plan: _Plan, alive_r: int) -> NoReturn:
         step = "mount /proc"
         _check_call(libc.mount(b"proc", b"proc", b"proc",
                                ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC), None), "proc")
-        step = "mask /proc"
-        _mask_proc()
+        step = "mask /proc and /sys"
+        _mask(null)
+        os.close(null)
         step = "pivot_root"
         _check_call(_pivot_root(b".", b"."), str(launch.ctx.root))
         step = "detach the old root"
@@ -912,9 +1015,23 @@ def _init(launch: Launch, plan: _Plan, alive_r: int) -> NoReturn:
         if pid == 0:
             _job(launch, plan, slave)  # never returns
         job[0] = pid
-        for fd in (plan.err_w, slave, plan.sock):
+        for fd in (plan.err_w, slave, plan.sock, plan.go_r, plan.ready_w):
             if fd >= 0:
                 os.close(fd)
+        # The job waits for the go-ahead before it changes user, and so before any program
+        # of the environment runs: by then the init has written the job's user namespace
+        # maps (only a process of the host's user namespace may) and has confined itself,
+        # so that no job ever sees a privileged init, however fast it is.
+        if plan.userns:
+            step = "user namespace"
+            if os.read(plan.ready_r, 1) != b"u":
+                os._exit(SETUP_FAILED)  # the job failed before (its own report says why)
+            _write_id_maps(pid, plan.userns)
+        os.close(plan.ready_r)
+        step = "confine the init"
+        _confine_init(launch, plan)
+        os.write(plan.go_w, b"g")
+        os.close(plan.go_w)
     except BaseException as exc:
         _fail(plan.err_w, step, exc)
     try:
@@ -938,21 +1055,117 @@ def _pivot_root(new: bytes, old: bytes) -> int:
     return libc.syscall(_NR["pivot_root"], new, old)
 
 
-def _mask_proc() -> None:
-    """/proc's host-wide knobs read-only, its host-wide leaks hidden (cwd: the rootfs)."""
-    for name in PROC_READONLY:
-        p = f"proc/{name}".encode()
-        if os.path.exists(p):
-            _check_call(libc.mount(p, p, None, ctypes.c_ulong(MS_BIND | MS_REC), None), p)
-            _check_call(libc.mount(None, p, None, ctypes.c_ulong(
-                MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC), None), p)
-    for name in PROC_MASKED:
-        p = f"proc/{name}".encode()
-        if os.path.isdir(p):
-            _check_call(libc.mount(b"tmpfs", p, b"tmpfs", ctypes.c_ulong(
-                MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC), None), p)
-        elif os.path.exists(p):
-            _check_call(libc.mount(b"dev/null", p, None, ctypes.c_ulong(MS_BIND), None), p)
+def _mask(null: int) -> None:
+    """/proc's host-wide knobs read-only, the host-wide leaks of /proc and /sys hidden (cwd:
+    the rootfs, with the launch's /proc mounted). Every target is opened beneath the rootfs
+    through no symlink (they are in the kernel's own procfs and sysfs, but a path is never
+    trusted), and every mount is made on that descriptor: a masked file gets the host's
+    /dev/null (`null`, opened by the init before pivot_root), read-only; a masked directory an
+    empty read-only tmpfs."""
+    from envctl.host.safepath import fd_path, open_beneath
+
+    ro = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+    root = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in PROC_READONLY:
+            _bind_ro(root, f"proc/{name}", -1, ro)
+        for name in MASKED:
+            try:
+                fd = open_beneath(root, name, os.O_PATH, symlinks=False)
+            except FileNotFoundError:
+                continue  # ENOENT: not on this kernel (no ACPI, no powercap): nothing to hide
+            try:
+                if os.path.isdir(fd_path(fd)):
+                    _check_call(libc.mount(b"tmpfs", fd_path(fd).encode(), b"tmpfs",
+                                           ctypes.c_ulong(ro), b"size=0,nr_inodes=1"), name)
+                    continue
+            finally:
+                os.close(fd)
+            _bind_ro(root, name, null, ro & ~MS_NODEV)  # a device node: nodev would refuse it
+    finally:
+        os.close(root)
+
+
+def _bind_ro(root: int, name: str, source: int, flags: int) -> None:
+    """Bind `source` (a descriptor; -1: the target itself) over `name` beneath `root`, then
+    make the new mount read-only (a bind takes its flags from a remount, which must name the
+    new mount: the target is opened again once it is there)."""
+    from envctl.host.safepath import fd_path, open_beneath
+
+    try:
+        fd = open_beneath(root, name, os.O_PATH, symlinks=False)
+    except FileNotFoundError:
+        return  # ENOENT: not on this kernel
+    try:
+        _check_call(libc.mount(fd_path(source if source >= 0 else fd).encode(),
+                               fd_path(fd).encode(), None, ctypes.c_ulong(MS_BIND | MS_REC),
+                               None), name)
+    finally:
+        os.close(fd)
+    fd = open_beneath(root, name, os.O_PATH, symlinks=False)
+    try:
+        _check_call(libc.mount(None, fd_path(fd).encode(), None, ctypes.c_ulong(
+            MS_BIND | MS_REMOUNT | flags), None), name)
+    finally:
+        os.close(fd)
+
+
+def _confine_init(launch: Launch, plan: _Plan) -> None:
+    """Once the job is forked, the init keeps nothing a job could use through it (ptrace with
+    a spec's SYS_PTRACE, or /proc/1): no descriptor but the status pipe, no capability but
+    CAP_KILL (forwarding signals to a job of another uid), not dumpable (/proc/1/environ,
+    /proc/1/fd, /proc/1/exe: root's alone), the job's seccomp filter, and neither the host's
+    command line nor the caller's environment in its memory."""
+    # Its stdin, stdout and stderr too: the caller's (an operator's terminal), the job's
+    # business alone. Nothing but the status pipe (and the go-ahead, written next) stays.
+    low = 0
+    for keep in sorted(fd for fd in (launch.status_fd, plan.go_w) if fd is not None):
+        if keep > low:
+            _check_call(libc.syscall(_NR["close_range"], low, keep - 1, 0))
+        low = keep + 1
+    _check_call(libc.syscall(_NR["close_range"], low, ctypes.c_uint(0xFFFFFFFF), 0))
+    _scrub_memory()
+    _check_call(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0))
+    for cap in range(plan.last_cap + 1):
+        if cap != CAP_KILL:
+            _check_call(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0))
+    _capset(1 << CAP_KILL)
+    _check_call(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
+    if plan.seccomp is not None:
+        plan.seccomp()
+
+
+def _write_id_maps(pid: int, base: int) -> None:
+    """The job's user namespace (it has just unshared it): uid and gid 0 -> `base`, the
+    environment's own host id, and 1 to USERNS_IDS - 1 -> the same host ids. Root inside owns
+    nothing of the host's root; the environment's other users keep their host identity, so
+    a job of alice writes alice's files on a data mount (docs/security.md)."""
+    maps = f"0 {base} 1\n1 1 {USERNS_IDS - 1}\n".encode()
+    for name in ("uid_map", "gid_map"):
+        fd = os.open(f"/proc/{pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, maps)  # one write: the kernel takes a map whole, once
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, f"/proc/{pid}/{name}") from None
+        finally:
+            os.close(fd)
+
+
+def _scrub_memory() -> None:
+    """Overwrite the command line and the environment the host gave this process (what
+    /proc/1/cmdline shows to anyone, and /proc/1/environ to root): the init is a fork of the
+    caller, whose environment may hold an operator's secrets."""
+    os.environ.clear()
+    with open("/proc/self/stat", "rb") as f:  # the launch's /proc: this process
+        fields = f.read().rpartition(b")")[2].split()
+    # proc(5): arg_start, arg_end, env_start, env_end are fields 48-51 (fields[0] is field 3).
+    arg_start, arg_end, env_start, env_end = (int(fields[n - 3]) for n in (48, 49, 50, 51))
+    if env_end > env_start:
+        ctypes.memset(env_start, 0, env_end - env_start)
+    if arg_end > arg_start:
+        ctypes.memset(arg_start, 0, arg_end - arg_start)
+        name = b"envctl-init"[:arg_end - arg_start - 1]
+        ctypes.memmove(arg_start, name, len(name))
 
 
 def _open_pty(launch: Launch, plan: _Plan) -> int:
@@ -979,6 +1192,9 @@ def _job(launch: Launch, plan: _Plan, slave: int) -> NoReturn:
     """The job: its session, CPUs, capabilities, user, no_new_privs, then the exec."""
     step = "setsid"
     try:
+        for fd in (plan.go_w, plan.ready_r):  # the init's ends: EOF when it dies
+            if fd >= 0:
+                os.close(fd)
         for sig in (*FORWARDED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE; exec keeps ignores
         os.setsid()
@@ -1004,23 +1220,44 @@ def _job(launch: Launch, plan: _Plan, slave: int) -> NoReturn:
             if not plan.keep & (1 << cap):
                 _check_call(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0))
         _check_call(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0))
+        if plan.userns:
+            step = "user namespace"
+            _check_call(libc.unshare(CLONE_NEWUSER))
+            os.write(plan.ready_w, b"u")
+        step = "wait for the init"
+        if os.read(plan.go_r, 1) != b"g":
+            os._exit(SETUP_FAILED)  # the init died: the PID namespace is going
         step = "set user"
         user = launch.user
         os.setgroups(list(user.groups))
         os.setgid(user.gid)
         os.setuid(user.uid)  # from root to another uid: permitted and effective sets cleared
+        step = "new session keyring"
+        _new_session_keyring()
         step = "set capabilities"
         _capset(plan.keep if user.uid == 0 else 0)
         step = "no_new_privs"
         _check_call(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
         step = f"chdir {launch.cwd}"
         os.chdir(launch.cwd)
+        if plan.seccomp is not None:
+            step = "seccomp"
+            plan.seccomp()
         step = "exec"
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
         _exec(plan.argv, plan.environ)
     except BaseException as exc:
         _fail(plan.err_w, step, exc)
     os._exit(SETUP_FAILED)
+
+
+def _new_session_keyring() -> None:
+    """A new anonymous session keyring, the job user's: never the one of whoever ran envctl
+    (an operator's Kerberos, AFS or ecryptfs keys). ENOSYS: a kernel without keys."""
+    if libc.syscall(_NR["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        err = ctypes.get_errno()
+        if err != errno.ENOSYS:
+            raise OSError(err, os.strerror(err), "keyctl")
 
 
 def _dup_or_null(fd: int) -> int:
