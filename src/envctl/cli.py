@@ -710,7 +710,8 @@ def logs(
         else:
             import shutil
 
-            with open(path, "rb") as f:
+            # Never by name as root: the job's user owns its directory (see jobs.open_output).
+            with open(jb.open_output(host.state_dir, record, path), "rb") as f:
                 shutil.copyfileobj(f, out)
     except OSError as exc:
         raise HostError(f"logs of job {record.id}: {path}: {exc.strerror}") from exc

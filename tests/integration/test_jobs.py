@@ -11,8 +11,10 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -251,7 +253,13 @@ print(os.environ['ENVCTL_JOB_ID'], os.getcwd(), os.getuid(), sys.argv[1:])
 
 def test_user_defaults_to_the_sudo_user_and_never_silently_root(box):
     sb = box
-    prog = script(sb, "who.py", "import os\nprint(os.getuid(), os.getgid())\n", 0o644)
+    # The program is read with the sudo user's rights: somewhere nobody can walk to (the
+    # sandbox sits below root's 0700 /tmp/pytest-of-root).
+    pub = Path(tempfile.mkdtemp(prefix="envctl-jobs-", dir="/var/tmp"))
+    os.chmod(pub, 0o755)
+    prog = str(pub / "who.py")
+    Path(prog).write_text("import os\nprint(os.getuid(), os.getgid())\n")
+    os.chmod(prog, 0o644)
     refused = sb.envctl("submit-job", "box", prog)
     assert refused.returncode == 2 and "--user root" in refused.stderr
     assert not (sb.state / "jobs" / "1.json").exists()  # bad input changes nothing
@@ -261,6 +269,7 @@ def test_user_defaults_to_the_sudo_user_and_never_silently_root(box):
     assert rc == 0 and done["user"] == "nobody" and done["uid"] == 65534
     assert Path(done["stdout"]).read_text() == "65534 65534\n"
     assert os.stat(done["stdout"]).st_uid == 65534  # the user behind sudo can read it
+    shutil.rmtree(pub)
     assert_clean_down(sb)
 
 

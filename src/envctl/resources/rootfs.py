@@ -47,6 +47,10 @@ STANDARD_TREE: tuple[tuple[str, int], ...] = (
     ("job", 0o755),
 )
 DIR_MODE = 0o755  # the root and directories made only because something lies in them
+PRIVATE_MODE = 0o700  # <state>/rootfs: see _private_dir
+# Set-id bits never reach a tree: a job runs with no_new_privs, so inside they grant nothing,
+# and outside they would only be another path to a set-id program (see _placed_mode).
+SETID = stat.S_ISUID | stat.S_ISGID
 PLACEHOLDER_MODE = 0o644
 TMP_SUFFIX = ".envctl~"
 SHOWN = 3  # paths named per kind of difference in check()'s detail
@@ -429,6 +433,22 @@ def _missing_dirs(root: Path) -> list[str]:
     return made
 
 
+def _private_dir(path: Path) -> None:
+    """`<state>/rootfs` (the manifests, and the trees by default) made 0700, or tightened to
+    it: only root may reach a tree from the host. The trees hold hard links of host files and
+    whatever a job wrote into its mount points' parents; a host user who could walk in would
+    get another path to them (the host's set-id files among them, pinned at the version the
+    tree linked even after the host upgraded its own)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, PRIVATE_MODE)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.ENOTDIR, "exists and is not a directory", str(path))
+    if stat.S_IMODE(st.st_mode) != PRIVATE_MODE:
+        os.chmod(path, PRIVATE_MODE)  # a directory of root's, as just lstat'ed
+
+
 def _make_host_dir(env: str, path: str) -> None:
     """mkdir a host directory of the root's own path (the operator's config, not the tree)."""
     try:
@@ -494,7 +514,7 @@ class _Manifest:
 
         where = self.where(host, env)
         try:
-            where.parent.mkdir(parents=True, exist_ok=True)
+            _private_dir(where.parent)
             write_json(where, {"env": env, "root": self.root, "made": self.made,
                                "paths": sorted(self.paths)})
         except OSError as exc:
@@ -630,10 +650,12 @@ def _verdict(want: _Want, have: os.stat_result | None, pfd: int, name: str,
     if src is None:
         return OUTDATED, "source gone"
     if (have.st_dev, have.st_ino) == (src.st_dev, src.st_ino):
-        return None  # the hard link: the source itself
+        # The hard link: the source itself; of a set-id source (an older envctl linked it),
+        # to be replaced by a copy without the bits.
+        return None if not src.st_mode & SETID else (MODIFIED, "set-id")
     diffs = [what for what, a, b in (
         ("size", have.st_size, src.st_size), ("mtime", have.st_mtime_ns, src.st_mtime_ns),
-        ("mode", mode, stat.S_IMODE(src.st_mode))) if a != b]
+        ("mode", mode, _placed_mode(src))) if a != b]
     if not diffs:
         return None  # a copy (another filesystem) of the source as it is
     if have.st_mtime_ns < src.st_mtime_ns:
@@ -748,8 +770,9 @@ def _clear_tmp(env: str, path: str, pfd: int, tmp: str) -> None:
 
 
 def _place_host_file(pfd: int, tmp: str, source: str, src: os.stat_result, dev: int) -> None:
-    """Hard-link `source` as `tmp` when it is on the tree's filesystem, else copy it."""
-    if src.st_dev == dev:
+    """Hard-link `source` as `tmp` when it is on the tree's filesystem, else copy it. A set-id
+    source is always copied: a link would be the host's set-id inode itself."""
+    if src.st_dev == dev and not src.st_mode & SETID:
         try:
             os.link(source, tmp, dst_dir_fd=pfd, follow_symlinks=True)
             return
@@ -775,12 +798,20 @@ def _copy(source: str, pfd: int, tmp: str) -> None:
                 pass
             with contextlib.suppress(PermissionError):  # not root: the copy stays the caller's
                 os.fchown(dfd, st.st_uid, st.st_gid)
-            os.fchmod(dfd, stat.S_IMODE(st.st_mode))  # after chown, which clears setuid
+            os.fchmod(dfd, _placed_mode(st))  # after chown (which clears set-id bits anyway)
             os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
         finally:
             os.close(dfd)
     finally:
         os.close(sfd)
+
+
+def _placed_mode(src: os.stat_result) -> int:
+    """The mode a host file gets in the tree: its own, without set-id bits. Inside, the job
+    runs with no_new_privs, so the bits would grant nothing; on the host they would make the
+    copy one more set-id program, at a path and version the host's package manager does not
+    know about."""
+    return stat.S_IMODE(src.st_mode) & ~SETID
 
 
 def _write_new(pfd: int, tmp: str, data: bytes, mode: int) -> None:

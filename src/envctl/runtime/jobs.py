@@ -70,6 +70,9 @@ class Job(Record):
     user: str = ""
     uid: int = 0
     gid: int = 0
+    groups: list[int] = Factory(list)  # supplementary ones
+    # [uid, gid, *groups] of who submitted it (the user behind sudo), when not root.
+    submitter: list[int] | None = None
     state: State = State.PENDING
     submit_time: float = 0.0
     start_time: float | None = None
@@ -491,6 +494,74 @@ def parse_cpus(text: str, what: str = "CPUs") -> tuple[int, ...]:
 IN_MODIFY, IN_CLOSE_WRITE, IN_ATTRIB = 0x2, 0x8, 0x4
 
 
+def output_creds(uid: int, gid: int, groups: Any, submitter: Any) -> tuple | None:
+    """Whose rights an output outside the job's directory is opened with: the submitting
+    user's, who named the path, whoever the job runs as (`sudo envctl submit-job --user root
+    -o /etc/passwd` must not make root truncate it, nor `--user alice -o ~alice/.bashrc`
+    hand bob's job alice's file); when root ran envctl itself, the job's user's; None: root's
+    own (a root job of root)."""
+    if submitter:
+        return (submitter[0], submitter[1], tuple(submitter[2:]))
+    if uid != 0:
+        return (uid, gid, tuple(groups))
+    return None
+
+
+def open_output(state_dir: Path, job: Job, path: Path) -> int:
+    """A read-only descriptor of one of the job's outputs, for `logs`, opened so that the
+    job's user cannot make root read anything else. The job's directory is that user's: a
+    default output in it is opened beneath `<state>/jobs` with no symlink anywhere on the way
+    (openat2 RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS); an output elsewhere is opened with the
+    job user's rights and O_NOFOLLOW. Either must be a regular file (checked on the
+    descriptor; O_NONBLOCK until then, so a FIFO cannot hang it). OSError naming `path`."""
+    import errno
+    import stat
+
+    from envctl.host.asuser import open_as
+    from envctl.host.safepath import Escape, open_beneath
+
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
+    in_dir = path.parent == job_dir(state_dir, job.id)
+    owner = -1
+    try:
+        if in_dir:
+            top = os.open(jobs_dir(state_dir), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                jfd = open_beneath(top, str(job.id), os.O_PATH | os.O_DIRECTORY,
+                                   symlinks=False)
+            finally:
+                os.close(top)
+            try:
+                owner = os.fstat(jfd).st_uid  # chowned by submit: the job's host uid
+                fd = open_beneath(jfd, path.name, flags | os.O_CLOEXEC, symlinks=False)
+            finally:
+                os.close(jfd)
+        else:
+            fd = open_as(output_creds(job.uid, job.gid, job.groups, job.submitter), path,
+                         flags | os.O_NOFOLLOW)
+    except Escape:
+        raise OSError(errno.ELOOP, "is or goes through a symlink, which envctl does not "
+                      "follow", str(path)) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "is a symlink, which envctl does not follow",
+                          str(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if in_dir and st.st_uid != owner:
+            # A hard link the user made there to somebody else's file (protected_hardlinks
+            # off): the outputs envctl made there are the job user's.
+            raise OSError(errno.EPERM, "not the job user's file", str(path))
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def follow(state_dir: Path, job: Job, path: Path, write: Callable[[bytes], None], *,
            boot_id: str, recheck: float = 1.0) -> None:
     """Copy `path` (one of the job's outputs) to `write` from its start, then as it grows,
@@ -502,13 +573,14 @@ def follow(state_dir: Path, job: Job, path: Path, write: Callable[[bytes], None]
 
     from envctl.host.libc import libc
 
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_output(state_dir, job, path)
     ino = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
     pidfd = -1
     try:
         poller = select.poll()
+        watched = os.fsencode(f"/proc/self/fd/{fd}")  # the file opened, not the name again
         if ino >= 0 and libc.inotify_add_watch(
-                ino, os.fsencode(path), IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB) >= 0:
+                ino, watched, IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB) >= 0:
             poller.register(ino, select.POLLIN)
         if job.active and supervisor_alive(job, boot_id):
             with contextlib.suppress(ProcessLookupError):

@@ -35,11 +35,13 @@ is shown as LOST; `cancel` of it removes what is left of its cgroup and writes L
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import os
 import select
 import signal
+import stat
 import time
 from pathlib import Path
 
@@ -53,6 +55,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): 
 if TYPE_CHECKING:
     from typing import Any
 
+    from envctl.host.asuser import Creds
     from envctl.host.cgroups import Cgroups
     from envctl.host.context import Host
     from envctl.runtime.context import EnvContext
@@ -66,7 +69,7 @@ CANCEL_SLACK = 15.0
 class Request(Record):
     """A job as `submit-job` asks for it, before anything is staged or started."""
 
-    exe: Path  # on the host: copied into the job's directory
+    exe: Path  # on the host: copied into the job's directory, read as `submitter`
     args: list[str] = Factory(list)
     name: str = ""
     user: User | None = None  # None: refused (never silently root); see launch.resolve_user
@@ -78,6 +81,9 @@ class Request(Record):
     output: Path | None = None
     error: Path | None = None
     time_limit: int | None = None
+    # Who submits it: the user behind sudo (asuser.submitter); None: this process (root run
+    # directly, or a test). The program is read with this user's rights, never root's.
+    submitter: Creds | None = None
 
 
 # ---------------------------------------------------------------- checking a request
@@ -85,15 +91,17 @@ class Request(Record):
 
 def check_request(ctx: EnvContext, req: Request) -> tuple[list[str], str]:
     """Refuse a bad request before anything changes (InputError, exit 2); the argv the job
-    runs (its argv[0] as seen inside) and the name of the staged file."""
+    runs (its argv[0] as seen inside) and the name of the staged file.
+
+    The program is opened and looked at with the submitting user's rights (a symlink to a file
+    that user cannot read is refused as the file would be); the output paths are looked at
+    with the job's user's rights: root's are never lent to a path a user names."""
     exe = req.exe
+    fd = _open_program(req)
     try:
-        st = exe.stat()
-    except OSError as exc:
-        raise InputError(f"submit-job: {exe}: {exc.strerror}") from None
-    if not exe.is_file():
-        raise InputError(f"submit-job: {exe}: not a regular file (give an executable or a "
-                         ".py script)")
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
     if not (Path(ctx.root) / "job").is_dir():
         raise HostError(f"submit-job: environment '{ctx.env}''s rootfs has no /job directory "
                         f"to bind the job's files on: run `envctl up {ctx.env}` with this "
@@ -126,11 +134,91 @@ def check_request(ctx: EnvContext, req: Request) -> tuple[list[str], str]:
         raise InputError(f"submit-job --workdir '{req.workdir}': an absolute path inside the "
                          "environment")
     for opt, path in (("--output", req.output), ("--error", req.error)):
-        if path is not None and not path.parent.is_dir():
-            raise InputError(f"submit-job {opt} {path}: directory {path.parent} does not exist")
-        if path is not None and path.is_dir():
-            raise InputError(f"submit-job {opt} {path}: is a directory")
+        if path is not None:
+            _check_output(opt, path, _output_creds(req))
     return argv, staged
+
+
+def _output_creds(req: Request) -> tuple | None:
+    """Whose rights --output/--error are opened with (see jobs.output_creds)."""
+    if req.user is None:
+        return None
+    return jobs.output_creds(req.user.uid, req.user.gid, req.user.groups,
+                             _submitter_ids(req))
+
+
+def _submitter_ids(req: Request) -> list[int] | None:
+    s = req.submitter
+    return None if s is None or s.uid == 0 else [s.uid, s.gid, *s.groups]
+
+
+def _who(creds: Creds | tuple | None) -> str:
+    return "root" if creds is None or int(creds[0]) == 0 else f"uid {creds[0]}"
+
+
+def _open_program(req: Request) -> int:
+    """A read-only descriptor of the program, opened with the submitting user's rights
+    (O_NONBLOCK: a FIFO must not hang the open); InputError when that user cannot read it or
+    it is not a regular file."""
+    from envctl.host.asuser import open_as
+
+    exe = req.exe
+    try:
+        fd = open_as(req.submitter, exe, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        why = exc.strerror
+        if req.submitter is not None and isinstance(exc, PermissionError):
+            why += f" (read as {_who(req.submitter)}, who submits it)"
+        raise InputError(f"submit-job: {exe}: {why}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputError(f"submit-job: {exe}: not a regular file (give an executable or a "
+                             ".py script)")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _check_output(opt: str, path: Path, user: Creds | tuple | None) -> None:
+    """Refuse an output path the job's user could not write, or that is not (or would not
+    be) a regular file, looked at with that user's rights. An existing file is opened for
+    writing to tell (without O_TRUNC: nothing changes); anything else is only lstat'ed, since
+    opening a device may act on it. `_open_output` checks the descriptor it writes to again."""
+    from envctl.host.asuser import as_user
+
+    with as_user(user):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            try:
+                parent = os.stat(path.parent)
+            except (FileNotFoundError, NotADirectoryError):
+                parent = None
+            except OSError as exc:
+                raise InputError(f"submit-job {opt} {path}: {path.parent}: {exc.strerror} (as "
+                                 f"{_who(user)}, whose file it would be)") from None
+            if parent is None or not stat.S_ISDIR(parent.st_mode):
+                raise InputError(f"submit-job {opt} {path}: directory {path.parent} does not "
+                                 "exist") from None
+            return  # made by _open_output, with the user's rights (which decide there)
+        except OSError as exc:
+            raise InputError(f"submit-job {opt} {path}: {exc.strerror} (as "
+                             f"{_who(user)}, whose file it would be)") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise InputError(f"submit-job {opt} {path}: is a directory")
+        if stat.S_ISLNK(st.st_mode):
+            raise InputError(f"submit-job {opt} {path}: is a symlink, which envctl does not "
+                             "follow for an output; name the file itself")
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"submit-job {opt} {path}: not a regular file (a device, FIFO or "
+                             "socket is refused)")
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_NOCTTY | os.O_CLOEXEC))
+        except OSError as exc:
+            raise InputError(f"submit-job {opt} {path}: {exc.strerror} (as {_who(user)}, "
+                             "whose file it would be)") from None
 
 
 def find_in_rootfs(ctx: EnvContext, name: str) -> str | None:
@@ -173,27 +261,40 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
         # The adapter's parent, without importing the adapter (the host facts: ~12 ms).
         cgroup = {"parent": ctx.cgroup.parent_name, "name": jobs.cgroup_name(ctx.env, jid)}
     job = Job(id=jid, env=ctx.env, argv=argv, name=req.name or req.exe.name,
-              user=req.user_name, uid=uid, gid=gid, submit_time=submit_time,
-              boot_id=host.boot_id, stdout=str(stdout), stderr=str(stderr),
-              workdir=req.workdir, time_limit=req.time_limit,
+              user=req.user_name, uid=uid, gid=gid, groups=list(req.user.groups),
+              submitter=_submitter_ids(req),
+              submit_time=submit_time, boot_id=host.boot_id, stdout=str(stdout),
+              stderr=str(stderr), workdir=req.workdir, time_limit=req.time_limit,
               cpus=sorted(req.cpus if req.cpus is not None else ctx.cpus),
               gpus=list(req.gpus if req.gpus is not None else ctx.gpus), cgroup=cgroup)
     fds: list[int] = []
+    jfd = -1
     try:
-        jdir.mkdir(mode=0o755, parents=True)
-        _stage(req.exe, jdir / staged, uid, gid)
-        out_fd = _open_output(stdout, uid, gid)
+        jfd = _make_job_dir(host.state_dir, jid)
+        owner = _host_ids(ctx, uid, gid)
+        _stage(req, jfd, staged, *owner)
+        out_fd = _open_output(stdout, owner if req.output is None else _output_creds(req),
+                              jfd if req.output is None else None)
         fds.append(out_fd)
-        err_fd = out_fd if _same_file(stdout, stderr) else _open_output(stderr, uid, gid)
+        err_fd = (out_fd if _same_file(stdout, stderr) else
+                  _open_output(stderr, owner if req.error is None else _output_creds(req),
+                               jfd if req.error is None else None))
         if err_fd != out_fd:
             fds.append(err_fd)
-    except OSError as exc:
+        # The user's only once everything in it is made: nothing of theirs can be in the way.
+        os.fchown(jfd, *owner)
+    except (OSError, InputError) as exc:
         for fd in fds:
             os.close(fd)
         import shutil  # here, not at the top: it imports bz2 and lzma (~3 ms of a submit)
 
         shutil.rmtree(jdir, ignore_errors=True)
+        if isinstance(exc, InputError):
+            raise
         raise HostError(f"submit job {jid}: {exc.filename or jdir}: {exc.strerror}") from exc
+    finally:
+        if jfd >= 0:
+            os.close(jfd)
     try:
         kind, text = _spawn(host, ctx, req, job, out_fd, err_fd)
     finally:
@@ -209,37 +310,89 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
     return final or job
 
 
-def _stage(src: Path, dest: Path, uid: int, gid: int) -> None:
-    """Copy the executable in with its permission bits (never set-id ones: it runs with
-    no_new_privs anyway), owned by the job's user so that a mode like 0700 still lets the
-    job run it. /job is bound read-only: the job cannot change it. (sendfile, as
-    shutil.copyfile does on Linux, without importing shutil.)"""
-    fd_in = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+def _host_ids(ctx: EnvContext, uid: int, gid: int) -> tuple[int, int]:
+    """The host ids the job's uid and gid are: the same, but for 0 in an environment with a
+    user namespace (root inside is the environment's own host id, launch._write_id_maps), so
+    that the job's root can read its 0700 directory."""
+    base = int(getattr(ctx, "userns", 0) or 0)
+    return (base if base and uid == 0 else uid), (base if base and gid == 0 else gid)
+
+
+def _make_job_dir(state_dir: Path, jid: int) -> int:
+    """Make `<state>/jobs/<id>/` (root's and 0700 until submit hands it to the job's user) and
+    return a descriptor of it: everything in it is made through that descriptor."""
+    jobs_fd = os.open(jobs.jobs_dir(state_dir), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd_out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.mkdir(str(jid), 0o700, dir_fd=jobs_fd)
+        fd = os.open(str(jid), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=jobs_fd)
+    finally:
+        os.close(jobs_fd)
+    os.fchmod(fd, 0o700)  # mkdir's mode passed the umask
+    return fd
+
+
+def _stage(req: Request, jfd: int, staged: str, uid: int, gid: int) -> None:
+    """Copy the program into the job's directory (descriptor `jfd`) as the submitting user can
+    read it — opened with that user's rights, never root's, so the copy holds nothing that
+    user could not read — with its permission bits (never set-id ones: it runs with
+    no_new_privs anyway), owned by the job's user so that a mode like 0700 still lets the job
+    run it. /job is bound read-only: the job cannot change it. (sendfile, as
+    shutil.copyfile does on Linux, without importing shutil.)"""
+    fd_in = _open_program(req)
+    try:
+        fd_out = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600, dir_fd=jfd)
         try:
             while os.sendfile(fd_out, fd_in, None, 1 << 30):
                 pass
-            os.fchmod(fd_out, os.fstat(fd_in).st_mode & 0o777)
             os.fchown(fd_out, uid, gid)
+            os.fchmod(fd_out, os.fstat(fd_in).st_mode & 0o777)
         except OSError as exc:  # sendfile's errors name no file: the copy's source is it
-            raise OSError(exc.errno, exc.strerror, str(src)) from None
+            raise OSError(exc.errno, exc.strerror, str(req.exe)) from None
         finally:
             os.close(fd_out)
     finally:
         os.close(fd_in)
 
 
-def _open_output(path: Path, uid: int, gid: int) -> int:
-    """Open (truncate, as Slurm's default) an output file for the job; a file envctl creates is
-    the job user's, so that the user behind sudo can read it."""
-    existed = path.exists()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
-                 0o644)
-    if not existed:
-        with contextlib.suppress(OSError):
-            os.fchown(fd, uid, gid)
-    return fd
+def _open_output(path: Path, user: Creds | tuple | None, jfd: int | None) -> int:
+    """Open (truncate, as Slurm's default) an output file for the job. A default one, in the
+    job's new directory, is made there through its descriptor, 0600 and `user`'s. Any
+    other is opened with `user`'s rights (see _output_creds), so that a file that user cannot
+    write stays as it is, never through a symlink (O_NOFOLLOW), and refused unless the
+    descriptor is a regular file (O_NONBLOCK: a FIFO must not hang the open; cleared once it
+    is known to be a file) before anything is truncated."""
+    from envctl.host.asuser import open_as
+
+    if jfd is not None:  # a default output, `path` in the job's directory `jfd`
+        fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_APPEND | os.O_CLOEXEC, 0o600, dir_fd=jfd)
+        try:
+            if user is not None:
+                os.fchown(fd, user[0], user[1])
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    try:
+        fd = open_as(user, path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+                     | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InputError(f"submit-job {path}: is a symlink, which envctl does not follow "
+                             "for an output; name the file itself") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputError(f"submit-job {path}: not a regular file (a device, FIFO or "
+                             "socket is refused)")
+        os.set_blocking(fd, True)
+        os.ftruncate(fd, 0)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -675,6 +828,7 @@ def make_request(host: Host, ctx: EnvContext, exe: str, args: list[str], *,
     """A Request from `submit-job`'s options as typed; InputError/UsageError (exit 2) for a
     bad one. The user rule is exec's (`launch.resolve_user`): the user behind sudo by
     default, root only when asked for."""
+    from envctl.host.asuser import submitter
     from envctl.runtime.launch import resolve_user
 
     who = resolve_user(user, ctx, environ)
@@ -692,7 +846,8 @@ def make_request(host: Host, ctx: EnvContext, exe: str, args: list[str], *,
         env=variables, workdir=workdir,
         output=Path(os.path.abspath(output)) if output else None,
         error=Path(os.path.abspath(error)) if error else None,
-        time_limit=jobs.parse_duration(time_limit) if time_limit is not None else None)
+        time_limit=jobs.parse_duration(time_limit) if time_limit is not None else None,
+        submitter=submitter(environ))
 
 
 def _user_name(spec: str | None, uid: int, ctx: EnvContext,
