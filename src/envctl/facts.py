@@ -160,6 +160,15 @@ class HostFacts:
     gpu_assigned: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Environment -> why it gets none, from the same joint resolution.
     gpu_refused: dict[str, str] = field(default_factory=dict)
+    # Ids the host's users, groups and /etc/subuid, /etc/subgid ranges hold, (first, end,
+    # what) (read only when a spec wants a user namespace).
+    host_ids: tuple[tuple[int, int, str], ...] = ()
+    # Environment that is up -> the first host id of its user namespace block (journals).
+    userns_held: dict[str, int] = field(default_factory=dict)
+    # Environment -> the first host id of its block, resolved for all specs read together
+    # (envctl.plan.userns.assign_userns); and environment -> why it has none.
+    userns_assigned: dict[str, int] = field(default_factory=dict)
+    userns_refused: dict[str, str] = field(default_factory=dict)
     # Group names the specs ask about -> gid (a name missing here does not exist).
     groups: dict[str, int] = field(default_factory=dict)
     # The host's /etc/resolv.conf, which environments' rootfs get a copy of.

@@ -18,12 +18,14 @@ from envctl.errors import Problem, SpecError, StateCorrupt, UsageError
 from envctl.facts import HostFacts
 from envctl.host.context import Host
 from envctl.host.facts import gather
+from envctl.host.idranges import host_id_ranges
 from envctl.plan.builder import Plan, PlanError
 from envctl.plan.claims import held_conflicts, spec_claims
 from envctl.plan.gpus import assign_gpus
 from envctl.plan.host import find_host_conflicts
 from envctl.plan.planner import plan_env
 from envctl.plan.rootfs import wants_rootfs
+from envctl.plan.userns import assign_userns, wants_userns
 from envctl.spec.conflicts import find_conflicts
 from envctl.spec.loader import LoadedSpec, load_each, spec_files
 from envctl.spec.models import EnvSpec
@@ -216,11 +218,30 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
                    groups=frozenset(s.gpus.group for s in gpus),
                    state_dir=host.state_dir,
                    runsc=any(s.runtime.isolation == "gvisor" for s in specs))
+    if any(wants_userns(s) for s in specs):
+        held = _userns_held(host)
+        facts = dataclasses.replace(facts, host_ids=host_id_ranges(), userns_held=held)
+        assigned, refused = assign_userns(specs, facts)
+        facts = dataclasses.replace(facts, userns_assigned=assigned, userns_refused=refused)
     if not gpus:
         return facts
     facts = dataclasses.replace(facts, gpu_held=_gpus_held(host))
     assigned, refused = assign_gpus(gpus, facts)
     return dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused)
+
+
+def _userns_held(host: Host) -> dict[str, int]:
+    """Environment that is up -> the first host id of its user namespace block (its claims)."""
+    held = {}
+    for env in Journal.environments(host.state_dir):
+        try:
+            journal = Journal.open(host.state_dir, env, boot=host.boot_id)
+        except (StateCorrupt, UsageError):
+            continue
+        base = ((journal.claims or {}).get("userns") or {}).get("base")
+        if journal.entries and isinstance(base, int):
+            held[env] = base
+    return held
 
 
 def _gpus_held(host: Host) -> dict[str, str]:

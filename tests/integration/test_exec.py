@@ -87,7 +87,7 @@ def two_cpus() -> bool:
     return len(os.sched_getaffinity(0)) >= 2 and 1 in os.sched_getaffinity(0)
 
 
-def up_box(sb, programs, *, network: bool = False) -> None:
+def up_box(sb, programs, *, network: bool = False, extra: str = "") -> None:
     bins = ["sh", "bash", "cat", "ls", "true", "sleep", "mkdir", "mknod", "mount", "touch", "stty",
             "grep", "timeout", "ip", programs["argv"]]
     bins += [programs["escape"]] if programs["escape"] else []
@@ -97,7 +97,7 @@ def up_box(sb, programs, *, network: bool = False) -> None:
         spec += "resources:\n  cpu: {dedicated: \"1\"}\n"
     if network:
         spec += "network: {address: 10.231.0.2, bridge_address: 10.231.0.1/24}\n"
-    sb.write_spec("box", spec)
+    sb.write_spec("box", spec + extra)
     res = sb.envctl("up", "box")
     assert res.returncode == 0, res.stderr
 
@@ -189,12 +189,12 @@ def test_the_command_is_isolated(sandbox, programs):
         assert res.returncode == 0, res.stderr
         assert res.stdout == "marker hidden\nrootfs yes\n"
 
-    # mknod: an allowed device works (the capability is there), any other is refused by the
-    # environment's device allow-list.
-    res = ex(sb, "mknod", f"/tmp/null-{os.getpid()}", "c", "1", "3")
-    assert res.returncode == 0, res.stderr
-    res = ex(sb, "mknod", f"/tmp/sda-{os.getpid()}", "b", "8", "0")
-    assert res.returncode != 0 and "Operation not permitted" in res.stderr
+    # mknod: root inside is the root of a user namespace, which never makes a device node,
+    # not even one the environment's device allow-list has (MKNOD is in its set); with
+    # runtime.userns: false the allow-list alone decides (test_mknod_without_userns).
+    for kind, major, minor in (("c", "1", "3"), ("b", "8", "0")):
+        res = ex(sb, "mknod", f"/tmp/dev-{os.getpid()}", kind, major, minor)
+        assert res.returncode != 0 and "Operation not permitted" in res.stderr
 
     # Capabilities: Docker's default set for root, none for another user; no_new_privs.
     status = ex(sb, "cat", "/proc/self/status").stdout
@@ -207,6 +207,18 @@ def test_the_command_is_isolated(sandbox, programs):
     for field in ("CapBnd", "CapEff", "CapPrm", "CapInh", "CapAmb"):
         assert int(status_field(status, field), 16) == 0, field
     assert status_field(status, "NoNewPrivs") == "1"
+    down_box(sb)
+
+
+def test_mknod_without_userns(sandbox, programs):
+    """Root of the host inside (runtime.userns: false): an allowed device can be made (the
+    capability is there), any other is refused by the environment's device allow-list."""
+    sb = sandbox
+    up_box(sb, programs, extra="runtime: {userns: false}\n")
+    res = ex(sb, "mknod", f"/tmp/null-{os.getpid()}", "c", "1", "3")
+    assert res.returncode == 0, res.stderr
+    res = ex(sb, "mknod", f"/tmp/sda-{os.getpid()}", "b", "8", "0")
+    assert res.returncode != 0 and "Operation not permitted" in res.stderr
     down_box(sb)
 
 
@@ -389,6 +401,8 @@ from envctl.runtime import launch as rl
 src, cpus = sys.argv[1], tuple(json.loads(sys.argv[2]))
 ctx = EnvContext.load(Host.from_env(), "box")
 user = rl.resolve_user("root", ctx, {})
+# Root inside is the user namespace's root, host uid ctx.userns: the bind is its to write.
+os.chown(src, ctx.userns, ctx.userns)
 out = []
 for read_only in (True, False):
     dirs = rl.create_cgroup(ctx, "job-1", cpus=cpus or None)

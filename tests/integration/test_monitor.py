@@ -31,7 +31,7 @@ resources:
 rootfs:
   binaries: [sh, sleep]
 mounts:
-  - {{source: {data}, target: /data}}
+  - {{source: {data}, target: /data, create: false}}
 service:
   command: ["/bin/sh", "-c", "echo run >> /data/runs; exec sleep 100000"]
   restart: on-failure
@@ -63,6 +63,7 @@ def box(sandbox, tmp_path):
     monitor's NVML (tests/fakes/pynvml); `down --force` afterwards if a test left it up."""
     data = tmp_path / "data"
     data.mkdir()
+    data.chmod(0o777)  # the service is root of its user namespace; create: false keeps this
     sandbox.write_spec("box", SPEC.format(data=data))
     res = sandbox.envctl("up", "box")
     assert res.returncode == 0, res.stderr

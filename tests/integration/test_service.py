@@ -25,7 +25,7 @@ rootfs:
   binaries: [sh, cat, sleep, "true", python3]
   python: true
 mounts:
-  - {{source: {data}, target: /data}}
+  - {{source: {data}, target: /data, create: false}}
 service:
   command: {command}
   restart: {restart}
@@ -43,6 +43,9 @@ def box(sandbox, tmp_path):
     afterwards if the test left it up, and no supervisor left in any case."""
     data = tmp_path / "data"
     data.mkdir()
+    # The service runs as root inside, which is not the host's root (its user namespace): the
+    # operator's directory lets it write (and `create: false`: envctl leaves its mode alone).
+    data.chmod(0o777)
 
     def up(command: str = SLEEPER, restart: str = "on-failure", restart_sec: float = 1,
            env: dict[str, str] | None = None) -> None:

@@ -1,7 +1,8 @@
 """What an environment holds that no other may have while it is up (its address, host ports,
-dedicated CPUs, GPUs, derived interface name, the value of each sysctl, the governor of each
-cpufreq policy, each module's options), and the conflicts of specs with environments that are up
-but not among the specs read now (a renamed spec, another config directory). Pure.
+dedicated CPUs, GPUs, derived interface name, its user namespace's block of host ids, the value
+of each sysctl, the governor of each cpufreq policy, each module's options), and the conflicts
+of specs with environments that are up but not among the specs read now (a renamed spec,
+another config directory). Pure.
 
 `up` records an environment's claims in its journal; commands that change the host read them
 back for every environment that is up, so a spec elsewhere cannot take what it holds."""
@@ -12,6 +13,7 @@ import ipaddress
 from typing import TYPE_CHECKING, Any
 
 from envctl.plan.host import cpufreq_policy, governor_cpus, module_name, module_options
+from envctl.plan.userns import USERNS_SIZE
 from envctl.spec.naming import host_veth
 from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.sysctls import canonical
@@ -70,6 +72,10 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
     if spec.runtime.capabilities is not None:
         # Not a claim: recorded with them so that every launch reads it from the journal.
         out["capabilities"] = list(spec.runtime.capabilities)
+    base = facts.userns_assigned.get(spec.name) if facts is not None else None
+    if base is not None:
+        # The block of host ids its user namespace maps (root inside is `base`).
+        out["userns"] = {"base": base, "size": USERNS_SIZE}
     if spec.runtime.seccomp != "default":
         # Not a claim: the seccomp profile every launch installs (runtime.seccomp).
         out["seccomp"] = spec.runtime.seccomp
@@ -139,6 +145,10 @@ def _clashes(mine: dict[str, Any], theirs: dict[str, Any]) -> list[tuple[tuple, 
         if have is not None and have != options:
             out.append((("host", "modules"), f"kernel module {module} (loaded with options "
                         f"'{' '.join(have)}'; this spec wants '{' '.join(options)}')"))
+    mu, tu = mine.get("userns"), theirs.get("userns")
+    if mu and tu and mu["base"] < tu["base"] + tu["size"] and tu["base"] < mu["base"] + mu["size"]:
+        out.append((("runtime", "userns"), f"user namespace host ids {tu['base']}-"
+                    f"{tu['base'] + tu['size'] - 1}"))
     mg, tg = mine.get("gpus"), theirs.get("gpus")
     if mg and tg:
         if mg["all"] or tg["all"]:

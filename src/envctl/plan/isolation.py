@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from envctl.plan.limits import GPU_DEVICES_KEY
 from envctl.plan.rootfs import wants_rootfs
+from envctl.plan.userns import USERNS_SIZE
 
 if TYPE_CHECKING:
     from envctl.facts import HostFacts
@@ -25,6 +26,7 @@ RUNSC_PACKAGE = "runsc"
 
 def plan_isolation(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     rt = spec.runtime
+    _plan_userns(spec, facts, plan)
     if rt.isolation == "native":
         return
     platform = rt.gvisor.platform
@@ -59,3 +61,25 @@ def plan_isolation(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         plan.error(("runtime", "isolation"), (
             "GPUs under gVisor (runsc --nvproxy) are not wired into envctl yet: the sandbox "
             "would see no GPU; use isolation: native"))
+
+
+def _plan_userns(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
+    """Root inside as the host sees it: the block of ids allocated for the environment's user
+    namespace (recorded with the claims), or the host's root, which `plan` warns about."""
+    rt = spec.runtime
+    if rt.isolation != "native" or not wants_rootfs(spec):
+        return
+    if not rt.userns:
+        plan.warn("runtime.userns is false: root inside this environment is root on the host, "
+                  "held back by capabilities and the seccomp filter alone; a file it makes on a "
+                  "data mount is root's, a set-id one too")
+        plan.resolved["userns"] = "none (root inside is the host's root)"
+        return
+    if spec.name in facts.userns_refused:
+        plan.error(("runtime", "userns"), f"{facts.userns_refused[spec.name]}; give the "
+                   "environment another name, free the ids, or set runtime.userns: false")
+        return
+    base = facts.userns_assigned.get(spec.name)
+    if base is not None:
+        plan.resolved["userns"] = (f"root inside is host uid/gid {base} (block {base}-"
+                                   f"{base + USERNS_SIZE - 1}); other users keep their host ids")

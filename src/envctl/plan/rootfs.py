@@ -107,8 +107,10 @@ def plan_rootfs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
                 plan.add(SharedDirectory("host", source.lstrip("/"), 0o755, keep=True),
                          ("mounts", i, "source"))
             else:
-                plan.add(Directory("state", f"data/{spec.name}/{m.source}", 0o755, keep=True),
-                         ("mounts", i, "source"))
+                # Root inside owns it (its user namespace's host id), when it has one.
+                owner = facts.userns_assigned.get(spec.name, -1)
+                plan.add(Directory("state", f"data/{spec.name}/{m.source}", 0o755, keep=True,
+                                   owner=owner), ("mounts", i, "source"))
         dirs[m.target] = 0o755
         options = (("ro",) if m.read_only else ()) + ("nosuid", "nodev")
         beneath = "" if m.source.startswith("/") else data_dir(spec, facts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -10,10 +11,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from envctl.errors import HostError
+from envctl.host.safepath import Escape
 from envctl.resources.base import Check, Resource
 
 if TYPE_CHECKING:
     from envctl.host.context import Host
+
+# Directories directly in a base that only root may enter, with their mode: the data a job
+# writes (see Directory._close_top).
+PRIVATE_TOPS = {("state", "data"): 0o700}
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,10 @@ class Directory(Resource):
     # Keep the contents on removal (data the user wrote is never deleted by teardown, unless
     # `down --purge` sets host.options["purge"]).
     keep: bool = False
+    # The uid and gid that own it (-1: root, as made). An environment's data directories
+    # belong to its user namespace's root (runtime.userns), so that root inside may write
+    # them: a mount that says so, while every host file owned by root stays out of its reach.
+    owner: int = -1
 
     def ident(self) -> str:
         return f"{self.base}:{self.path}"
@@ -42,7 +52,18 @@ class Directory(Resource):
         found = _directory(self._path(host))
         if isinstance(found, Check):
             return found
-        return Check.compare({"mode": oct(self.mode)}, {"mode": oct(found)})
+        want, have = {"mode": oct(self.mode)}, {"mode": oct(found)}
+        if self.owner >= 0:
+            st = os.stat(self._path(host), follow_symlinks=False)
+            want["owner"], have["owner"] = f"{self.owner}:{self.owner}", f"{st.st_uid}:{st.st_gid}"
+        top = Path(self.path).parts[0]
+        private = PRIVATE_TOPS.get((self.base, top))
+        if private is not None:
+            # An older envctl made it 0755: drift, which apply tightens (_close_top).
+            top_mode = _directory(host.base(self.base) / top)
+            want[f"{top} mode"] = oct(private)
+            have[f"{top} mode"] = oct(top_mode) if isinstance(top_mode, int) else "?"
+        return Check.compare(want, have)
 
     def snapshot(self, host: Host) -> dict[str, Any]:
         p = self._path(host)
@@ -58,7 +79,10 @@ class Directory(Resource):
             # its data directories): never followed, never adopted.
             return {"existed": False, "made": [], "symlink": True}
         if memo["existed"]:
-            memo["mode"] = stat.S_IMODE(p.stat().st_mode)  # apply may change it: given back
+            st = p.stat()
+            memo["mode"] = stat.S_IMODE(st.st_mode)  # apply may change it: given back
+            if self.owner >= 0:
+                memo["owner"] = [st.st_uid, st.st_gid]  # so may it the owner
         return memo
 
     def refuses(self, memo: dict[str, Any]) -> str:
@@ -80,17 +104,19 @@ class Directory(Resource):
             return False
         p = self._path(host)
         try:
-            if p.is_symlink():
-                p.unlink()  # never followed out of the state directory
-            else:
-                shutil.rmtree(p)
+            # The job wrote in there: every name is hostile (see _remove_beneath).
+            _remove_beneath(host.base(self.base), self.path)
         except FileNotFoundError:
             pass
+        except Escape as exc:
+            raise HostError(f"purge directory '{p}': {self._where()} goes through a symlink, "
+                            "which envctl does not follow; refusing") from exc
         except OSError as exc:
-            raise HostError(f"purge directory '{p}': {exc.strerror}") from exc
-        for parent in list(p.parents)[:len(Path(self.path).parents) - 1]:
+            raise HostError(f"purge directory '{p}': {exc.filename or p}: "
+                            f"{exc.strerror}") from exc
+        for parent in list(Path(self.path).parents)[:len(Path(self.path).parents) - 1]:
             try:
-                parent.rmdir()
+                _remove_beneath(host.base(self.base), str(parent), contents=False)
             except OSError:
                 break  # another environment's data, or not ours to judge
         return True
@@ -136,7 +162,7 @@ class Directory(Resource):
         """In envctl's state or run directory: made (and its mode set) one component at a time
         beneath the base, through no symlink, so that a symlink a job put in a data directory
         never makes envctl create or chmod anything elsewhere."""
-        from envctl.host.safepath import Escape, fd_path, makedirs_beneath
+        from envctl.host.safepath import fd_path, makedirs_beneath
 
         base, p = host.base(self.base), self._path(host)
         try:
@@ -147,10 +173,14 @@ class Directory(Resource):
             finally:
                 os.close(bfd)
             try:
-                if stat.S_IMODE(os.stat(fd).st_mode) != self.mode:
+                st = os.stat(fd)
+                if stat.S_IMODE(st.st_mode) != self.mode:
                     os.chmod(fd_path(fd), self.mode)
+                if self.owner >= 0 and (st.st_uid, st.st_gid) != (self.owner, self.owner):
+                    os.chown(fd_path(fd), self.owner, self.owner)
             finally:
                 os.close(fd)
+            self._close_top(base)
         except Escape as exc:
             raise HostError(f"create directory '{p}': {self._where()} is or goes through a "
                             "symlink, which envctl does not follow; refusing") from exc
@@ -159,6 +189,25 @@ class Directory(Resource):
         except OSError as exc:
             raise HostError(f"create directory '{p}': {exc.strerror}") from exc
 
+    def _close_top(self, base: Path) -> None:
+        """`<state>/data` 0700 (made so, or tightened from an older envctl's 0755): a job
+        writes its data directories as any uid it likes, set-id files included, and only root
+        may reach them from the host (the job reaches them through its own mounts)."""
+        top = Path(self.path).parts[0]
+        mode = PRIVATE_TOPS.get((self.base, top))
+        if mode is None:
+            return
+        from envctl.host.safepath import fd_path, open_beneath, opened
+
+        bfd = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with opened(open_beneath(bfd, top, os.O_PATH | os.O_DIRECTORY,
+                                     symlinks=False)) as fd:
+                if stat.S_IMODE(os.stat(fd).st_mode) != mode:
+                    os.chmod(fd_path(fd), mode)
+        finally:
+            os.close(bfd)
+
     def remove(self, host: Host, memo: dict[str, Any]) -> None:
         p = self._path(host)
         if self._purged(host):
@@ -166,28 +215,52 @@ class Directory(Resource):
         if memo.get("existed"):
             # It was there before envctl: leave it, with the mode it had.
             back = self._mode_back(host, memo)
-            if back and not (self.base != "host"
-                             and _through_symlink(host.base(self.base), self.path)):
+            if self.base != "host" and _through_symlink(host.base(self.base), self.path):
+                return  # a symlink now: never followed
+            if back:
                 try:
                     os.chmod(p, back[1])
                 except OSError as exc:
                     raise HostError(f"restore directory '{p}': chmod: {exc.strerror}") from exc
+            owner = memo.get("owner")
+            if owner and self.owner >= 0:
+                try:
+                    st = os.stat(p, follow_symlinks=False)
+                    if [st.st_uid, st.st_gid] != owner:
+                        os.chown(p, owner[0], owner[1], follow_symlinks=False)
+                except FileNotFoundError:
+                    pass  # gone meanwhile: nothing to give back
+                except OSError as exc:
+                    raise HostError(f"restore directory '{p}': chown: {exc.strerror}") from exc
             return
         try:
-            if self.keep and not host.options.get("purge"):
-                os.rmdir(p)
+            if self.base == "host":
+                if self.keep and not host.options.get("purge"):
+                    os.rmdir(p)
+                else:
+                    shutil.rmtree(p)
             else:
-                shutil.rmtree(p)
+                # In envctl's own directories: through descriptors, never through a symlink.
+                _remove_beneath(host.base(self.base), self.path,
+                                contents=not (self.keep and not host.options.get("purge")))
         except FileNotFoundError:
             pass  # already gone
+        except Escape as exc:
+            raise HostError(f"remove directory '{p}': {self._where()} goes through a symlink, "
+                            "which envctl does not follow; refusing") from exc
         except OSError as exc:
             if not self.keep:
                 raise HostError(f"remove directory '{p}': {exc.strerror}") from exc
             # keep=True and not empty: the user's data stays, so does the directory.
             return
+        base = host.base(self.base)
         for parent in memo.get("made", [])[1:]:
             try:
-                os.rmdir(parent)
+                rel = os.path.relpath(parent, base)
+                if self.base == "host" or rel == "." or rel.startswith(".."):
+                    os.rmdir(parent)  # the base and above: root's alone
+                else:
+                    _remove_beneath(base, rel, contents=False)
             except OSError:
                 break  # not empty (another environment's) or already gone
 
@@ -257,6 +330,57 @@ class BaseDirectory(Resource):
                 continue  # already gone
             except OSError:
                 break  # not empty: somebody else's files are in it, so it stays
+
+
+def _remove_beneath(base: Path, path: str, *, contents: bool = True) -> None:
+    """Delete directory `path` below `base` (with everything in it when `contents`, else only
+    when empty), through descriptors alone: its parent is opened beneath `base` with no
+    symlink on the way (Escape otherwise), each directory below is opened O_NOFOLLOW relative
+    to its parent's descriptor, and every entry is unlinked by name in its parent. A symlink is
+    unlinked itself, never followed, so one a job planted anywhere in its data directory (or
+    as the directory itself) cannot make envctl delete anything outside it. FileNotFoundError
+    when `path` is not there."""
+    from envctl.host.safepath import open_beneath, opened
+
+    parent, _, name = path.strip("/").rpartition("/")
+    bfd = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        pfd = open_beneath(bfd, parent or ".", os.O_PATH | os.O_DIRECTORY, symlinks=False)
+    finally:
+        os.close(bfd)
+    with opened(pfd):
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=pfd)  # a symlink (or file) where the directory was
+            return
+        if contents:
+            _empty_at(pfd, name, st)
+        os.rmdir(name, dir_fd=pfd)
+
+
+def _empty_at(pfd: int, name: str, st: os.stat_result) -> None:
+    """Delete what is in directory `name` of `pfd` (lstat'ed as `st`), depth first."""
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 dir_fd=pfd)
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            # Swapped between the lstat and the open: a directory, but not the one looked at.
+            raise OSError(errno.EBUSY, "replaced while being deleted", name)
+        with os.scandir(fd) as entries:
+            names = [e.name for e in entries]
+        for entry in names:
+            try:
+                est = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(est.st_mode):
+                _empty_at(fd, entry, est)
+                os.rmdir(entry, dir_fd=fd)
+            else:
+                os.unlink(entry, dir_fd=fd)  # files, symlinks (never followed), nodes
+    finally:
+        os.close(fd)
 
 
 def _through_symlink(base: Path, path: str) -> bool:

@@ -110,6 +110,7 @@ CAP_VERSION_3 = 0x20080522
 CLOSE_RANGE_CLOEXEC = 1 << 2
 TIOCSCTTY, TIOCSWINSZ, TIOCSPTLCK, TIOCGPTPEER = 0x540E, 0x5414, 0x40045431, 0x5441
 TTY_GID = 5  # the group of /dev/pts in every environment (envctl's /etc/group: tty)
+DEVPTS_DATA = f"newinstance,ptmxmode=0666,mode=0620,gid={TTY_GID},max=1024".encode()
 KEYCTL_JOIN_SESSION_KEYRING = 1
 _SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126, "close_range": 436, "keyctl": 250},
              "aarch64": {"pivot_root": 41, "capset": 91, "close_range": 436, "keyctl": 219}}
@@ -939,6 +940,7 @@ def _launch_mounts(root: Path, tmpfs_cap: int) -> None:
     """The mounts of this launch alone, over the environment's shared ones (cwd anywhere):
     - /dev read-only: its nodes are what the environment's /dev holds, and no launch can
       swap one (a root job replacing /dev/null with a file or a symlink) for the next;
+    - a devpts instance of its own at /dev/pts (/dev/ptmx links to its ptmx);
     - a /tmp and a /dev/shm of its own (tmpfs, mode 1777, nosuid,nodev), as Slurm's
       namespace/tmpfs gives each job: nothing one job leaves there reaches another, their
       pages are charged to this launch's cgroup, and they go with its mount namespace. Each
@@ -956,6 +958,15 @@ def _launch_mounts(root: Path, tmpfs_cap: int) -> None:
                 MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC), None), "/dev")
         finally:
             os.close(dev)
+        # A devpts instance of its own: the environment's is shared by every launch, and a
+        # root job could read another user's terminal there (its DAC_OVERRIDE reaches every
+        # uid of its namespace). At most DEVPTS_MAX terminals, each launch's own.
+        pts = open_beneath(root_fd, "dev/pts", symlinks=False)
+        try:
+            _check_call(libc.mount(b"devpts", fd_path(pts).encode(), b"devpts", ctypes.c_ulong(
+                MS_NOSUID | MS_NOEXEC), DEVPTS_DATA), "/dev/pts")
+        finally:
+            os.close(pts)
         for target in ("tmp", "dev/shm"):
             fd = open_beneath(root_fd, target, symlinks=False)
             try:
@@ -1177,7 +1188,9 @@ def _open_pty(launch: Launch, plan: _Plan) -> int:
     try:
         fcntl.ioctl(master, TIOCSPTLCK, struct.pack("i", 0))
         slave = fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY)
-        os.fchown(slave, launch.user.uid, TTY_GID)
+        # The job's own, as the host sees it (root inside: the user namespace's root).
+        os.fchown(slave, plan.userns if plan.userns and launch.user.uid == 0
+                  else launch.user.uid, TTY_GID)
         if launch.winsize:
             rows, cols = launch.winsize
             fcntl.ioctl(master, TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
@@ -1215,11 +1228,8 @@ def _job(launch: Launch, plan: _Plan, slave: int) -> NoReturn:
         os.umask(0o022)
         step = "set CPU affinity"
         os.sched_setaffinity(0, plan.cpus)
-        step = "drop capabilities"
-        for cap in range(plan.last_cap + 1):
-            if not plan.keep & (1 << cap):
-                _check_call(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0))
-        _check_call(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0))
+        # The user namespace first: a new one starts with every capability in its bounding
+        # set, which is dropped next.
         if plan.userns:
             step = "user namespace"
             _check_call(libc.unshare(CLONE_NEWUSER))
@@ -1227,6 +1237,11 @@ def _job(launch: Launch, plan: _Plan, slave: int) -> NoReturn:
         step = "wait for the init"
         if os.read(plan.go_r, 1) != b"g":
             os._exit(SETUP_FAILED)  # the init died: the PID namespace is going
+        step = "drop capabilities"
+        for cap in range(plan.last_cap + 1):
+            if not plan.keep & (1 << cap):
+                _check_call(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0))
+        _check_call(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0))
         step = "set user"
         user = launch.user
         os.setgroups(list(user.groups))

@@ -419,6 +419,16 @@ def guard_userns(rules: list[Rule], default: int, *, clone_flags_arg: int = 0) -
     return out
 
 
+def allow_namespaces(rules: list[Rule]) -> list[Rule]:
+    """`rules` changed so that unshare and clone are allowed with any flags, for every user
+    (runtime.nested_userns: true): creating a user namespace needs no capability, and inside
+    it the new namespaces (mount, PID, network) are made with unshare and clone again, which
+    Docker's profile allows only with SYS_ADMIN. What those namespaces then need (mount,
+    pivot_root, setns) keeps the profile's rule."""
+    out = [r for r in rules if r.name not in ("unshare", "clone")]
+    return out + [Rule("unshare", _ACT_ALLOW), Rule("clone", _ACT_ALLOW)]
+
+
 def _flag_clear(rule: Rule, index: int) -> Rule | None:
     """`rule` narrowed to calls without CLONE_NEWUSER in argument `index`; None if it only
     ever matches calls with it."""
@@ -478,7 +488,10 @@ def _build(name: str, profile: dict[str, Any], caps: int, *, nested_userns: bool
     arch = _MOBY_ARCH.get(machine, machine)
     default = _act(profile["defaultAction"], profile.get("defaultErrnoRet"))
     rules = select_rules(profile, caps, arch=arch, kernel=_kernel_version(release) or (0, 0))
-    if not nested_userns:
+    if nested_userns:
+        if default != _ACT_ALLOW:  # an allow-all profile allows them already
+            rules = allow_namespaces(rules)
+    else:
         flags_arg = 1 if arch in ("s390", "s390x") else 0
         rules = guard_userns(rules, default, clone_flags_arg=flags_arg)
     lib = _lib()

@@ -782,10 +782,16 @@ class Runtime(Strict):
     # unconfined (no filter), or an absolute path to an OCI/Docker-format JSON profile, read
     # and checked when the spec loads.
     seccomp: str = "default"
-    # Allow creating user namespaces inside (rootless podman, buildah); by default the seccomp
-    # filter refuses unshare/clone with CLONE_NEWUSER (clone3: ENOSYS) whatever the
-    # capabilities. No effect with seccomp: unconfined, which refuses nothing.
+    # Allow creating user namespaces inside (rootless podman, buildah): unshare and clone with
+    # any flags, for every user; by default the seccomp filter refuses unshare/clone with
+    # CLONE_NEWUSER (clone3: ENOSYS) whatever the capabilities. No effect with seccomp:
+    # unconfined, which refuses nothing.
     nested_userns: Flag = False
+    # Run every native launch in a user namespace of the environment: root inside is an
+    # unprivileged host uid of its own (a block allocated per environment, recorded in the
+    # journal); the other users keep their host ids (docs/security.md). false: root inside is
+    # the host's root (limited by capabilities and seccomp only); `plan` warns about it.
+    userns: Flag = True
 
     @field_validator("capabilities")
     @classmethod

@@ -1,0 +1,27 @@
+"""The benchmarks under bench/ run once, tiny, so that none of them can rot unnoticed: each
+must finish and print every line its report is read from (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.root
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_runtime_overhead_smoke():
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "runtime_overhead.py"),
+                          "--smoke"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    for label in ("compute", "syscalls", "files   "):
+        for what in ("wall", "cpu "):
+            line = next((x for x in out.splitlines() if x.startswith(label)
+                         and f" {what}: " in x), None)
+            assert line is not None and "ratio " in line and "min-max" in line, out
+    assert "launch /bin/true:" in out and "submit-job to RUNNING:" in out, out
+    assert "seccomp default" in out
