@@ -313,6 +313,9 @@ def test_root_inside_is_not_root_outside(sandbox, probe, tmp_path, userns):
         assert res.stderr.count("Permission denied") == 2, res.stderr
         assert (hostdir / "f").read_text() == "root's\n" and not (hostdir / "new").exists()
         assert base >= 0x70000000
+        # What root inside still needs of the host-owned rootfs: its HOME opens.
+        home = ex(sb, "sh", "-c", 'cd "$HOME" && ls -a .')
+        assert home.returncode == 0 and home.stdout.split() == [".", ".."], home.stderr
         record("root-owned host file bound read-write", {column: "not writable"})
         record("set-uid file planted on a data mount, run by a host user",
                {column: "euid = the environment's own uid, not 0 (and <state>/data is 0700)"})

@@ -121,7 +121,7 @@ def test_assembles_host_files_generated_files_directories_and_placeholders(host,
     assert stat.S_IMODE(env_file.st_mode) == 0o600
     modes = {p: stat.S_IMODE(os.lstat(root / p).st_mode) for p in
              ("tmp", "root", "opt/data/input", "var/log", "proc", f"{LIBDIR[1:]}")}
-    assert modes == {"tmp": 0o1777, "root": 0o700, "opt/data/input": 0o750, "var/log": 0o755,
+    assert modes == {"tmp": 0o1777, "root": 0o755, "opt/data/input": 0o750, "var/log": 0o755,
                      "proc": 0o755, LIBDIR[1:]: 0o755}
     placeholder = os.lstat(root / PLACEHOLDERS[0].lstrip("/"))
     assert stat.S_ISREG(placeholder.st_mode) and placeholder.st_size == 0

@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 STANDARD_TREE: tuple[tuple[str, int], ...] = (
     ("bin", 0o755), ("lib", 0o755), ("lib64", 0o755), ("usr", 0o755), ("etc", 0o755),
     ("tmp", 0o1777), ("proc", 0o755), ("sys", 0o755), ("dev", 0o755), ("home", 0o755),
-    ("root", 0o700), ("var", 0o755), ("opt", 0o755),
+    # /root 0755, not 0700: it is empty and read-only, and root inside is its user
+    # namespace's root, to which the host's root-owned 0700 directory would be closed.
+    ("root", 0o755), ("var", 0o755), ("opt", 0o755),
     # The mount point of a submitted job's staging directory (bound read-only per launch: the
     # tree itself is read-only inside).
     ("job", 0o755),
