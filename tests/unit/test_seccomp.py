@@ -179,7 +179,11 @@ def test_cache_hit_returns_the_same_program_without_compiling(tmp_path, monkeypa
     cache = tmp_path / "cache"
     first = seccomp.compile("default", CAPS, cache_dir=cache)
     files = list(cache.iterdir())
-    assert len(files) == 1 and files[0].read_bytes() == first
+    # The file holds the whole key (format, caps, nested_userns, machine, kernel, profile),
+    # then the program.
+    assert len(files) == 1 and files[0].read_bytes().endswith(first)
+    key = files[0].read_bytes()[:-len(first)]
+    assert key.startswith(b"envctl-seccomp-") and key.endswith(seccomp.DEFAULT_PROFILE.read_bytes())
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
 
@@ -187,7 +191,13 @@ def test_cache_hit_returns_the_same_program_without_compiling(tmp_path, monkeypa
         raise AssertionError("libseccomp was asked to compile")
 
     monkeypatch.setattr(seccomp, "_build", no_build)
+    monkeypatch.setattr(seccomp, "_lib", no_build)  # a hit does not even load libseccomp
     assert seccomp.compile("default", CAPS, cache_dir=cache) == first
+    # A file of the same name holding another key (a CRC collision) is a miss, not a hit.
+    files[0].write_bytes(key.replace(b"envctl-seccomp-", b"envctl-seccomq-", 1) + first)
+    with pytest.raises(AssertionError):
+        seccomp.compile("default", CAPS, cache_dir=cache)
+    files[0].write_bytes(key + first)
     # Other inputs miss: the key holds the caps and nested_userns.
     with pytest.raises(AssertionError):
         seccomp.compile("default", CAPS | SYS_ADMIN, cache_dir=cache)
