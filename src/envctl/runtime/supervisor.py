@@ -314,7 +314,7 @@ def _host_ids(ctx: EnvContext, uid: int, gid: int) -> tuple[int, int]:
     """The host ids the job's uid and gid are: the same, but for 0 in an environment with a
     user namespace (root inside is the environment's own host id, launch._write_id_maps), so
     that the job's root can read its 0700 directory."""
-    base = int(getattr(ctx, "userns", 0) or 0)
+    base = ctx.userns
     return (base if base and uid == 0 else uid), (base if base and gid == 0 else gid)
 
 
