@@ -111,9 +111,26 @@ def test_nft_json_of_each_rule():
     assert {"match": {"op": "!=", "left": {"payload": {"protocol": "ip", "field": "daddr"}},
                       "right": {"prefix": {"addr": "127.0.0.0", "len": 8}}}} in rule_exprs(local)
     isolate = rules()[-2]
+    # A flag test (`ct status ! dnat`, status & dnat == 0): `!=` would compare the whole
+    # status word and drop every packet, published ports' included.
     assert rule_exprs(isolate)[-2:] == [
-        {"match": {"op": "!=", "left": {"ct": {"key": "status"}}, "right": "dnat"}},
+        {"match": {"op": "!", "left": {"ct": {"key": "status"}}, "right": "dnat"}},
         {"drop": None}]
+
+
+def test_a_hairpin_masquerade_for_published_ports_when_the_subnet_is_known():
+    got = rules(subnet="10.0.0.0/24")
+    hairpin = [r for r in got if "hairpin" in r.name]
+    assert len(got) == len(rules()) + 1 and len(hairpin) == 1
+    assert rule_exprs(hairpin[0]) == [
+        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}}, "right": "br0"}},
+        {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
+                   "right": {"prefix": {"addr": "10.0.0.0", "len": 24}}}},
+        {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "daddr"}},
+                   "right": "10.0.0.2"}},
+        {"match": {"op": "in", "left": {"ct": {"key": "status"}}, "right": "dnat"}},
+        {"masquerade": None}]
+    assert not [r for r in rules(subnet="10.0.0.0/24", ports=()) if "hairpin" in r.name]
 
 
 def test_transaction_touches_only_table_inet_envctl():

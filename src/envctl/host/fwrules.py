@@ -35,6 +35,7 @@ class Rule:
     dport: int | None = None
     local_daddr: bool = False  # the destination is an address of this host
     not_dnat: bool = False  # the connection was not DNATed (so port forwards stay reachable)
+    dnat: bool = False  # the connection was DNATed (a published port)
     to_addr: str | None = None
     to_port: int | None = None
 
@@ -44,8 +45,9 @@ class Rule:
 
 
 def env_rules(env: str, *, bridge: str, address: str, nat: bool, isolate: bool,
-              ports: tuple[tuple[str, int, int], ...]) -> list[Rule]:
-    """Every rule environment `env` needs, in order. `ports` are (protocol, host, env) ports."""
+              ports: tuple[tuple[str, int, int], ...], subnet: str = "") -> list[Rule]:
+    """Every rule environment `env` needs, in order. `ports` are (protocol, host, env) ports;
+    `subnet` the bridge's network (its hairpin rule)."""
     rules = []
     if nat:
         # Traffic from the environment leaving by any interface but its own bridge takes the
@@ -63,6 +65,13 @@ def env_rules(env: str, *, bridge: str, address: str, nat: bool, isolate: bool,
         rules.append(Rule(env, f"dnat local {proto}/{host_port} -> {to}", "output", "dnat",
                           proto=proto, dport=host_port, local_daddr=True,
                           not_daddr="127.0.0.0/8", to_addr=address, to_port=env_port))
+    if ports and subnet:
+        # Hairpin: another environment on the bridge reaching this one's published port
+        # through a host address is DNATed back onto the bridge, and would get the answer
+        # straight from this environment's address (on-link, and refused by port isolation),
+        # not from the address it called. Masqueraded, the answer comes back through the host.
+        rules.append(Rule(env, f"hairpin {subnet} -> {address} on {bridge}", "postrouting",
+                          "masquerade", saddr=subnet, daddr=address, oif=bridge, dnat=True))
     if isolate:
         # Bridge-port isolation stops frames between isolated ports; these stop the detour
         # through the host's routing (an environment routing to another via its gateway).

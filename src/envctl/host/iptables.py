@@ -450,6 +450,9 @@ def _rule(rule: Rule) -> Any:
     if rule.not_dnat:
         m = r.create_match("conntrack")
         m.ctstate = "!DNAT"  # the DNAT virtual state is the status bit nft calls `ct status dnat`
+    if rule.dnat:
+        m = r.create_match("conntrack")
+        m.ctstate = "DNAT"
     _add_comment(r, rule.comment)
     if rule.action == "masquerade":
         r.target = iptc.Target(r, "MASQUERADE")

@@ -107,7 +107,11 @@ def rule_exprs(rule: Rule) -> list[dict[str, Any]]:
     if rule.dport is not None:
         e.append(_match({"payload": {"protocol": "th", "field": "dport"}}, rule.dport))
     if rule.not_dnat:
-        e.append(_match({"ct": {"key": "status"}}, "dnat", "!="))
+        # A flag test (`ct status ! dnat`: status & dnat == 0), never `!=`, which compares
+        # the whole status word and so matches every packet.
+        e.append(_match({"ct": {"key": "status"}}, "dnat", "!"))
+    if rule.dnat:
+        e.append(_match({"ct": {"key": "status"}}, "dnat", "in"))
     if rule.action == "masquerade":
         e.append({"masquerade": None})
     elif rule.action == "dnat":

@@ -70,4 +70,5 @@ def plan_network(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     if net.nat or net.ports or net.isolate:
         plan.add(FirewallBase(backend), ("network", "firewall"))
         plan.add(FirewallRules(spec.name, backend, net.bridge, str(net.address), net.nat,
-                               net.isolate, ports), ("network", "firewall"))
+                               net.isolate, ports, subnet=str(net.subnet)),
+                 ("network", "firewall"))

@@ -125,6 +125,9 @@ class FirewallRules(_TaggedRules):
     nat: bool
     isolate: bool
     ports: tuple[str, ...] = ()
+    # The bridge's network: connections from it to a published port of this environment
+    # come back through the host (hairpin NAT); "" (a journal of an older envctl): none.
+    subnet: str = ""
 
     def ident(self) -> str:
         # The backend is part of the identity: when it changes (nft installed later, or the
@@ -142,7 +145,7 @@ class FirewallRules(_TaggedRules):
     def rules(self) -> list[Rule]:
         ports = tuple((p, int(h), int(e)) for p, h, e in (x.split(":") for x in self.ports))
         return env_rules(self.env, bridge=self.bridge, address=self.address, nat=self.nat,
-                         isolate=self.isolate, ports=ports)
+                         isolate=self.isolate, ports=ports, subnet=self.subnet)
 
 
 @dataclass(frozen=True)
