@@ -193,6 +193,19 @@ def status_isolation(ws: Workspace | None, host: Host, names: list[str]) -> dict
     return out
 
 
+def status_descriptions(ws: Workspace | None, host: Host, names: list[str]) -> dict[str, str]:
+    """Per environment: its spec's `description`, as its last `up` recorded it, else as its
+    spec says now ("" for none)."""
+    out = {}
+    for name in names:
+        journal = _up_journal(host, name)
+        if journal is not None and "description" in journal.claims:
+            out[name] = str(journal.claims["description"])
+        elif ws is not None and name in ws.names():
+            out[name] = ws.get(name).spec.description
+    return out
+
+
 def cgroup_usage(host: Host, rows: dict[str, list[Step]]) -> dict[str, dict]:
     """Per environment: the cgroup driver in use and, when its cgroup exists, its usage."""
     out: dict[str, dict] = {}

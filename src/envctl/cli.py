@@ -446,16 +446,19 @@ def status(
     warnings = ops.status_warnings(ws, host, targets)
     cgroups = ops.cgroup_usage(host, rows)
     isolation = ops.status_isolation(ws, host, list(rows))
+    descriptions = ops.status_descriptions(ws, host, list(rows))
     events = _recent_events(host, list(rows))
     if json_:
         _emit_json([{"env": env, "state": env_state(steps), "up": env_state(steps) != "down",
+                     "description": descriptions.get(env, ""),
                      "isolation": isolation.get(env, {"level": "native"}),
                      "steps": [s.to_json() for s in steps],
                      "warnings": warnings.get(env, []), "cgroup": cgroups.get(env),
                      "events": events.get(env, [])}
                     for env, steps in rows.items()])
     else:
-        render_status(_console(), rows, warnings, cgroups=cgroups, isolation=isolation)
+        render_status(_console(), rows, warnings, cgroups=cgroups, isolation=isolation,
+                      descriptions=descriptions)
         _render_events(_console(), events)
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):
@@ -856,14 +859,18 @@ def uninstall_units(
 # ---------------------------------------------------------------- monitor, top
 
 
+DEFAULT_CSV_DIR = "/var/log/envctl"  # where the monitor's CSV files go by default
+
+
 @app.command()
 def monitor(
     interval: Annotated[float, typer.Option(
         "--interval", "-i", help="Seconds between samples (the setup envctl replaces polled "
         "every 30 s).")] = 30.0,
     once: Annotated[bool, typer.Option(
-        "--once", help="Take one sample (over a 1 s window, for CPU percentages), write the "
-        "outputs, print the Prometheus exposition on stdout and exit.")] = False,
+        "--once", help="Take one sample (over a 1 s window, for CPU percentages), print the "
+        "Prometheus exposition on stdout and exit: a probe that changes nothing (no CSV, no "
+        "heal) unless --csv-dir, --textfile or --heal asks.")] = False,
     listen: Annotated[str, typer.Option(
         "--listen", help="ADDR:PORT to serve /metrics on ([::1]:9464 for IPv6), or none. "
         "Loopback by default: put a reverse proxy or node_exporter's textfile collector in "
@@ -872,12 +879,13 @@ def monitor(
         "--textfile", help="Also write the exposition to this file each tick (a temporary "
         "file renamed over it), for node_exporter's textfile collector (name it *.prom).",
         show_default=False)] = None,
-    csv_dir: Annotated[str, typer.Option(
+    csv_dir: Annotated[str | None, typer.Option(
         "--csv-dir", help="Where gpu-metrics.csv and cpu-metrics.csv are appended (rotated "
-        "at 10 MiB, 5 kept), or none.")] = "/var/log/envctl",
-    no_heal: Annotated[bool, typer.Option(
-        "--no-heal", help="Check environments and report drift, but never re-converge "
-        "them.")] = False,
+        f"at 10 MiB, 5 kept), or none. Default: {DEFAULT_CSV_DIR}; none with --once.",
+        show_default=False)] = None,
+    heal: Annotated[bool | None, typer.Option(
+        "--heal/--no-heal", help="Re-converge environments that drifted, or only report "
+        "drift. Default: heal; with --once, only report.", show_default=False)] = None,
 ) -> None:
     """Watch the host: GPUs (NVML), each environment's cgroup, service and jobs, host CPU and
     memory; export CSV and Prometheus metrics; re-converge environments that drift.
@@ -899,11 +907,14 @@ def monitor(
     if not interval > 0:
         raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
     addr = None if once else parse_listen(listen)
-    if not no_heal:
+    heal = not once if heal is None else heal
+    if csv_dir is None:
+        csv_dir = "none" if once else DEFAULT_CSV_DIR
+    if heal:
         ops.require_root("monitor (which heals environments; --no-heal only reports)")
     opts = daemon.Options(interval=interval, once=once, listen=addr, textfile=textfile,
                           csv_dir=None if csv_dir.strip().lower() == "none" else Path(csv_dir),
-                          heal=not no_heal)
+                          heal=heal)
     mon = daemon.Monitor(Host.from_env(), opts)
     if once:
         try:

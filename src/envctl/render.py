@@ -116,13 +116,18 @@ def render_outcomes(console: Console, outcomes: list[Outcome], *, verb: str) -> 
 def render_status(console: Console, rows: dict[str, list[Step]],
                   warnings: dict[str, list[str]] | None = None, *,
                   cgroups: dict[str, dict] | None = None,
-                  isolation: dict[str, dict] | None = None) -> None:
+                  isolation: dict[str, dict] | None = None,
+                  descriptions: dict[str, str] | None = None) -> None:
     if not rows:
         console.print("no environments")
     for env, steps in rows.items():
         state = env_state(steps)
         colour = {"up": "green", "down": "dim", "degraded": "yellow"}[state]
-        console.print(f"[bold]{env}[/]  [{colour}]{state}[/]")
+        about = (descriptions or {}).get(env, "")
+        from rich.markup import escape
+
+        console.print(f"[bold]{env}[/]  [{colour}]{state}[/]"
+                      + (f"  [dim]{escape(about)}[/]" if about else ""))
         sandbox = (isolation or {}).get(env) or {}
         if sandbox.get("level", "native") != "native":  # native: the default, not shown
             platform = f" ({sandbox['platform']})" if sandbox.get("platform") else ""

@@ -285,6 +285,11 @@ def test_bad_requests_are_refused_before_anything_changes(box):
         (["--output", "/nonexistent/dir/out", ok], "--output"),
         ([noexec], "not executable"),
         ([str(sb.root / "missing")], "No such file"),
+        # A script whose #! interpreter the environment lacks, named, before any job id.
+        ([script(sb, "needs-perl.pl", "#!/usr/bin/perl\nprint 1;\n")],
+         "its interpreter /usr/bin/perl (from its #! line) is not in environment 'box'"),
+        ([script(sb, "env-perl.pl", "#!/usr/bin/env perl\nprint 1;\n")],
+         "its interpreter /usr/bin/env (from its #! line)"),
     ]:
         res = sb.envctl("submit-job", "--user", "root", "box", *args)
         assert res.returncode == 2 and words in res.stderr, (args, res.stderr)
@@ -294,15 +299,16 @@ def test_bad_requests_are_refused_before_anything_changes(box):
 
 def test_a_job_that_cannot_start_is_failed_with_why(box):
     sb = box
-    perl = script(sb, "needs-perl.pl", "#!/usr/bin/perl\nprint 1;\n")
-    res = sb.envctl("submit-job", "--user", "root", "box", perl)
+    # Executable, but no program the kernel can run (an ELF header and nothing behind it).
+    bad = script(sb, "not-a-program", "\x7fELF\x02\x01\x01" + "\0" * 57)
+    res = sb.envctl("submit-job", "--user", "root", "box", bad)
     assert res.returncode == 1 and "did not start" in res.stderr, res.stderr
     jid = int(res.stdout)
     done = record(sb, jid)
-    assert (done["state"], done["exit_code"], done["start_time"]) == ("FAILED", 127, None)
-    assert "no such file" in done["error"]
+    assert (done["state"], done["exit_code"], done["start_time"]) == ("FAILED", 126, None)
+    assert "cannot run it" in done["error"], done["error"]
     assert job_cgroups(sb) == []
-    assert wait(sb, jid)[0] == 127
+    assert wait(sb, jid)[0] == 126
     assert_clean_down(sb)
 
 

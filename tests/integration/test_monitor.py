@@ -129,7 +129,7 @@ def test_one_tick_heals_a_dead_service_and_logs_it(box, tmp_path):
     assert wait_until(lambda: not alive(before["supervisor"]))
     (env,) = sb.envctl_json("status", "box")
     assert env["state"] == "degraded"
-    m = monitor_once(sb, tmp_path)
+    m = monitor_once(sb, tmp_path, "--heal")  # --once alone is a probe: it heals nothing
     after = service_state(sb)
     assert after["state"] == "running" and alive(after["supervisor"])
     assert after["supervisor"] != before["supervisor"]
@@ -155,7 +155,7 @@ def test_one_tick_heals_a_dead_service_and_logs_it(box, tmp_path):
     assert gone
     for path in gone:
         os.rmdir(path)
-    res = sb.envctl("monitor", "--once", "--csv-dir", "none", env=sb.gpu_env)
+    res = sb.envctl("monitor", "--once", "--heal", env=sb.gpu_env)
     assert res.returncode == 0, res.stderr
     lines = [json.loads(x) for x in (sb.state / "events.jsonl").read_text().splitlines()]
     assert [x["event"] for x in lines[-2:]] == ["drift", "heal-skipped"], lines[-2:]
@@ -167,6 +167,26 @@ def test_one_tick_heals_a_dead_service_and_logs_it(box, tmp_path):
     residue = sb.residue()
     assert residue.pop("state_dir", None) == ["events.jsonl", "lock"], residue
     assert residue == {}, residue
+
+
+def test_once_alone_is_a_probe_that_changes_nothing(box, tmp_path):
+    """`monitor --once` samples and prints: an environment whose service died stays as it is
+    (no heal, no event), and no CSV is appended anywhere, the default directory included."""
+    sb = box
+    before = service_state(sb)
+    os.kill(before["supervisor"]["pid"], signal.SIGKILL)
+    assert wait_until(lambda: not alive(before["supervisor"]))
+    csv = [Path("/var/log/envctl") / f for f in ("cpu-metrics.csv", "gpu-metrics.csv")]
+    seen = [(p.stat().st_size, p.stat().st_mtime_ns) if p.exists() else None for p in csv]
+    res = sb.envctl("monitor", "--once", env=sb.gpu_env)
+    assert res.returncode == 0, res.stderr
+    assert by_env(parse_exposition(res.stdout)["envctl_service_up"]) == {"box": 0}
+    assert [(p.stat().st_size, p.stat().st_mtime_ns) if p.exists() else None
+            for p in csv] == seen
+    assert not (sb.state / "events.jsonl").exists()
+    (env,) = sb.envctl_json("status", "box")
+    assert env["state"] == "degraded"
+    assert not alive(before["supervisor"])
 
 
 def test_metrics_endpoint_on_loopback_and_sigterm_ends_it(box, tmp_path):

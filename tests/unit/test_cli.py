@@ -239,8 +239,11 @@ def test_status_of_an_environment_that_is_down_calls_nothing_drifted(capsys):
     row = json.loads(out)[0]
     assert row["up"] is False
     assert {s["status"] for s in row["steps"]} == {"not-applied"}
+    # The spec's description (down: from the spec; up: as `up` recorded it).
+    assert row["description"] == "Dedicated-core CPU partition for batch and benchmark jobs"
     code, out, _ = run(capsys, "status", "cpu-compute")
     assert "drifted" not in out and "not applied" in out
+    assert out.splitlines()[0].split(None, 2)[2] == row["description"]
 
 
 def test_validate_is_the_same_on_any_machine_and_host_fitness_is_asked_for(capsys):

@@ -170,3 +170,15 @@ def test_governors_and_module_options_of_an_environment_that_is_up_are_held():
     assert any("cpufreq policy0 (governor performance; this spec wants powersave)" in m
                for m in found)
     assert any("kernel module dummy (loaded with options 'numdummies=2'" in m for m in found)
+
+
+def test_up_records_the_description_with_the_claims_and_it_clashes_with_nothing():
+    from envctl.plan.claims import _clashes, spec_claims
+    from envctl.spec.loader import parse_spec
+
+    a = parse_spec("name: a\nkind: cpu\ndescription: team A's batch work\n", "a.yaml").spec
+    b = parse_spec("name: b\nkind: cpu\ndescription: team A's batch work\n", "b.yaml").spec
+    assert spec_claims(a, None)["description"] == "team A's batch work"
+    assert _clashes(spec_claims(a, None), spec_claims(b, None)) == []
+    assert "description" not in spec_claims(
+        parse_spec("name: c\nkind: cpu\n", "c.yaml").spec, None)

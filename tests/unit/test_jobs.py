@@ -449,3 +449,33 @@ def test_follow_of_a_finished_job_prints_the_file_and_returns(tmp_path):
     got: list[bytes] = []
     jobs.follow(tmp_path, job(1, State.COMPLETED), out, got.append, boot_id=BOOT)
     assert b"".join(got) == b"all of it\n"
+
+
+def test_a_scripts_interpreter_must_be_in_the_environment(tmp_path):
+    """`#!` names its interpreter; `#!/usr/bin/env NAME` the program env runs: each must be
+    in the rootfs (resolved beneath it), or submit-job refuses, naming it."""
+    from envctl.errors import InputError
+    from envctl.runtime.context import EnvContext
+    from envctl.runtime.supervisor import _check_interpreter
+
+    (tmp_path / "usr" / "bin").mkdir(parents=True)
+    (tmp_path / "bin").symlink_to("usr/bin")
+    for name in ("sh", "env"):
+        (tmp_path / "usr" / "bin" / name).write_text("")
+    # An absolute link, resolved inside the rootfs as the environment resolves it.
+    (tmp_path / "usr" / "bin" / "dash").symlink_to("/usr/bin/sh")
+    (tmp_path / "usr" / "bin" / "gone").symlink_to("/nonexistent")
+    ctx = EnvContext(env="box", root=tmp_path, mntns=tmp_path / "m", netns=None,
+                     hostname="box", environ={"PATH": "/usr/bin:/bin"})
+    exe = Path("/x/job")
+    for ok in (b"#!/bin/sh -e\n", b"#!/usr/bin/env sh\n", b"\x7fELF", b"", b"#!\n",
+               b"#!/usr/bin/env -S sh -e\n", b"#!/bin/dash\n", b"#!/../../usr/bin/sh\n"):
+        _check_interpreter(ctx, exe, ok)
+    for bad, named in ((b"#!/usr/bin/perl\n", "/usr/bin/perl"),
+                       (b"#! /bin/bash -x\n", "/bin/bash"),
+                       (b"#!/usr/bin/env python3\n", "python3"),
+                       (b"#!perl\n", "perl"),
+                       (b"#!/usr/bin/gone\n", "/usr/bin/gone")):
+        with pytest.raises(InputError) as exc:
+            _check_interpreter(ctx, exe, bad)
+        assert f"interpreter {named}" in str(exc.value) and "'box'" in str(exc.value)

@@ -55,6 +55,7 @@ class EnvSample:
     jobs: dict[str, int] = field(default_factory=dict)  # state -> count (retained records)
     gpus: tuple[str, ...] = ()  # UUIDs it holds
     gpu_memory: dict[str, int] = field(default_factory=dict)  # UUID -> bytes its procs use
+    description: str = ""  # the spec's `description`, as `up` recorded it
 
     @property
     def mem_percent(self) -> float | None:
@@ -143,6 +144,7 @@ class _Target:
     cpus: int = 0
     gpus: tuple[str, ...] = ()
     has_service: bool = False
+    description: str = ""  # the spec's, as `up` recorded it
     last_cpu: tuple[float, float] | None = None  # (monotonic time, cpu seconds)
 
 
@@ -332,7 +334,8 @@ class Sampler:
                 self.targets.pop(env, None)  # down, or up in another boot only
                 continue
             t = _Target(env, sig, gpus=tuple((claims.get("gpus") or {}).get("uuids") or ()),
-                        has_service="service" in found)
+                        has_service="service" in found,
+                        description=str(claims.get("description") or ""))
             cg = found.get("cgroup") or found.get("cgroup-slice")
             if cg is not None:
                 t.driver = "systemd" if "cgroup-slice" in found and "cgroup" not in found \
@@ -355,7 +358,8 @@ class Sampler:
 
     # -- one environment
     def _sample_env(self, t: _Target, now: float) -> EnvSample:
-        s = EnvSample(t.env, driver=t.driver, cgroup=t.cgroup, cpus=t.cpus, gpus=t.gpus)
+        s = EnvSample(t.env, driver=t.driver, cgroup=t.cgroup, cpus=t.cpus, gpus=t.gpus,
+                      description=t.description)
         f = t.files
         if f:
             cpu = _read(f["cpu.stat"]) if "cpu.stat" in f else None

@@ -47,7 +47,7 @@ def view(snap: Snapshot, jobs: list[Any] | None = None, *, events: dict[str, Any
                       ("MEMORY", "right"), ("LIMIT", "right"), ("PEAK", "right"),
                       ("OOM", "right"), ("TASKS", "right"), ("THROTTLED", "right"),
                       ("JOBS", "right"), ("SERVICE", "left"), ("GPU MEM", "right"),
-                      ("LAST EVENT", "left")):
+                      ("LAST EVENT", "left"), ("DESCRIPTION", "left")):
         envs.add_column(col, justify=just, no_wrap=True)
     for s in snap.envs:
         running = s.jobs.get("RUNNING", 0) + s.jobs.get("PENDING", 0)
@@ -61,7 +61,7 @@ def view(snap: Snapshot, jobs: list[Any] | None = None, *, events: dict[str, Any
                      str(s.tasks if s.tasks is not None else "-"),
                      "-" if s.throttled_seconds is None else f"{s.throttled_seconds:.1f}s",
                      str(running), svc, _bytes(sum(s.gpu_memory.values()) or None),
-                     escape(f"{last[-1]['event']}") if last else "")
+                     escape(f"{last[-1]['event']}") if last else "", escape(s.description))
     parts: list[Any] = [head, envs]
     if snap.gpus:
         gpus = Table(title="GPUs", title_justify="left", box=None, header_style="bold")

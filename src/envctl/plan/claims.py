@@ -76,6 +76,9 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
     if base is not None:
         # The block of host ids its user namespace maps (root inside is `base`).
         out["userns"] = {"base": base, "size": USERNS_SIZE}
+    if spec.description:
+        # Not a claim: what `status` and `top` show of an environment that is up.
+        out["description"] = spec.description
     if spec.runtime.seccomp != "default":
         # Not a claim: the seccomp profile every launch installs (runtime.seccomp).
         out["seccomp"] = spec.runtime.seccomp

@@ -100,6 +100,7 @@ def check_request(ctx: EnvContext, req: Request) -> tuple[list[str], str]:
     fd = _open_program(req)
     try:
         st = os.fstat(fd)
+        head = os.pread(fd, 256, 0)  # its #! line, if any
     finally:
         os.close(fd)
     if not (Path(ctx.root) / "job").is_dir():
@@ -118,6 +119,7 @@ def check_request(ctx: EnvContext, req: Request) -> tuple[list[str], str]:
         if not st.st_mode & 0o111:
             raise InputError(f"submit-job: {exe}: not executable (chmod +x it, or give a .py "
                              "script)")
+        _check_interpreter(ctx, exe, head)
         argv = [f"/job/{staged}", *req.args]
     if req.cpus is not None:
         extra = sorted(set(req.cpus) - set(ctx.cpus))
@@ -219,6 +221,46 @@ def _check_output(opt: str, path: Path, user: Creds | tuple | None) -> None:
         except OSError as exc:
             raise InputError(f"submit-job {opt} {path}: {exc.strerror} (as {_who(user)}, "
                              "whose file it would be)") from None
+
+
+def _check_interpreter(ctx: EnvContext, exe: Path, head: bytes) -> None:
+    """A script's `#!` interpreter (and the program `#!/usr/bin/env NAME` runs) must be in the
+    environment: refused here, naming it, before a job id is taken, rather than failing at
+    the exec as "no such file" about the script itself."""
+    if not head.startswith(b"#!"):
+        return  # a binary (ELF), or a script the kernel hands to no interpreter
+    line = head[2:].split(b"\n", 1)[0].decode(errors="replace").split()
+    if not line:
+        return
+    interp, args = line[0], line[1:]
+    fix = "add it to the spec's rootfs.binaries"
+    if not interp.startswith("/") or not _in_rootfs(ctx, interp):
+        raise InputError(f"submit-job: {exe}: its interpreter {interp} (from its #! line) is "
+                         f"not in environment '{ctx.env}'; {fix}")
+    if os.path.basename(interp) == "env":
+        prog = next((a for a in args if not a.startswith("-")), None)
+        if prog is not None and "=" not in prog and find_in_rootfs(ctx, prog) is None:
+            raise InputError(f"submit-job: {exe}: its interpreter {prog} (#!{interp} {prog}) "
+                             f"is not in environment '{ctx.env}''s PATH; {fix}")
+
+
+RESOLVE_IN_ROOT = 0x10  # openat2(2): resolve as if the directory were the root
+
+
+def _in_rootfs(ctx: EnvContext, path: str) -> bool:
+    """Whether `path` exists inside the rootfs, resolved as the environment resolves it
+    (RESOLVE_IN_ROOT: its symlinks, absolute ones too, and `..` stay inside it)."""
+    from envctl.host.safepath import RESOLVE_NO_MAGICLINKS, openat2
+
+    root = os.open(ctx.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.close(openat2(root, path.lstrip("/") or ".", os.O_PATH,
+                         resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(root)
 
 
 def find_in_rootfs(ctx: EnvContext, name: str) -> str | None:
