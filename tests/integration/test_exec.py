@@ -333,8 +333,9 @@ def test_users_never_silently_root(sandbox, programs):
         assert status_field(res.stdout, "Uid").split()[0] == "0"
     res = ex(sb, "true", user="no-such-user")
     assert res.returncode == 2 and "no-such-user" in res.stderr
-    # As another user, the rootfs's files are as its permissions say (root's home is 0700).
-    res = ex(sb, "ls", "/root", user="65534")
+    # As another user, the rootfs's files are as its permissions say (/etc/environment is
+    # root's, 0600).
+    res = ex(sb, "cat", "/etc/environment", user="65534")
     assert res.returncode != 0 and "Permission denied" in res.stderr
     down_box(sb)
 
