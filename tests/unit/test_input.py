@@ -289,3 +289,31 @@ def test_the_cli_prints_one_line_per_problem_and_changes_nothing(capsys, tmp_pat
             "2 problem(s); nothing was changed",
         ]
     assert called == [] and not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ("description: yes\n", "description", "YAML read yes as the boolean true; quote it (\"yes\")"),
+    ("description: off\n", "description", "YAML read off as the boolean false"),
+    ("rootfs: {binaries: [sh, 3.10]}\n", "rootfs.binaries[1]",
+     "YAML read 3.10 as the number 3.1; quote it (\"3.10\")"),
+    # YAML 1.1's integers take underscores (and its floats need a dot: 1e3 stays text).
+    ("rootfs: {binaries: [1_000]}\n", "rootfs.binaries[0]", "YAML read 1_000 as the number 1000"),
+])
+def test_yaml_1_1_booleans_and_numbers_where_text_was_meant_say_what_yaml_read(body, field,
+                                                                                words):
+    (p,) = problems(body)
+    assert p.field == field and words in p.message, p
+
+
+def test_a_quoted_value_is_taken_as_written_and_env_values_are_text_as_typed():
+    spec = accepted('description: "yes"\nrootfs:\n  binaries: [sh]\n  env: {DEBUG: on, '
+                    "V: 3.10, N: 1e3, T: True, Q: '007'}\n")
+    assert spec.description == "yes"
+    assert spec.rootfs.env == {"DEBUG": "on", "V": "3.10", "N": "1e3", "T": "True", "Q": "007"}
+
+
+def test_a_tab_in_the_indentation_is_named():
+    with pytest.raises(SpecError) as exc:
+        parse_spec("name: a\nkind: cpu\nrootfs:\n\tbinaries: [sh]\n", "a.yaml")
+    (p,) = exc.value.problems
+    assert (p.line, p.column) == (4, 1) and "a tab in the indentation" in p.message

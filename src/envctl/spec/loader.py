@@ -60,6 +60,9 @@ class _Unbuildable(Exception):
         self.at = (node.start_mark.line + 1, node.start_mark.column + 1)
 
 
+NULL_TAG = "tag:yaml.org,2002:null"
+
+
 class _Builder:
     """Turns a composed YAML node tree into plain data, remembering each value's position."""
 
@@ -67,6 +70,9 @@ class _Builder:
         self.path = path
         self.marks: dict[Loc, tuple[int, int]] = {}
         self.key_marks: dict[Loc, tuple[int, int]] = {}
+        # The source text of each plain (unquoted) scalar: what YAML 1.1 read as a boolean or a
+        # number where a string was meant (`yes`, `on`, `1e3`, `3.10`) is named as written.
+        self.plain: dict[Loc, str] = {}
         self.problems: list[Problem] = []
         self._constructor = yaml.SafeLoader("")
         self._budget = MAX_VALUES
@@ -86,6 +92,13 @@ class _Builder:
                 return self._build_collection(node, loc)
             finally:
                 self._open.discard(id(node))
+        if isinstance(node, yaml.ScalarNode) and not node.style:  # None, or "" (libyaml)
+            self.plain[loc] = node.value
+            if len(loc) == 3 and loc[:2] == ("rootfs", "env") and node.tag != NULL_TAG:
+                # An environment variable's value is text, written to /etc/environment as
+                # typed: `DEBUG: on` is "on" and `VERSION: 3.10` is "3.10", never YAML 1.1's
+                # boolean true or the number 3.1.
+                return node.value
         return self._constructor.construct_object(node, deep=True)
 
     def _build_collection(self, node: yaml.Node, loc: Loc) -> Any:
@@ -149,9 +162,17 @@ def _clean_loc(loc: tuple[Any, ...]) -> Loc:
     return tuple(out)
 
 
-def _message(err: dict[str, Any], loc: Loc) -> str:
+def _message(err: dict[str, Any], loc: Loc, plain: dict[Loc, str] | None = None) -> str:
     kind = err["type"]
     msg = err["msg"]
+    value = err.get("input")
+    raw = (plain or {}).get(loc)
+    if kind == "string_type" and raw is not None and isinstance(value, bool | int | float):
+        # YAML 1.1 reads yes/no/on/off/true/false as booleans and 1e3, 3.10 as numbers.
+        what = (f"the boolean {str(value).lower()}" if isinstance(value, bool)
+                else f"the number {value}")
+        return (f"expected a string, but YAML read {raw} as {what}; quote it (\"{raw}\") to "
+                "keep it as written")
     if kind == "extra_forbidden":
         allowed = _allowed_fields(EnvSpec, loc[:-1])
         text = f"unknown field '{loc[-1]}'"
@@ -172,6 +193,15 @@ def _message(err: dict[str, Any], loc: Loc) -> str:
 _COMPOSER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+def _tab_at(text: str, line: int, column: int) -> bool:
+    """Whether the YAML error at (line, column), 0-based, is a tab in the line's indentation."""
+    lines = text.splitlines()
+    if not 0 <= line < len(lines):
+        return False
+    indent = lines[line][:len(lines[line]) - len(lines[line].lstrip(" \t"))]
+    return "\t" in indent and column <= len(indent)
+
+
 def parse_spec(text: str, path: str) -> LoadedSpec:
     """Validate one spec's YAML text; raise SpecError listing every problem in it."""
     try:
@@ -181,6 +211,9 @@ def parse_spec(text: str, path: str) -> LoadedSpec:
         line = mark.line + 1 if mark else None
         col = mark.column + 1 if mark else None
         reason = getattr(exc, "problem", None) or str(exc)
+        if mark is not None and _tab_at(text, mark.line, mark.column):
+            reason = ("a tab in the indentation: YAML indents with spaces only; replace the "
+                      "tab with spaces")
         raise SpecError([Problem(path, line, col, "", f"YAML syntax error: {reason}")]) from None
     nodes = [n for n in nodes if n is not None]
     if len(nodes) != 1:
@@ -201,7 +234,8 @@ def parse_spec(text: str, path: str) -> LoadedSpec:
         for err in exc.errors():
             loc = _clean_loc(err["loc"])
             line, col = _nearest_mark(marks, loc)
-            problems.append(Problem(path, line, col, _dotted(loc), _message(err, loc)))
+            problems.append(Problem(path, line, col, _dotted(loc),
+                                    _message(err, loc, builder.plain)))
         raise SpecError(problems) from None
     if problems:
         raise SpecError(problems)
