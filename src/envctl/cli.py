@@ -533,6 +533,11 @@ def exec_(
     user: Annotated[str | None, typer.Option(
         "--user", "-u", help="Run as USER (a name or uid, USER:GROUP too). Default: the user "
         "behind sudo; root only when asked (--user root).", show_default=False)] = None,
+    env_vars: Annotated[list[str] | None, typer.Option(
+        "--env", "-e", help="KEY=VALUE added to the environment's variables (repeatable).",
+        show_default=False)] = None,
+    workdir: Annotated[str, typer.Option(
+        "--workdir", "-w", help="Where it starts, inside the environment.")] = "/",
 ) -> None:
     """Run a command inside an environment, attached, and exit with its exit code.
 
@@ -546,7 +551,7 @@ def exec_(
     """
     from envctl.runtime.exec import run
 
-    raise typer.Exit(run(env, command, user=user))
+    raise typer.Exit(run(env, command, user=user, env_vars=env_vars, workdir=workdir))
 
 
 # ---------------------------------------------------------------- jobs
@@ -566,8 +571,8 @@ def submit_job(
         "--name", "-J", help="A name for `envctl jobs` (default: the program's).",
         show_default=False)] = None,
     time_limit: Annotated[str | None, typer.Option(
-        "--time-limit", "-t", help="Stop it after this long: seconds, 90s, 15m, 1h30m, 2d or "
-        "[D-]HH:MM:SS (SIGTERM, SIGKILL 10 s later; state TIMEOUT).",
+        "--time-limit", "-t", help="Stop it after this long: minutes (90, as Slurm), 90s, 15m, "
+        "1h30m, 2d or [D-]HH:MM:SS (SIGTERM, SIGKILL 10 s later; state TIMEOUT).",
         show_default=False)] = None,
     cpus: Annotated[str | None, typer.Option(
         "--cpus", help="Run on these CPUs (a list such as 2-3,6), a subset of the "

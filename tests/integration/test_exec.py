@@ -222,6 +222,22 @@ def test_mknod_without_userns(sandbox, programs):
     down_box(sb)
 
 
+def test_env_and_workdir_as_docker_exec_takes_them(sandbox, programs):
+    sb = sandbox
+    up_box(sb, programs)
+    script = 'echo "$A|$B|$FOO|$(pwd)"'
+    for opts in (["-e", "A=1", "--env", "B=two words", "-w", "/tmp"],
+                 ["--env=A=1", "--env=B=two words", "--workdir=/tmp"]):
+        res = sb.run(sys.executable, "-m", "envctl", "exec", "box", "--user", "root", *opts,
+                     "--", "sh", "-c", script)
+        assert (res.returncode, res.stdout) == (0, "1|two words|bar|/tmp\n"), res.stderr
+    for bad in (["-e", "NOEQUALS"], ["-w", "relative"]):
+        res = sb.run(sys.executable, "-m", "envctl", "exec", "box", "--user", "root", *bad,
+                     "--", "true")
+        assert res.returncode == 2 and bad[0] in res.stderr, res.stderr
+    down_box(sb)
+
+
 def test_arguments_reach_the_program_literally(sandbox, programs):
     sb = sandbox
     up_box(sb, programs)

@@ -196,7 +196,7 @@ def test_exit_status_for_wait():
 
 
 @pytest.mark.parametrize("text,secs", [
-    ("90", 90), ("90s", 90), ("15m", 900), ("1h30m", 5400), ("2d", 172800),
+    ("90", 5400), ("1", 60), ("90s", 90), ("15m", 900), ("1h30m", 5400), ("2d", 172800),
     ("1h0m5s", 3605), ("10:00", 600), ("1:30:00", 5400), ("2-01:00:00", 176400), (" 5M ", 300),
 ])
 def test_parse_duration(text, secs):
@@ -358,6 +358,8 @@ def ctx_for(root: Path, **kw) -> EnvContext:
 def test_check_request(tmp_path):
     root = tmp_path / "root"
     (root / "usr" / "bin").mkdir(parents=True)
+    (root / "bin").symlink_to("usr/bin")
+    (root / "usr" / "bin" / "sh").write_text("")  # the #! interpreter of x.sh
     exe = tmp_path / "x.sh"
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)

@@ -313,14 +313,19 @@ def test_cgroup_dirs_are_where_the_cgroup_adapter_puts_them(rootfs):
 
 
 def test_exec_arguments_as_the_typer_command_reads_them():
-    assert parse_args(["exec", "box", "--", "ls", "-l"]) == ("box", ["ls", "-l"], None)
+    assert parse_args(["exec", "box", "--", "ls", "-l"]) == ("box", ["ls", "-l"], {})
     assert parse_args(["exec", "box", "--user", "65534", "--", "id"]) == \
-        ("box", ["id"], "65534")
+        ("box", ["id"], {"user": "65534"})
     assert parse_args(["exec", "-u", "root", "box", "--", "--", "-x"]) == \
-        ("box", ["--", "-x"], "root")
-    assert parse_args(["exec", "--user=0", "box", "true"]) == ("box", ["true"], "0")
+        ("box", ["--", "-x"], {"user": "root"})
+    assert parse_args(["exec", "--user=0", "box", "true"]) == ("box", ["true"], {"user": "0"})
+    # docker exec's -e and -w, and their long forms, repeatable where they are.
+    assert parse_args(["exec", "-e", "A=1", "--env=B=2", "box", "-w", "/tmp", "--workdir",
+                       "/srv", "--", "pwd"]) == \
+        ("box", ["pwd"], {"env_vars": ["A=1", "B=2"], "workdir": "/srv"})
     # Anything else is the typer CLI's to answer (help, other options, missing parts).
     for args in (["exec", "--help"], ["exec", "box", "-h", "--", "x"], ["exec", "box"],
+                 ["exec", "-e=A=1", "box", "x"], ["exec", "box", "-w"],
                  ["exec", "box", "--"], ["exec", "box", "--user"], ["--debug", "exec", "b"],
                  ["status"], []):
         assert parse_args(args) is None, args

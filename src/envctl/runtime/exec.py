@@ -1,4 +1,5 @@
-"""`envctl exec ENV [--user U] -- CMD ARGS…`: run one command inside an environment, attached.
+"""`envctl exec ENV [--user U] [-e K=V] [-w DIR] -- CMD ARGS…`: run one command inside an
+environment, attached.
 
 stdin, stdout and stderr pass through (a pseudo-terminal, made inside the environment, when
 both stdin and stdout are terminals: the real terminal goes raw, its window size follows);
@@ -22,7 +23,7 @@ import struct
 import sys
 from collections.abc import Mapping
 
-from envctl.errors import NeedsRootError
+from envctl.errors import NeedsRootError, UsageError
 from envctl.runtime.context import EnvContext
 from envctl.runtime.launch import (
     FORWARDED_SIGNALS,
@@ -38,17 +39,26 @@ from envctl.runtime.launch import (
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: see record.py
 if TYPE_CHECKING:
+    from typing import Any
+
     from envctl.host.context import Host
 
 TIOCGWINSZ, TIOCSWINSZ = 0x5413, 0x5414
 
 
 def run(env: str, argv: list[str], *, user: str | None = None, host: Host | None = None,
+        env_vars: list[str] | None = None, workdir: str = "/",
         environ: Mapping[str, str] = os.environ) -> int:
     """Run `argv` in environment `env` attached to this process's stdio; its exit code.
+    `env_vars` ("KEY=VALUE", as `docker exec -e`) are added to the environment's variables;
+    `workdir` is where it starts, inside the environment.
 
-    UsageError (exit 2) when the environment is not up or no user is given where one must
-    be; LaunchError when entering fails (CommandNotFound: exit 127)."""
+    UsageError (exit 2) when the environment is not up, a variable or the directory is
+    malformed, or no user is given where one must be; LaunchError when entering fails
+    (CommandNotFound: exit 127)."""
+    variables = parse_env_vars(env_vars or [])
+    if not workdir.startswith("/"):
+        raise UsageError(f"-w/--workdir '{workdir}': an absolute path inside the environment")
     if host is None:
         from envctl.host.context import Host
 
@@ -60,7 +70,8 @@ def run(env: str, argv: list[str], *, user: str | None = None, host: Host | None
     who = resolve_user(user, ctx, environ)
     interactive = os.isatty(0) and os.isatty(1)
     extra = {"TERM": environ.get("TERM") or "xterm"} if interactive else {}
-    launch = Launch(ctx, list(argv), job_environ(ctx, who, extra), who, pty=interactive,
+    launch = Launch(ctx, list(argv), job_environ(ctx, who, {**extra, **variables}), who,
+                    cwd=workdir, pty=interactive,
                     winsize=_winsize(1) if interactive else None,
                     attach=systemd_attach(ctx))
     name = f"exec-{os.getpid()}"
@@ -172,36 +183,56 @@ def _pass(src: int, dst: int) -> bool:
 # ---------------------------------------------------------------- fast path, without typer
 
 
-def parse_args(args: list[str]) -> tuple[str, list[str], str | None] | None:
-    """(env, command, user) of `exec [--user U] ENV [--user U] -- CMD…` as the typer command
-    reads it, or None for anything else (help, other options, a missing part): the typer CLI
-    then answers, with its own messages."""
+# exec's options that take a value (-> run's keyword), read by the fast path as typer does.
+_VALUE_OPTIONS = {"--user": "user", "-u": "user", "--env": "env_vars", "-e": "env_vars",
+                  "--workdir": "workdir", "-w": "workdir"}
+
+
+def parse_env_vars(items: list[str]) -> dict[str, str]:
+    """`--env KEY=VALUE` options as a mapping; UsageError for one without `=` or a key."""
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key or "\0" in item:
+            raise UsageError(f"-e/--env {item!r}: give KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def parse_args(args: list[str]) -> tuple[str, list[str], dict[str, Any]] | None:
+    """(env, command, run's keywords) of `exec [OPTIONS] ENV [OPTIONS] -- CMD…` as the typer
+    command reads it (--user/-u, --env/-e, --workdir/-w), or None for anything else (help,
+    other options, a missing part): the typer CLI then answers, with its own messages."""
     if not args or args[0] != "exec":
         return None
     words: list[str] = []
-    user = None
+    kw: dict[str, Any] = {}
     i = 1
     while i < len(args):
         word = args[i]
         if word == "--":
             words += args[i + 1:]
             break
-        if word in ("--user", "-u"):
-            if i + 1 >= len(args):
-                return None
-            user = args[i + 1]
-            i += 2
+        opt, eq, value = word.partition("=")
+        if word.startswith("-") and opt in _VALUE_OPTIONS and (not eq or opt.startswith("--")):
+            if not eq:
+                if i + 1 >= len(args):
+                    return None
+                value = args[i + 1]
+            key = _VALUE_OPTIONS[opt]
+            if key == "env_vars":
+                kw.setdefault(key, []).append(value)
+            else:
+                kw[key] = value
+            i += 1 if eq else 2
             continue
-        if word.startswith("--user="):
-            user = word.split("=", 1)[1]
-        elif word.startswith("-"):
+        if word.startswith("-"):
             return None
-        else:
-            words.append(word)
+        words.append(word)
         i += 1
     if len(words) < 2:
         return None
-    return words[0], words[1:], user
+    return words[0], words[1:], kw
 
 
 def fast_entry(argv: list[str] | None = None) -> None:
@@ -212,5 +243,5 @@ def fast_entry(argv: list[str] | None = None) -> None:
         return
     from envctl.runtime.fastpath import run_fast
 
-    env, command, user = parsed
-    run_fast(lambda: run(env, command, user=user))
+    env, command, kw = parsed
+    run_fast(lambda: run(env, command, **kw))

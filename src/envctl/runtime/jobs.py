@@ -415,12 +415,13 @@ _DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
 
 
 def parse_duration(text: str) -> int:
-    """Seconds from `90`, `90s`, `15m`, `1h30m`, `2d` or `[D-]HH:MM:SS` / `MM:SS` (Slurm's
-    forms); UsageError otherwise. Zero is refused: a limit of nothing is a typo."""
+    """Seconds from `90` (minutes, as Slurm's -t reads a bare number), `90s`, `15m`, `1h30m`,
+    `2d` or `[D-]HH:MM:SS` / `MM:SS` (Slurm's forms); UsageError otherwise. Zero is refused:
+    a limit of nothing is a typo."""
     s = text.strip().lower()
     secs: int | None = None
     if s.isdigit():
-        secs = int(s)
+        secs = int(s) * 60
     elif ":" in s:
         days, _, clock = s.rpartition("-")
         parts = clock.split(":")
@@ -435,8 +436,8 @@ def parse_duration(text: str) -> int:
             d, h, mi, sec = (int(g or 0) for g in m.groups())
             secs = d * 86400 + h * 3600 + mi * 60 + sec
     if not secs:
-        raise UsageError(f"--time-limit '{text}': give seconds (90), units (90s, 15m, 1h30m, "
-                         "2d) or [D-]HH:MM:SS, more than zero")
+        raise UsageError(f"--time-limit '{text}': give minutes (90, as Slurm), units (90s, "
+                         "15m, 1h30m, 2d) or [D-]HH:MM:SS, more than zero")
     return secs
 
 
