@@ -107,6 +107,9 @@ def render_outcomes(console: Console, outcomes: list[Outcome], *, verb: str) -> 
             removed = f", {o.count('-')} removed" if o.count("-") else ""
             console.print(f"  [bold]up: {o.count('+')} created, {o.count('~')} changed, "
                           f"{o.count('=')} unchanged{removed}[/]")
+        elif not o.steps and not o.errors:
+            # Nothing recorded: it was not up (exit 0, as `docker stop` of a stopped one).
+            console.print("  [bold]down: it was not up; nothing to take down[/]")
         else:
             left = " — run `envctl down` again to retry" if o.errors else ""
             console.print(f"  [bold]down: {o.count('-')} removed, {o.count('=')} kept for other "

@@ -78,3 +78,17 @@ def test_the_progress_bar_draws_on_a_terminal_and_nothing_elsewhere():
     for done in range(1, 4):
         show("rootfs cpu-compute", done, 3)
     assert piped.getvalue() == ""
+
+
+def test_down_of_an_environment_that_was_not_up_says_so():
+    import io
+
+    from rich.console import Console
+
+    from envctl.engine.engine import Outcome
+    from envctl.render import render_outcomes
+
+    out = io.StringIO()
+    render_outcomes(Console(file=out, width=120, color_system=None), [Outcome("box")],
+                    verb="down")
+    assert out.getvalue().splitlines() == ["box", "  down: it was not up; nothing to take down"]
