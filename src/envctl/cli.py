@@ -1022,8 +1022,20 @@ def hoist_global_options(argv: list[str]) -> list[str]:
     return head[:i] + moved + head[i:] + kept
 
 
+def _one_line_summaries() -> None:
+    """Each command's line in `envctl --help`: its docstring's first paragraph as one line,
+    which rich wraps to the terminal (the docstring's own line breaks would cut it
+    mid-sentence)."""
+    for cmd in app.registered_commands:
+        doc = (cmd.callback.__doc__ or "") if cmd.callback else ""
+        first = doc.strip().split("\n\n", 1)[0]
+        if first and cmd.short_help is None:
+            cmd.short_help = " ".join(first.split())
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every expected error becomes one line on stderr and its exit code."""
+    _one_line_summaries()
     # Newer typer vendors click; find its exception base without importing click directly.
     click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
     argv = hoist_global_options(split_job_args(list(sys.argv[1:] if argv is None else argv)))

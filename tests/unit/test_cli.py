@@ -333,3 +333,21 @@ def test_status_works_from_the_journals_when_a_spec_is_broken(capsys, monkeypatc
     code, out, err = run(capsys, "--config-dir", str(d), "status", "--check")
     assert code == 0, err
     assert "b.yaml" in err and "showing what the journals record" in err
+
+
+def test_help_gives_each_command_its_whole_summary(capsys, monkeypatch):
+    """`envctl --help` wraps each command's one-line summary to the terminal; the
+    docstrings' own line breaks never cut one mid-sentence: a summary's line ends only where
+    its next word would not fit."""
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    rows = [line for line in out.split("Commands")[1].splitlines() if line.startswith("│ ")]
+    name, summary = rows[0][2:].split(None, 1)
+    start = rows[0].index(summary)  # where the description column begins
+    width = len(rows[0]) - 2 - start  # … and its width, up to the border
+    for line, nxt in zip(rows, rows[1:], strict=False):
+        if nxt[2:start].strip():
+            continue  # the next command's first line
+        text, following = line[start:-1].rstrip(), nxt[start:-1].split()
+        assert len(text) + 1 + len(following[0]) > width, (text, following[0])
