@@ -678,6 +678,10 @@ def jobs_(
 
     host = Host.from_env()
     listed = jb.listing(host.state_dir, host.boot_id, env=env, finished=all_)
+    if env is not None and not listed and not jb.listing(host.state_dir, host.boot_id,
+                                                         env=env, finished=True):
+        # No job of it, ever: a name that is neither a spec nor up is a typo (exit 2).
+        _require_known([env], host)
     if json_:
         _emit_json([j.to_json() for j in listed])
         return

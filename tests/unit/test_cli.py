@@ -351,3 +351,11 @@ def test_help_gives_each_command_its_whole_summary(capsys, monkeypatch):
             continue  # the next command's first line
         text, following = line[start:-1].rstrip(), nxt[start:-1].split()
         assert len(text) + 1 + len(following[0]) > width, (text, following[0])
+
+
+def test_jobs_of_an_unknown_environment_is_a_typo(capsys):
+    code, _, err = run(capsys, "jobs", "cpu-compte")
+    assert code == 2 and "no environment 'cpu-compte'" in err and "cpu-compute" in err
+    code, out, _ = run(capsys, "jobs", "cpu-compute")  # a spec, no jobs: an empty table
+    assert code == 0 and out.split() == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED",
+                                         "EXIT", "START"]

@@ -163,12 +163,17 @@ def test_load_reads_what_a_launch_needs(tmp_path, rootfs, monkeypatch):
     assert ctx.cpus == (1, 2) and ctx.gpus == ("GPU-a", "GPU-b") and ctx.device_gids == (44,)
 
 
-def test_load_refuses_what_is_not_up_or_has_no_rootfs(tmp_path, rootfs):
+def test_load_refuses_what_is_not_up_or_has_no_rootfs(tmp_path, rootfs, monkeypatch):
+    monkeypatch.setenv("ENVCTL_CONFIG_DIR", str(REPO / "configs"))
     state = tmp_path / "state"
     host = Host(state_dir=state, run_dir=tmp_path / "run")
     host.__dict__["boot_id"] = BOOT
-    with pytest.raises(UsageError, match="environment 'box' is not up: bring it up"):
+    # No spec named box (the checkout's configs) and no journal: a typo, saying what exists.
+    with pytest.raises(UsageError, match="no environment 'box': no spec of that name in .* "
+                       r"\(known: cpu-compute, gpu-compute\)"):
         rc.EnvContext.load(host, "box")
+    with pytest.raises(UsageError, match="environment 'cpu-compute' is not up: bring it up"):
+        rc.EnvContext.load(host, "cpu-compute")
     with pytest.raises(UsageError, match="not an environment name"):
         rc.EnvContext.load(host, "../etc")
     write_journal(state, "box", box_entries(rootfs)[1:])
@@ -332,8 +337,13 @@ def test_exec_arguments_as_the_typer_command_reads_them():
 
 
 def test_cli_exec_refuses_an_environment_that_is_not_up(tmp_path):
+    """A spec of that name: `envctl up` it. No spec and not up: a typo, with what exists."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "b.yaml").write_text("# the box\nname: 'box'  # a comment\nkind: cpu\n")
     env = {**os.environ, "ENVCTL_STATE_DIR": str(tmp_path / "state"),
-           "ENVCTL_RUN_DIR": str(tmp_path / "run"), "PYTHONPATH": str(REPO / "src")}
+           "ENVCTL_RUN_DIR": str(tmp_path / "run"), "PYTHONPATH": str(REPO / "src"),
+           "ENVCTL_CONFIG_DIR": str(configs)}
     for entry_point in (["-m", "envctl"], ["-c", "from envctl.runtime.exec import fast_entry; "
                                                   "fast_entry()"]):
         res = subprocess.run([sys.executable, *entry_point, "exec", "box", "--user", "root",
@@ -341,6 +351,11 @@ def test_cli_exec_refuses_an_environment_that_is_not_up(tmp_path):
         assert res.returncode == 2, res.stderr
         assert res.stderr == "error: environment 'box' is not up: bring it up with " \
                              "`envctl up box`\n"
+        res = subprocess.run([sys.executable, *entry_point, "exec", "bxo", "--user", "root",
+                              "--", "true"], capture_output=True, text=True, env=env)
+        assert res.returncode == 2, res.stderr
+        assert res.stderr == (f"error: no environment 'bxo': no spec of that name in {configs} "
+                              "and not up on this host (known: box)\n")
 
 
 # The launch path's latency budget (docs/benchmarks.md): none of these on the way to a launch.

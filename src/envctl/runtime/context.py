@@ -32,6 +32,11 @@ _VOLATILE = ("mntns", "netns", "cgroup", "cgroup-slice", "env-dev")
 # The journal's format and names (envctl.engine.journal: VERSION, _ENV_NAME).
 JOURNAL_VERSION = 1
 _ENV_NAME = re.compile(r"[a-z](?:[a-z0-9-]{0,30}[a-z0-9])?")
+# Where specs are when ENVCTL_CONFIG_DIR does not say (envctl.workspace.config_dir's order).
+SYSTEM_CONFIG_DIR = Path("/etc/envctl/environments")
+# A spec's top-level `name:` line (the error path of a launch reads specs without YAML).
+_SPEC_NAME = re.compile(r"""^name:[ \t]*["']?([a-z][a-z0-9-]*)["']?[ \t]*(?:#.*)?$""",
+                        re.MULTILINE)
 # What an environment without PATH in its /etc/environment gets (the rootfs planner's default).
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CLONE_NEWNS = 0x00020000
@@ -93,8 +98,7 @@ class EnvContext(Record, frozen=True):
         found, claims = read_journal(host.state_dir, env, host.boot_id)
         if "mntns" not in found:
             # No journal, an empty one, or one whose namespaces were of another boot.
-            raise UsageError(f"environment '{env}' is not up: bring it up with "
-                             f"`envctl up {env}`")
+            raise _not_up(host, env)
         if "rootfs" not in found:
             raise UsageError(f"environment '{env}' has no root filesystem to run programs in: "
                              "give its spec a rootfs section and run `envctl up` again")
@@ -118,6 +122,32 @@ class EnvContext(Record, frozen=True):
                    seccomp=str(claims.get("seccomp") or "default"),
                    nested_userns=bool(claims.get("nested_userns")), memory_max=memory_max,
                    userns=int((claims.get("userns") or {}).get("base") or 0))
+
+
+def _not_up(host: Host, env: str) -> UsageError:
+    """What to say of an environment a launch cannot enter: `envctl up` it, when a spec of
+    that name exists (or it has a journal); a typo otherwise, with the names that exist. Only
+    on this error path are the spec files read (by their `name:` line, without YAML: the
+    launch path never imports it)."""
+    where = Path(os.environ.get("ENVCTL_CONFIG_DIR") or "")
+    if not where.parts:
+        where = SYSTEM_CONFIG_DIR if SYSTEM_CONFIG_DIR.is_dir() or not Path(
+            "configs").is_dir() else Path("configs")
+    specs = set()
+    try:
+        for p in where.iterdir():
+            if p.suffix in (".yaml", ".yml") and p.is_file():
+                m = _SPEC_NAME.search(p.read_text(errors="replace"))
+                if m:
+                    specs.add(m.group(1))
+    except OSError:
+        pass  # no config directory here: the journals alone say what exists
+    journals = {p.name.split(".", 1)[0] for p in (host.state_dir / "journal").glob("*.json")}
+    if env in specs | journals:
+        return UsageError(f"environment '{env}' is not up: bring it up with `envctl up {env}`")
+    known = ", ".join(sorted(specs | journals)) or "none"
+    return UsageError(f"no environment '{env}': no spec of that name in {where} and not up on "
+                      f"this host (known: {known})")
 
 
 def read_journal(state_dir: Path, env: str, boot: str
