@@ -77,7 +77,10 @@ def programs():
         res = subprocess.run(["gcc", "-static", "-o", str(d / "escape"), str(d / "escape.c")],
                              capture_output=True, text=True)
         escape = str(d / "escape") if res.returncode == 0 else None  # no libc.a: skipped
-        yield {"argv": str(d / "argv"), "escape": escape, "marker": str(marker)}
+        shutil.copy(d / "argv", d / "private")
+        (d / "private").chmod(0o700)
+        yield {"argv": str(d / "argv"), "escape": escape, "marker": str(marker),
+               "private": str(d / "private")}
     finally:
         shutil.rmtree(d)
         marker.unlink()
@@ -89,7 +92,7 @@ def two_cpus() -> bool:
 
 def up_box(sb, programs, *, network: bool = False, extra: str = "") -> None:
     bins = ["sh", "bash", "cat", "ls", "true", "sleep", "mkdir", "mknod", "mount", "touch", "stty",
-            "grep", "timeout", "ip", programs["argv"]]
+            "grep", "timeout", "ip", programs["argv"], programs["private"]]
     bins += [programs["escape"]] if programs["escape"] else []
     spec = "name: box\nkind: cpu\nrootfs:\n  binaries: [" + ", ".join(
         f'"{b}"' for b in bins) + "]\n  env: {FOO: bar}\n"
@@ -349,9 +352,9 @@ def test_users_never_silently_root(sandbox, programs):
         assert status_field(res.stdout, "Uid").split()[0] == "0"
     res = ex(sb, "true", user="no-such-user")
     assert res.returncode == 2 and "no-such-user" in res.stderr
-    # As another user, the rootfs's files are as its permissions say (/etc/environment is
-    # root's, 0600).
-    res = ex(sb, "cat", "/etc/environment", user="65534")
+    # As another user, the rootfs's files are as its permissions say (a 0700 program of
+    # root's, copied in with its mode).
+    res = ex(sb, "cat", programs["private"], user="65534")
     assert res.returncode != 0 and "Permission denied" in res.stderr
     down_box(sb)
 

@@ -63,7 +63,9 @@ class Monitor:
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.sampler = sampler or Sampler.for_host(host)
         if health is None:
-            health = Health(host, heal=options.heal, say=self.say)
+            # `monitor --once` without --heal is a probe: drift is said, not logged.
+            health = Health(host, heal=options.heal, log=options.heal or not options.once,
+                            say=self.say)
         self.health: Health | None = health or None
         self.csv = CsvWriter(options.csv_dir) if options.csv_dir is not None else None
         self.collector = SnapshotCollector()

@@ -161,7 +161,7 @@ def heal_env(host: Any, env: str) -> list[str] | None:
 class Health:
     """The health loop's state across ticks: last findings, backoff, heal counts."""
 
-    def __init__(self, host: Any, *, heal: bool = True,
+    def __init__(self, host: Any, *, heal: bool = True, log: bool = True,
                  backoff: Backoff | None = None,
                  checker: Callable[[str], Check] | None = None,
                  healer: Callable[[str], list[str] | None] | None = None,
@@ -170,6 +170,7 @@ class Health:
                  stopping: Callable[[], bool] | None = None):
         self.host = host
         self.heal = heal
+        self.log = log  # append what it finds to the events log (not: a probe, monitor --once)
         self.backoff = backoff or Backoff()
         self.checker = checker or (lambda env: check_env(host, env))
         self.healer = healer or (lambda env: heal_env(host, env))
@@ -187,6 +188,8 @@ class Health:
     def _event(self, env: str, kind: str, detail: str = "") -> None:
         self.last_event[env] = kind
         self.say(f"{env}: {kind}" + (f": {detail}" if detail else ""))
+        if not self.log:
+            return
         try:
             events.append(self.host.state_dir, env, kind, detail, now=self.wall())
         except OSError as exc:
