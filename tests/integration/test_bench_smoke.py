@@ -25,3 +25,12 @@ def test_runtime_overhead_smoke():
             assert line is not None and "ratio " in line and "min-max" in line, out
     assert "launch /bin/true:" in out and "submit-job to RUNNING:" in out, out
     assert "seccomp default" in out
+
+
+def test_seccomp_cost_smoke():
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "seccomp_cost.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    for variant in ("native", "allow-all", "docker", "docker x2"):
+        line = next((x for x in res.stdout.splitlines() if x.startswith(f"{variant} ")), None)
+        assert line is not None and "ns per call" in line and "min-max" in line, res.stdout
