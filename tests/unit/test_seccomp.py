@@ -20,7 +20,7 @@ from envctl.spec.loader import parse_spec
 
 CAPS = sum(1 << NUMBERS[c] for c in DEFAULT)
 SYS_ADMIN = 1 << NUMBERS["SYS_ADMIN"]
-CLONE_NEWUSER, CLONE_NEWUTS, SIGCHLD = 0x10000000, 0x04000000, 17
+CLONE_NEWUSER, CLONE_NEWUTS, CLONE_NEWNET, SIGCHLD = 0x10000000, 0x04000000, 0x40000000, 17
 PR_SET_NO_NEW_PRIVS = 38
 
 # (label, syscall, args): every argument invalid or harmless, so that a call the filter lets
@@ -40,6 +40,8 @@ PROBES = [
     ("chroot", "chroot", (0,)),
     ("clone3", "clone3", (0, 0)),
     ("unshare_uts", "unshare", (CLONE_NEWUTS,)),
+    ("unshare_net", "unshare", (CLONE_NEWNET,)),
+    ("unshare_uts_net", "unshare", (CLONE_NEWUTS | CLONE_NEWNET,)),
     ("clone_userns", "clone", (CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)),
     ("unshare_userns", "unshare", (CLONE_NEWUSER,)),  # last: it changes what we may do
 ]
@@ -116,7 +118,7 @@ def userns_allowed() -> bool:
 
 
 REFUSED = ["keyctl", "add_key", "io_uring_setup", "perf_event_open", "userfaultfd", "fsopen",
-           "bpf", "mount", "unshare_uts", "clone_userns", "unshare_userns"]
+           "bpf", "mount", "unshare_uts", "unshare_net", "clone_userns", "unshare_userns"]
 
 
 def test_default_profile_with_docker_caps(unfiltered: dict[str, object]) -> None:
@@ -141,12 +143,15 @@ def test_default_profile_without_caps_drops_the_cap_groups() -> None:
 @pytest.mark.skipif(not userns_allowed(), reason="the kernel allows no user namespaces")
 def test_sys_admin_still_refuses_user_namespaces_unless_nested() -> None:
     guarded = probe(seccomp.compile("default", CAPS | SYS_ADMIN))
-    # SYS_ADMIN's group allows unshare, clone, mount, fsopen, …: only the user namespace is not.
+    # SYS_ADMIN's group allows unshare, clone, mount, fsopen, …: only the user namespace and
+    # the network namespace (nf_tables, in a launch's user namespace) are not.
     assert guarded["unshare_userns"] == errno.EPERM and guarded["clone_userns"] == errno.EPERM
+    assert guarded["unshare_net"] == errno.EPERM == guarded["unshare_uts_net"]
     assert guarded["unshare_uts"] == 0 and guarded["mount"] != errno.EPERM
     assert guarded["clone3"] == errno.ENOSYS and guarded["thread"] is True
     nested = probe(seccomp.compile("default", CAPS | SYS_ADMIN, nested_userns=True))
     assert nested["unshare_userns"] == 0 and nested["clone_userns"] == 0
+    assert nested["unshare_net"] == 0 == nested["unshare_uts_net"]
     assert nested["clone3"] != errno.ENOSYS  # SYS_ADMIN's group allows clone3 as is
     # nested_userns needs no SYS_ADMIN: any user may make a user namespace (and namespaces
     # in it), which Docker's profile refuses without SYS_ADMIN; mount keeps its rule.
@@ -239,14 +244,17 @@ def test_guard_narrows_allows_and_never_overlaps() -> None:
     allow, eperm = 0x7FFF0000, 0x50000 | errno.EPERM
     rules = [seccomp.Rule("unshare", allow), seccomp.Rule("clone", allow, ((0, 7, 0x7E020000, 0),)),
              seccomp.Rule("clone3", allow)]
+    guarded = CLONE_NEWUSER | CLONE_NEWNET
     assert seccomp.guard_userns(rules, eperm) == [
-        seccomp.Rule("unshare", allow, ((0, 7, CLONE_NEWUSER, 0),)),
-        seccomp.Rule("clone", allow, ((0, 7, 0x7E020000 | CLONE_NEWUSER, 0),)),
+        seccomp.Rule("unshare", allow, ((0, 7, guarded, 0),)),
+        seccomp.Rule("clone", allow, ((0, 7, 0x7E020000 | guarded, 0),)),
         seccomp.Rule("clone3", 0x50000 | errno.ENOSYS)]
-    # An allow-all default needs the refusing rules spelled out.
+    # An allow-all default needs the refusing rules spelled out, one per flag.
     assert seccomp.guard_userns([], allow) == [
         seccomp.Rule("unshare", eperm, ((0, 7, CLONE_NEWUSER, CLONE_NEWUSER),)),
+        seccomp.Rule("unshare", eperm, ((0, 7, CLONE_NEWNET, CLONE_NEWNET),)),
         seccomp.Rule("clone", eperm, ((0, 7, CLONE_NEWUSER, CLONE_NEWUSER),)),
+        seccomp.Rule("clone", eperm, ((0, 7, CLONE_NEWNET, CLONE_NEWNET),)),
         seccomp.Rule("clone3", 0x50000 | errno.ENOSYS)]
 
 

@@ -102,3 +102,18 @@ def test_plan_shows_root_inside_and_warns_without_a_user_namespace():
     off = spec("a", "rootfs: {binaries: [sh]}\nruntime: {userns: false}\n")
     plan = plan_env(off, facts)
     assert any("root inside this environment is root on the host" in w for w in plan.warnings)
+
+
+def test_a_launch_maps_root_and_the_jobs_own_ids_alone():
+    from envctl.runtime.launch import User, id_maps
+
+    base = 0x7000000A
+    # Root: 0 alone, to the environment's own host id; no host id is reachable from inside.
+    assert id_maps(base, User(0, 0, (0,))) == (f"0 {base} 1\n".encode(),) * 2
+    # alice keeps her ids and groups (video for a GPU node, a large LDAP gid too), and
+    # nobody else's: root inside her launch cannot become or chown to another host user.
+    uid_map, gid_map = id_maps(base, User(1000, 1000, (1000, 44, 2000001)))
+    assert uid_map == f"0 {base} 1\n1000 1000 1\n".encode()
+    assert gid_map == f"0 {base} 1\n44 44 1\n1000 1000 1\n2000001 2000001 1\n".encode()
+    # Root among alice's groups maps to the environment's id, never to the host's gid 0.
+    assert id_maps(base, User(1000, 1000, (0, 1000)))[1] == f"0 {base} 1\n1000 1000 1\n".encode()

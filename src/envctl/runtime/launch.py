@@ -89,9 +89,10 @@ PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 MASKED = ("proc/acpi", "proc/asound", "proc/interrupts", "proc/kcore", "proc/keys",
           "proc/latency_stats", "proc/timer_list", "proc/timer_stats", "proc/sched_debug",
           "proc/scsi", "sys/firmware", "sys/devices/virtual/powercap")
-# A launch's user namespace: uid and gid 0 are the environment's own host id (ctx.userns),
-# 1 to USERNS_IDS - 1 the host's same ids (docs/security.md says why).
-USERNS_IDS = 1 << 16
+# A launch's user namespace maps uid and gid 0 to the environment's own host id (ctx.userns)
+# and the job's own user and groups to themselves, nothing else (docs/security.md says why);
+# the kernel takes at most this many lines in a map (user_namespaces(7), Linux >= 4.15).
+USERNS_MAP_LINES = 340
 # The one capability the init keeps once the job runs: signals to a job of another uid (it
 # forwards SIGTERM & co.). Harmless outside: the init sees only its own PID namespace.
 CAP_KILL = 5
@@ -112,8 +113,10 @@ TIOCSCTTY, TIOCSWINSZ, TIOCSPTLCK, TIOCGPTPEER = 0x540E, 0x5414, 0x40045431, 0x5
 TTY_GID = 5  # the group of /dev/pts in every environment (envctl's /etc/group: tty)
 DEVPTS_DATA = f"newinstance,ptmxmode=0666,mode=0620,gid={TTY_GID},max=1024".encode()
 KEYCTL_JOIN_SESSION_KEYRING = 1
-_SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126, "close_range": 436, "keyctl": 250},
-             "aarch64": {"pivot_root": 41, "capset": 91, "close_range": 436, "keyctl": 219}}
+_SYSCALLS = {"x86_64": {"pivot_root": 155, "capget": 125, "capset": 126, "close_range": 436,
+                        "keyctl": 250},
+             "aarch64": {"pivot_root": 41, "capget": 90, "capset": 91, "close_range": 436,
+                         "keyctl": 219}}
 _NR = _SYSCALLS.get(os.uname().machine, _SYSCALLS["x86_64"])
 
 
@@ -632,6 +635,9 @@ def start(launch: Launch, *, init: Callable[[Launch, _Plan, int], NoReturn] | No
         if theirs >= 0:  # the children's end: ours open would hide their exit from recv_fds
             os.close(theirs)
             fds.remove(theirs)
+        for fd in (go_r, go_w, ready_r, ready_w):  # the init's and the job's: ours open, a
+            os.close(fd)  # job that died before its "u" would leave the init waiting forever
+            fds.remove(fd)
         return _started(launch, pid, err_r, err_w, sync_w, mine, fds)
     finally:
         for fd in fds:
@@ -672,11 +678,9 @@ def _check(launch: Launch) -> dict:
     if outside or not cpus:
         raise UsageError(f"CPUs {outside or '(none)'}: the environment '{ctx.env}' runs on "
                          f"CPUs {','.join(map(str, ctx.cpus))}")
-    if ctx.userns:
-        ids = (launch.user.uid, launch.user.gid, *launch.user.groups)
-        if any(not 0 <= i < USERNS_IDS for i in ids):
-            raise UsageError(f"user {launch.user.uid}:{launch.user.gid}: the ids of environment "
-                             f"'{ctx.env}''s user namespace are 0 to {USERNS_IDS - 1}")
+    if ctx.userns and len({launch.user.gid, *launch.user.groups} - {0}) >= USERNS_MAP_LINES:
+        raise UsageError(f"user {launch.user.uid}: {len(launch.user.groups)} groups; a user "
+                         f"namespace of '{ctx.env}' maps at most {USERNS_MAP_LINES - 1}")
     for b in launch.binds:
         if not b.target.startswith("/") or any(p in (".", "..") for p in b.target.split("/")):
             raise UsageError(f"bind target {b.target!r}: an absolute path without . or ..")
@@ -1037,7 +1041,7 @@ def _init(launch: Launch, plan: _Plan, alive_r: int) -> NoReturn:
             step = "user namespace"
             if os.read(plan.ready_r, 1) != b"u":
                 os._exit(SETUP_FAILED)  # the job failed before (its own report says why)
-            _write_id_maps(pid, plan.userns)
+            _write_id_maps(pid, plan.userns, launch.user)
         os.close(plan.ready_r)
         step = "confine the init"
         _confine_init(launch, plan)
@@ -1146,16 +1150,25 @@ def _confine_init(launch: Launch, plan: _Plan) -> None:
         plan.seccomp()
 
 
-def _write_id_maps(pid: int, base: int) -> None:
-    """The job's user namespace (it has just unshared it): uid and gid 0 -> `base`, the
-    environment's own host id, and 1 to USERNS_IDS - 1 -> the same host ids. Root inside owns
-    nothing of the host's root; the environment's other users keep their host identity, so
-    a job of alice writes alice's files on a data mount (docs/security.md)."""
-    maps = f"0 {base} 1\n1 1 {USERNS_IDS - 1}\n".encode()
-    for name in ("uid_map", "gid_map"):
+def id_maps(base: int, user: User) -> tuple[bytes, bytes]:
+    """The uid_map and gid_map of a launch's user namespace: 0 -> `base`, the environment's
+    own host id, and the job's own user (and its groups) -> themselves, nothing else. Root
+    inside owns nothing of the host's root, a job of alice is alice on the host (her results
+    on a data mount are hers), and no host id but hers can be reached from inside: root
+    inside can neither become nor chown to a host user, even on a descriptor of a host file
+    (an --output file, the caller's terminal) whose ids would otherwise be mapped."""
+    def lines(ids: set[int]) -> bytes:
+        return "".join(f"{i} {base if i == 0 else i} 1\n" for i in sorted(ids | {0})).encode()
+
+    return lines({user.uid}), lines({user.gid, *user.groups})
+
+
+def _write_id_maps(pid: int, base: int, user: User) -> None:
+    """Write the job's user namespace maps (it has just unshared it): see id_maps."""
+    for name, data in zip(("uid_map", "gid_map"), id_maps(base, user), strict=True):
         fd = os.open(f"/proc/{pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
         try:
-            os.write(fd, maps)  # one write: the kernel takes a map whole, once
+            os.write(fd, data)  # one write: the kernel takes a map whole, once
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, f"/proc/{pid}/{name}") from None
         finally:
@@ -1232,6 +1245,15 @@ def _job(launch: Launch, plan: _Plan, slave: int) -> NoReturn:
         # set, which is dropped next.
         if plan.userns:
             step = "user namespace"
+            # Made with the environment's own uid as its effective uid: the kernel charges
+            # what every uid inside holds of the per-user limits (inotify instances and
+            # watches, user namespaces, POSIX message queues, …) to the namespace's owner as
+            # well, which must be the environment's uid, never host root's (a nobody job
+            # could exhaust root's inotify instances). The real and saved uids stay 0, so the
+            # permitted set stays: the effective set is taken back for the unshare (hosts that
+            # allow new user namespaces to CAP_SYS_ADMIN alone).
+            os.setresuid(-1, plan.userns, -1)
+            _raise_effective()
             _check_call(libc.unshare(CLONE_NEWUSER))
             os.write(plan.ready_w, b"u")
         step = "wait for the init"
@@ -1283,6 +1305,16 @@ def _dup_or_null(fd: int) -> int:
         if exc.errno != errno.EBADF:
             raise
         return os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+
+
+def _raise_effective() -> None:
+    """Effective = permitted (what a change of euid from 0 cleared of the effective set)."""
+    head = _CapHeader(CAP_VERSION_3, 0)
+    data = (_CapData * 2)()
+    _check_call(libc.syscall(_NR["capget"], ctypes.byref(head), data))
+    for d in data:
+        d.effective = d.permitted
+    _check_call(libc.syscall(_NR["capset"], ctypes.byref(head), data))
 
 
 def _capset(bits: int) -> None:

@@ -9,9 +9,11 @@ listed capability is kept, excludes.caps drops it when any is, arches and minKer
 and the rules are added as runc's libcontainer/seccomp does: unknown syscall names skipped,
 rules whose action is the default skipped, several comparisons of one argument split into
 separate rules, the bad-arch action libseccomp's (and so runc's) default, SCMP_ACT_KILL_THREAD.
-On top of the profile, unless `nested_userns`, the filter refuses creating a user namespace
-(unshare/clone with CLONE_NEWUSER: EPERM; clone3, whose flags sit behind a pointer: ENOSYS, so
-glibc falls back to clone) even when the kept capabilities (SYS_ADMIN) would allow it.
+On top of the profile, unless `nested_userns`, the filter refuses creating a user or a network
+namespace (unshare/clone with CLONE_NEWUSER or CLONE_NEWNET: EPERM; clone3, whose flags sit
+behind a pointer: ENOSYS, so glibc falls back to clone) even when the kept capabilities
+(SYS_ADMIN) would allow it: a network namespace made inside a launch's user namespace is that
+namespace's, where root inside has NET_ADMIN and reaches nf_tables.
 
 libseccomp is used through ctypes: Debian ships libseccomp.so.2 with every container runtime,
 it knows every architecture's syscall table and emits the multi-arch BPF, and a ctypes binding
@@ -45,7 +47,7 @@ SETTINGS = ("default", "unconfined")
 DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "seccomp" / "default.json"
 # Bump when the compiler below changes what it emits for the same inputs: cached programs
 # from an older envctl are then never read.
-_CACHE_FORMAT = b"envctl-seccomp-1"
+_CACHE_FORMAT = b"envctl-seccomp-2"  # -2: CLONE_NEWNET guarded too
 
 # libseccomp's seccomp.h: actions, comparison operators, filter attributes.
 _ACT_KILL_THREAD = 0x00000000
@@ -69,6 +71,9 @@ _ATTR_CTL_OPTIMIZE = 8
 _NR_SCMP_ERROR = -1
 _EPERM, _ENOSYS, _EEXIST = 1, 38, 17
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+# The namespaces only `nested_userns` lets a job create.
+GUARDED = CLONE_NEWUSER | CLONE_NEWNET
 # moby's names for the machine (its goToNative map), which includes/excludes.arches use.
 _MOBY_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "i686": "x86", "i386": "x86",
               "armv7l": "arm", "armv8l": "arm", "ppc64le": "ppc64le", "s390x": "s390x",
@@ -396,10 +401,11 @@ def select_rules(profile: dict[str, Any], caps: int, *, arch: str,
 
 
 def guard_userns(rules: list[Rule], default: int, *, clone_flags_arg: int = 0) -> list[Rule]:
-    """`rules` changed so that no rule lets unshare/clone create a user namespace, those calls
-    get EPERM, and clone3 gets ENOSYS. Permitting rules gain a `flags & CLONE_NEWUSER == 0`
-    comparison, so the refusing rule never overlaps one: libseccomp does not promise which of
-    two overlapping rules wins."""
+    """`rules` changed so that no rule lets unshare/clone create a user or a network namespace
+    (GUARDED), those calls get EPERM, and clone3 gets ENOSYS. Permitting rules gain a
+    `flags & GUARDED == 0` comparison, so a refusing rule never overlaps one: libseccomp does
+    not promise which of two overlapping rules of different actions wins (the refusing rules
+    overlap each other, with one action)."""
     out = []
     for rule in rules:
         if rule.name == "clone3":
@@ -416,8 +422,8 @@ def guard_userns(rules: list[Rule], default: int, *, clone_flags_arg: int = 0) -
         refused_anyway = any(r.name == name and not r.conds and not _permits(r.action)
                              for r in out)
         if default != refuse and not refused_anyway:
-            out.append(Rule(name, refuse, ((index, _OP_MASKED_EQ, CLONE_NEWUSER,
-                                            CLONE_NEWUSER),)))
+            for flag in (CLONE_NEWUSER, CLONE_NEWNET):
+                out.append(Rule(name, refuse, ((index, _OP_MASKED_EQ, flag, flag),)))
     if default != _ACT_ERRNO | _ENOSYS:
         out.append(Rule("clone3", _ACT_ERRNO | _ENOSYS))
     return out
@@ -434,22 +440,22 @@ def allow_namespaces(rules: list[Rule]) -> list[Rule]:
 
 
 def _flag_clear(rule: Rule, index: int) -> Rule | None:
-    """`rule` narrowed to calls without CLONE_NEWUSER in argument `index`; None if it only
-    ever matches calls with it."""
+    """`rule` narrowed to calls without a GUARDED flag in argument `index`; None if it only
+    ever matches calls with one."""
     others = tuple(c for c in rule.conds if c[0] != index)
     mine = [c for c in rule.conds if c[0] == index]
     if not mine:
-        return rule._replace(conds=(*others, (index, _OP_MASKED_EQ, CLONE_NEWUSER, 0)))
+        return rule._replace(conds=(*others, (index, _OP_MASKED_EQ, GUARDED, 0)))
     _, op, a, b = mine[0]
     if op == _OP_MASKED_EQ:
-        if b & CLONE_NEWUSER:
+        if b & GUARDED:
             return None
-        return rule._replace(conds=(*others, (index, op, a | CLONE_NEWUSER, b)))
+        return rule._replace(conds=(*others, (index, op, a | GUARDED, b)))
     if op == _OP_EQ:
-        return None if a & CLONE_NEWUSER else rule
+        return None if a & GUARDED else rule
     raise InputError(f"seccomp profile: {rule.name}'s flags are compared with an operator "
                      "other than SCMP_CMP_EQ or SCMP_CMP_MASKED_EQ, which cannot be combined "
-                     "with refusing CLONE_NEWUSER; set runtime.nested_userns: true or rewrite "
+                     "with refusing CLONE_NEWUSER and CLONE_NEWNET; set runtime.nested_userns: true or rewrite "
                      "the rule")
 
 
