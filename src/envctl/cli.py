@@ -194,8 +194,13 @@ def validate(
     if host:
         ws.plan_all(selected)
     checked = [ls.spec.name for ls in selected]
+    # Valid but surprising values (`quota: 1.5` is 1.5% of one CPU), each at its line.
+    warnings = [w for ls in selected for w in ls.warnings]
+    for w in warnings:
+        _stderr(f"warning: {w}")
     if json_:
-        _emit_json({"ok": True, "environments": checked, "host": host})
+        _emit_json({"ok": True, "environments": checked, "host": host,
+                    "warnings": [vars(w) for w in warnings]})
     else:
         where = " and this host" if host else ""
         print(f"ok: {', '.join(checked)} ({len(ws.specs)} spec(s) in {ws.directory} "
@@ -1059,9 +1064,12 @@ def main(argv: list[str] | None = None) -> None:
         rc = 2
     except SpecError as exc:
         if "--json" in argv:
-            _emit_json({"ok": False, "problems": [vars(p) for p in exc.problems]})
+            _emit_json({"ok": False, "problems": [vars(p) for p in exc.problems],
+                        "warnings": [vars(w) for w in exc.warnings]})
         for p in exc.problems:
             _stderr(f"error: {p}")
+        for w in exc.warnings:
+            _stderr(f"warning: {w}")
         _stderr(f"{len(exc.problems)} problem(s); nothing was changed")
         rc = exc.exit_code
     except EnvctlError as exc:
