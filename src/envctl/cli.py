@@ -239,7 +239,26 @@ def plan(
     if json_:
         _emit_json([{**o, "steps": [s.to_json() for s in o["steps"]]} for o in out])
     else:
-        render_plan(_console(), out, down=down_)
+        # A warning several environments share is about this host (memory.high on cgroup
+        # v1, no cpufreq): said once, naming them, rather than under each.
+        console = _console()
+        shared = {w: envs for w, envs in _warned({o["env"]: o["warnings"] for o in out}).items()
+                  if len(envs) > 1}
+        for w, envs in shared.items():
+            from rich.markup import escape
+
+            console.print(f"[yellow]warning: {escape(w)}[/]  [dim]({', '.join(envs)})[/]")
+        render_plan(console, [{**o, "warnings": [w for w in o["warnings"] if w not in shared]}
+                              for o in out], down=down_)
+
+
+def _warned(warnings: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each warning, once -> the environments that have it, in order."""
+    who: dict[str, list[str]] = {}
+    for env, found in warnings.items():
+        for w in dict.fromkeys(found):
+            who.setdefault(w, []).append(env)
+    return who
 
 
 @app.command()
@@ -265,9 +284,8 @@ def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> 
         plans, skipped = ws.plan_all(selected), {}
     ops.require_root("up")
     interruptible()  # SIGTERM / SIGHUP roll back like Ctrl-C
-    for p in plans:
-        for w in p.warnings:
-            _stderr(f"warning: {p.env}: {w}")
+    for w, envs in _warned({p.env: p.warnings for p in plans}).items():  # each once
+        _stderr(f"warning: {', '.join(envs)}: {w}")
     for env, exc in skipped.items():
         for problem in exc.problems:
             _stderr(f"error: {problem}")

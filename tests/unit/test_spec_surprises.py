@@ -162,3 +162,44 @@ def test_a_bare_quota_below_the_kernels_minimum_is_an_error_that_comes_with_the_
     assert "1000 µs minimum" in exc.problems[0].message
     (w,) = exc.warnings
     assert "cpus: 0.5" in w.message and "quota: 50%" in w.message
+
+
+# ---------------------------------------------------------------- warnings once per command
+
+NO_USERNS = "kind: cpu\nrootfs: {binaries: [sh]}\nruntime: {userns: false}\n"
+
+
+def test_a_warning_several_environments_share_is_said_once_and_marked_apart_from_refusals(
+        capsys, tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_text(f"name: {name}\n{NO_USERNS}")
+    code, out, _ = run(capsys, "--config-dir", str(tmp_path), "plan", "--all")
+    assert code == 0
+    lines = [line for line in out.splitlines() if "runtime.userns is false" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: runtime.userns is false")
+    assert lines[0].endswith("(a, b)")
+    assert not any(line.lstrip().startswith("! ") for line in out.splitlines())
+    code, out, _ = run(capsys, "--config-dir", str(tmp_path), "plan", "--all", "--json")
+    assert all(any("runtime.userns is false" in w for w in p["warnings"])
+               for p in json.loads(out))  # --json: each environment's own, whole
+
+
+def test_one_environments_warnings_stay_under_it(capsys, tmp_path):
+    (tmp_path / "a.yaml").write_text(f"name: a\n{NO_USERNS}")
+    (tmp_path / "b.yaml").write_text("name: b\nkind: cpu\n")
+    code, out, _ = run(capsys, "--config-dir", str(tmp_path), "plan", "--all")
+    assert code == 0 and "  warning: runtime.userns is false" in out and "(a" not in out
+
+
+def test_warned_names_every_environment_of_each_warning_once():
+    from envctl.cli import _warned
+
+    assert _warned({"a": ["x", "y", "x"], "b": ["y"], "c": []}) == {"x": ["a"], "y": ["a", "b"]}
+
+
+def test_status_of_an_environment_that_is_down_repeats_no_plan_warning(capsys, tmp_path):
+    (tmp_path / "a.yaml").write_text(f"name: a\n{NO_USERNS}")
+    code, out, _ = run(capsys, "--config-dir", str(tmp_path), "status")
+    assert code == 0 and "a  down" in out and "userns" not in out
+    code, out, _ = run(capsys, "--config-dir", str(tmp_path), "status", "--json")
+    assert code == 0 and json.loads(out)[0]["warnings"] == []
