@@ -46,7 +46,8 @@ def test_shipped_configs_validate_together():
     assert {ls.spec.name for ls in loaded} == {"cpu-compute", "gpu-compute"}
     cpu = next(ls.spec for ls in loaded if ls.spec.name == "cpu-compute")
     assert str(cpu.network.address) == "10.200.0.21" and cpu.network.ports[0].host == 9090
-    assert cpu.resources.cpu.quota == 1500.0 and cpu.resources.io.weight == 900
+    assert cpu.resources.cpu.cpus == 15 and cpu.resources.cpu.percent == 1500.0
+    assert cpu.resources.io.weight == 900
     assert cpu.resources.memory.max.percent == 70
     gpu = next(ls.spec for ls in loaded if ls.spec.name == "gpu-compute")
     assert gpu.gpus.all and [m.name for m in gpu.host.modules] == ["nvidia", "nvidia_uvm"]

@@ -5,7 +5,6 @@ and across specs) in one run, each at the line of the entry at fault."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

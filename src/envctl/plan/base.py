@@ -39,9 +39,10 @@ def _resolve(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         plan.resolved["threads"] = len(cpus)
         cpu = spec.resources.cpu
         if cpu.percent is not None and cpu.percent >= 100 * len(cpus):
-            limit = f"quota {cpu.quota:g}%" if cpu.quota is not None else f"cpus {cpu.cpus:g}"
-            plan.warn(f"cpu {limit} is at least the {len(cpus)} CPU(s) the environment "
-                      "runs on, so it never throttles")
+            limit = (f"cpu quota {cpu.quota:g}%" if cpu.quota is not None
+                     else f"cpus {cpu.cpus:g} (quota {cpu.percent:g}%)")
+            plan.warn(f"{limit} is at least the {len(cpus)} CPU(s) the environment runs on, "
+                      "so it never throttles")
     mem = spec.resources.memory
     for name in ("max", "high", "swap_max"):
         q = getattr(mem, name)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass, field
-import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
