@@ -191,13 +191,21 @@ def validate(
     else:
         ws, names = _workspace([str(target)], pure=not host)
         selected = [ws.get(n) for n in names]
-    if host:
-        ws.plan_all(selected)
+    plans = ws.plan_all(selected) if host else []
     checked = [ls.spec.name for ls in selected]
     # Valid but surprising values (`quota: 1.5` is 1.5% of one CPU), each at its line.
     warnings = [w for ls in selected for w in ls.warnings]
     for w in warnings:
         _stderr(f"warning: {w}")
+    # --host: what `plan` would warn about here, each warning once (JSON: per spec file).
+    from envctl.errors import Problem
+
+    said = {str(w) for w in warnings}
+    of_host = {p.env: [w for w in p.warnings if w not in said] for p in plans}
+    for w, envs in _warned(of_host).items():
+        _stderr(f"warning: {', '.join(envs)}: {w}")
+    warnings += [Problem(ws.get(env).path, None, None, "", w)
+                 for env, found in of_host.items() for w in found]
     if json_:
         _emit_json({"ok": True, "environments": checked, "host": host,
                     "warnings": [vars(w) for w in warnings]})

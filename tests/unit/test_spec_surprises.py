@@ -202,3 +202,16 @@ def test_status_of_an_environment_that_is_down_repeats_no_plan_warning(capsys, t
     assert code == 0 and "a  down" in out and "userns" not in out
     code, out, _ = run(capsys, "--config-dir", str(tmp_path), "status", "--json")
     assert code == 0 and json.loads(out)[0]["warnings"] == []
+
+
+def test_validate_host_says_what_plan_would_warn_about_here_once(capsys, tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_text(f"name: {name}\n{NO_USERNS}")
+    code, _, err = run(capsys, "validate", str(tmp_path))
+    assert code == 0 and "userns" not in err  # the same on any machine: no plan, no warning
+    code, _, err = run(capsys, "validate", "--host", str(tmp_path))
+    lines = [line for line in err.splitlines() if "runtime.userns is false" in line]
+    assert code == 0 and len(lines) == 1 and lines[0].startswith("warning: a, b: "), err
+    code, out, _ = run(capsys, "validate", "--host", str(tmp_path), "--json")
+    found = [w for w in json.loads(out)["warnings"] if "runtime.userns" in w["message"]]
+    assert [w["file"].rsplit("/", 1)[-1] for w in found] == ["a.yaml", "b.yaml"]
