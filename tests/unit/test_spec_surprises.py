@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from envctl.cli import main
 from envctl.errors import SpecError
 from envctl.facts import CgroupFacts, HostFacts
 from envctl.plan.cgroup_systemd import SystemdSlice
 from envctl.plan.planner import plan_env
 from envctl.resources.cgroup import Cgroup
 from envctl.spec.loader import parse_spec
+from tests.unit.test_cli import isolated, run  # noqa: F401 (isolated: an autouse fixture)
 
 V1 = CgroupFacts(layout="hybrid", version=1,
                  controllers=("cpu", "cpuacct", "cpuset", "memory", "blkio", "pids", "devices"),
@@ -41,20 +41,6 @@ def limits(spec, cg: CgroupFacts) -> dict[str, str]:
         if isinstance(r, SystemdSlice):
             return {k: v for k, v in r.properties if k.startswith("CPU")}
     raise AssertionError("no cgroup planned")
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
-
-
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("ENVCTL_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.setenv("COLUMNS", "200")
 
 
 # ---------------------------------------------------------------- cpus, as Docker means it
