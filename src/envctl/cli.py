@@ -176,7 +176,9 @@ def validate(
 
     A directory is checked whole; a file is checked together with the specs of the config
     directory. With --host, also plan each against this host (what `plan` and `up` check),
-    and against the environments that are up here. Exit 2 lists every problem.
+    and against the environments that are up here. Exit 2 lists every problem, each at its
+    line. Warnings (values that rarely mean what they say, like `quota: 1.5`) go to stderr
+    and leave the exit status alone.
 
     Example: envctl validate configs/ (in CI);  envctl validate --host (on the GPU host)
     """
