@@ -297,19 +297,20 @@ def test_what_an_environment_that_is_up_holds_is_checked_on_an_invalid_spec_too(
     from envctl.spec.loader import parse_spec
 
     up = parse_spec("name: up1\nkind: cpu\nnetwork:\n  bridge_address: 10.200.0.1/16\n"
-                    "  address: 10.200.0.9\n  ports: [8080]\n",
-                    "up1.yaml")
+                    "  address: 10.200.0.9\n  ports: [8080]\n  nat: false\n"
+                    "host: {sysctls: {net.ipv4.ip_forward: 0}}\n", "up1.yaml")
     held = {"up1": ("/j/up1.json", spec_claims(up.spec, None))}
     with pytest.raises(SpecError) as exc:
         parse_spec("name: new\nkind: cpu\nnetwork:\n  bridge_address: 10.1.0.1/40\n"
-                   "  address: 10.200.0.9\n  ports: [9, 8080]\nresources: {pids: {max: 0}}\n",
-                   "new.yaml")
+                   "  address: 10.200.0.9\n  ports: [9, 8080]\n  nat: maybe\n"
+                   "resources: {pids: {max: 0}}\n", "new.yaml")
     partial = exc.value.partial
     assert partial.partial and partial.dropped == {("network", "bridge_address"),
+                                                   ("network", "nat"),
                                                    ("resources", "pids", "max")}
     found = held_conflicts([partial], held, None)
-    # The address and the port are the file's own; the bridge's address (in error) is not
-    # compared, nor the default standing in for it.
+    # The address and the port are the file's own; the bridge's address and nat (in error)
+    # are not compared, nor the defaults standing in for them (nat's would want forwarding).
     assert [(p.line, p.field) for p in found] == [(5, "network.address"),
                                                   (6, "network.ports[1]")]
     assert "host port tcp/8080 is held by environment 'up1'" in found[1].message

@@ -114,6 +114,8 @@ def held_conflicts(specs: list[LoadedSpec], held: dict[str, tuple[str, dict[str,
 # What a clash reported at a place is also decided by.
 _ALSO_READ: dict[tuple, tuple[tuple, ...]] = {
     ("network", "bridge_address"): (("network", "bridge"),),
+    # The network plan turns forwarding on for nat (spec_claims).
+    ("host", "sysctls", "net.ipv4.ip_forward"): (("network", "nat"),),
 }
 
 
