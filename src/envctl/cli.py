@@ -107,9 +107,8 @@ def _workspace(names: list[str] | None, **kwargs: Any):
 
     env_names, files = _split(names)
     ws = Workspace.open(config_dir(CTX.config_dir), extra_files=files, **kwargs)
-    for f in files:
-        env_names.append(next(ls.spec.name for ls in ws.specs
-                              if Path(ls.path).resolve() == f.resolve()))
+    for f in files:  # a file with problems is not among the specs (Workspace.open `collect`)
+        env_names += [ls.spec.name for ls in ws.specs if Path(ls.path).resolve() == f.resolve()]
     return ws, env_names
 
 
@@ -185,15 +184,22 @@ def validate(
     from envctl.workspace import config_dir
 
     target = Path(path) if path else config_dir(CTX.config_dir)
+    # --host: the valid specs are planned even when others have problems (collect), so that
+    # what this host refuses comes in the same run as the specs' own errors.
     if target.is_dir():
         from envctl.workspace import Workspace
 
-        ws = Workspace.open(target, pure=not host)
+        ws = Workspace.open(target, pure=not host, collect=host)
         selected = ws.specs
     else:
-        ws, names = _workspace([str(target)], pure=not host)
-        selected = [ws.get(n) for n in names]
-    plans = ws.plan_all(selected) if host else []
+        ws, names = _workspace([str(target)], pure=not host, collect=host)
+        selected = [ws.get(n) for n in names if n in ws.names() or not ws.problems]
+    plans = []
+    if host:
+        plans, refused = ws.plan_each(selected)
+        problems = ws.problems + [p for exc in refused.values() for p in exc.problems]
+        if problems:
+            raise SpecError(problems, warnings=tuple(ws.warnings))
     checked = [ls.spec.name for ls in selected]
     # Valid but surprising values (`quota: 1.5` is 1.5% of one CPU), each at its line.
     warnings = [w for ls in selected for w in ls.warnings]

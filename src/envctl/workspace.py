@@ -54,18 +54,22 @@ class Workspace:
     host: Host
     # What the specs say that is valid but surprising (spec.surprises), file:line each.
     warnings: list[Problem] = dataclasses.field(default_factory=list)
+    # The specs' problems, when opened with `collect` (the specs above are the valid ones).
+    problems: list[Problem] = dataclasses.field(default_factory=list)
 
     @classmethod
     def open(cls, directory: Path, *, extra_files: list[Path] = (), host: Host | None = None,
              facts: HostFacts | None = None, pure: bool = False,
-             secure: bool = False) -> Workspace:
+             secure: bool = False, collect: bool = False) -> Workspace:
         """Load and validate the specs of `directory` (and `extra_files`) together.
 
         `pure`: only what the specs say, the same on any machine (no host facts, no journals:
         `validate`). Otherwise conflicts are also checked against this host (memory, CPUs,
         governors) and against environments that are up here without a spec among these.
         `secure` (commands that change the host as root): refuse spec files and directories
-        that anyone but root can write, since they choose sysctls and modules."""
+        that anyone but root can write, since they choose sysctls and modules.
+        `collect` (`validate --host`): keep the problems in `problems` rather than raise them,
+        so that the valid specs are planned too and every problem comes in one run."""
         host = host or Host.from_env()
         files = spec_files(directory) if directory.is_dir() else []
         if not directory.is_dir() and not extra_files:
@@ -91,9 +95,9 @@ class Workspace:
         if facts is not None:
             problems += held_conflicts(checked, _held(host, {ls.spec.name for ls in checked}),
                                        facts)
-        if problems:
+        if problems and not collect:
             raise SpecError(problems, warnings=tuple(loaded.warnings))
-        return cls(directory, specs, facts or HostFacts(), host, loaded.warnings)
+        return cls(directory, specs, facts or HostFacts(), host, loaded.warnings, problems)
 
     def with_host_facts(self) -> Workspace:
         """This workspace with this host's facts (one opened `pure` has none)."""

@@ -201,3 +201,20 @@ def test_validate_host_says_what_plan_would_warn_about_here_once(capsys, tmp_pat
     code, out, _ = run(capsys, "validate", "--host", str(tmp_path), "--json")
     found = [w for w in json.loads(out)["warnings"] if "runtime.userns" in w["message"]]
     assert [w["file"].rsplit("/", 1)[-1] for w in found] == ["a.yaml", "b.yaml"]
+
+
+def test_validate_host_reports_what_the_host_refuses_with_the_specs_own_errors(capsys, tmp_path):
+    (tmp_path / "a.yaml").write_text("name: a\nkind: cpu\nresources:\n  memory: {max: lots}\n")
+    (tmp_path / "b.yaml").write_text("name: b\nkind: cpu\nrootfs:\n"
+                                     "  binaries: [sh, envctl-no-such-program]\n")
+    code, out, _ = run(capsys, "validate", "--host", str(tmp_path), "--json")
+    data = json.loads(out)
+    assert code == 2 and data["ok"] is False
+    assert [(p["file"].rsplit("/", 1)[-1], p["line"], p["field"]) for p in data["problems"]] == [
+        ("a.yaml", 4, "resources.memory.max"), ("b.yaml", 4, "rootfs.binaries[1]")]
+    # A spec file named alone, while another in the config directory is wrong: both said.
+    code, _, err = run(capsys, "--config-dir", str(tmp_path), "validate", "--host",
+                       str(tmp_path / "b.yaml"))
+    assert code == 2 and "a.yaml:4" in err and "envctl-no-such-program: not found" in err
+    code, _, err = run(capsys, "--config-dir", str(tmp_path), "validate", "--host", "a")
+    assert code == 2 and "a.yaml:4" in err and "no environment" not in err
