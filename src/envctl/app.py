@@ -163,18 +163,13 @@ def _up_journal(host: Host, name: str) -> Journal | None:
 
 
 def status_warnings(ws: Workspace | None, host: Host, names: list[str]) -> dict[str, list[str]]:
-    """What the last `up` of each environment skipped or warned about; the plan's warnings
-    for one that is not up."""
+    """What the last `up` of each environment skipped or warned about. None for one that is
+    not up: what `up` would warn about there is `plan`'s to say (once per command), not
+    repeated by every `status`."""
     out = {}
     for name in names:
         journal = _up_journal(host, name)
-        if journal is not None and "warnings" in journal.meta:
-            out[name] = list(journal.meta["warnings"])
-        elif ws is not None and name in ws.names():
-            try:
-                out[name] = ws.plan(ws.get(name)).warnings
-            except SpecError:
-                out[name] = []
+        out[name] = list(journal.meta.get("warnings", [])) if journal is not None else []
     return out
 
 

@@ -107,9 +107,8 @@ def _workspace(names: list[str] | None, **kwargs: Any):
 
     env_names, files = _split(names)
     ws = Workspace.open(config_dir(CTX.config_dir), extra_files=files, **kwargs)
-    for f in files:
-        env_names.append(next(ls.spec.name for ls in ws.specs
-                              if Path(ls.path).resolve() == f.resolve()))
+    for f in files:  # a file with problems is not among the specs (Workspace.open `collect`)
+        env_names += [ls.spec.name for ls in ws.specs if Path(ls.path).resolve() == f.resolve()]
     return ws, env_names
 
 
@@ -176,26 +175,48 @@ def validate(
 
     A directory is checked whole; a file is checked together with the specs of the config
     directory. With --host, also plan each against this host (what `plan` and `up` check),
-    and against the environments that are up here. Exit 2 lists every problem.
+    and against the environments that are up here. Exit 2 lists every problem, each at its
+    line. Warnings (values that rarely mean what they say, like `quota: 1.5`) go to stderr
+    and leave the exit status alone.
 
     Example: envctl validate configs/ (in CI);  envctl validate --host (on the GPU host)
     """
     from envctl.workspace import config_dir
 
     target = Path(path) if path else config_dir(CTX.config_dir)
+    # --host: the valid specs are planned even when others have problems (collect), so that
+    # what this host refuses comes in the same run as the specs' own errors.
     if target.is_dir():
         from envctl.workspace import Workspace
 
-        ws = Workspace.open(target, pure=not host)
+        ws = Workspace.open(target, pure=not host, collect=host)
         selected = ws.specs
     else:
-        ws, names = _workspace([str(target)], pure=not host)
-        selected = [ws.get(n) for n in names]
+        ws, names = _workspace([str(target)], pure=not host, collect=host)
+        selected = [ws.get(n) for n in names if n in ws.names() or not ws.problems]
+    plans = []
     if host:
-        ws.plan_all(selected)
+        plans, refused = ws.plan_each(selected)
+        problems = ws.problems + [p for exc in refused.values() for p in exc.problems]
+        if problems:
+            raise SpecError(problems, warnings=tuple(ws.warnings))
     checked = [ls.spec.name for ls in selected]
+    # Valid but surprising values (`quota: 1.5` is 1.5% of one CPU), each at its line.
+    warnings = [w for ls in selected for w in ls.warnings]
+    for w in warnings:
+        _stderr(f"warning: {w}")
+    # --host: what `plan` would warn about here, each warning once (JSON: per spec file).
+    from envctl.errors import Problem
+
+    said = {str(w) for w in warnings}
+    of_host = {p.env: [w for w in p.warnings if w not in said] for p in plans}
+    for w, envs in _warned(of_host).items():
+        _stderr(f"warning: {', '.join(envs)}: {w}")
+    warnings += [Problem(ws.get(env).path, None, None, "", w)
+                 for env, found in of_host.items() for w in found]
     if json_:
-        _emit_json({"ok": True, "environments": checked, "host": host})
+        _emit_json({"ok": True, "environments": checked, "host": host,
+                    "warnings": [vars(w) for w in warnings]})
     else:
         where = " and this host" if host else ""
         print(f"ok: {', '.join(checked)} ({len(ws.specs)} spec(s) in {ws.directory} "
@@ -234,7 +255,26 @@ def plan(
     if json_:
         _emit_json([{**o, "steps": [s.to_json() for s in o["steps"]]} for o in out])
     else:
-        render_plan(_console(), out, down=down_)
+        # A warning several environments share is about this host (memory.high on cgroup
+        # v1, no cpufreq): said once, naming them, rather than under each.
+        console = _console()
+        shared = {w: envs for w, envs in _warned({o["env"]: o["warnings"] for o in out}).items()
+                  if len(envs) > 1}
+        for w, envs in shared.items():
+            from rich.markup import escape
+
+            console.print(f"[yellow]warning: {escape(w)}[/]  [dim]({', '.join(envs)})[/]")
+        render_plan(console, [{**o, "warnings": [w for w in o["warnings"] if w not in shared]}
+                              for o in out], down=down_)
+
+
+def _warned(warnings: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each warning, once -> the environments that have it, in order."""
+    who: dict[str, list[str]] = {}
+    for env, found in warnings.items():
+        for w in dict.fromkeys(found):
+            who.setdefault(w, []).append(env)
+    return who
 
 
 @app.command()
@@ -260,9 +300,8 @@ def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> 
         plans, skipped = ws.plan_all(selected), {}
     ops.require_root("up")
     interruptible()  # SIGTERM / SIGHUP roll back like Ctrl-C
-    for p in plans:
-        for w in p.warnings:
-            _stderr(f"warning: {p.env}: {w}")
+    for w, envs in _warned({p.env: p.warnings for p in plans}).items():  # each once
+        _stderr(f"warning: {', '.join(envs)}: {w}")
     for env, exc in skipped.items():
         for problem in exc.problems:
             _stderr(f"error: {problem}")
@@ -1059,9 +1098,12 @@ def main(argv: list[str] | None = None) -> None:
         rc = 2
     except SpecError as exc:
         if "--json" in argv:
-            _emit_json({"ok": False, "problems": [vars(p) for p in exc.problems]})
+            _emit_json({"ok": False, "problems": [vars(p) for p in exc.problems],
+                        "warnings": [vars(w) for w in exc.warnings]})
         for p in exc.problems:
             _stderr(f"error: {p}")
+        for w in exc.warnings:
+            _stderr(f"warning: {w}")
         _stderr(f"{len(exc.problems)} problem(s); nothing was changed")
         rc = exc.exit_code
     except EnvctlError as exc:

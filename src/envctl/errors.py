@@ -41,8 +41,13 @@ class Problem(Record, frozen=True):
 class SpecError(InputError):
     """One or more specs are invalid or conflict with each other."""
 
-    def __init__(self, problems: list[Problem]):
+    def __init__(self, problems: list[Problem], *, warnings: tuple[Problem, ...] = (),
+                 partial: object = None):
         self.problems = sorted(problems, key=lambda p: (p.file, p.line or 0, p.column or 0))
+        # Findings that are not errors (spec.surprises), and what is left of the spec without
+        # the values in error (a spec.loader.LoadedSpec, checked for conflicts with others).
+        self.warnings = tuple(warnings)
+        self.partial = partial
         super().__init__("\n".join(str(p) for p in self.problems))
 
 

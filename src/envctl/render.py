@@ -45,8 +45,8 @@ def render_plan(console: Console, plans: list[dict[str, Any]], *, down: bool) ->
         if p["resolved"]:
             head += f"  [dim]{_resolved(p['resolved'])}[/]"
         console.print(head)
-        for w in p["warnings"]:
-            console.print(f"  [yellow]! {w}[/]")
+        for w in p["warnings"]:  # `!` marks a refused step; a warning says so
+            console.print(f"  [yellow]warning: {w}[/]")
         if not p["steps"]:
             console.print("  [dim]nothing recorded for this environment[/]")
         for step in p["steps"]:

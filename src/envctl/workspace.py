@@ -27,7 +27,7 @@ from envctl.plan.planner import plan_env
 from envctl.plan.rootfs import wants_rootfs
 from envctl.plan.userns import assign_userns, wants_userns
 from envctl.spec.conflicts import find_conflicts
-from envctl.spec.loader import LoadedSpec, load_each, spec_files
+from envctl.spec.loader import LoadedSpec, read_each, spec_files
 from envctl.spec.models import EnvSpec
 
 SYSTEM_CONFIG_DIR = Path("/etc/envctl/environments")
@@ -52,18 +52,24 @@ class Workspace:
     specs: list[LoadedSpec]
     facts: HostFacts
     host: Host
+    # What the specs say that is valid but surprising (spec.surprises), file:line each.
+    warnings: list[Problem] = dataclasses.field(default_factory=list)
+    # The specs' problems, when opened with `collect` (the specs above are the valid ones).
+    problems: list[Problem] = dataclasses.field(default_factory=list)
 
     @classmethod
     def open(cls, directory: Path, *, extra_files: list[Path] = (), host: Host | None = None,
              facts: HostFacts | None = None, pure: bool = False,
-             secure: bool = False) -> Workspace:
+             secure: bool = False, collect: bool = False) -> Workspace:
         """Load and validate the specs of `directory` (and `extra_files`) together.
 
         `pure`: only what the specs say, the same on any machine (no host facts, no journals:
         `validate`). Otherwise conflicts are also checked against this host (memory, CPUs,
         governors) and against environments that are up here without a spec among these.
         `secure` (commands that change the host as root): refuse spec files and directories
-        that anyone but root can write, since they choose sysctls and modules."""
+        that anyone but root can write, since they choose sysctls and modules.
+        `collect` (`validate --host`): keep the problems in `problems` rather than raise them,
+        so that the valid specs are planned too and every problem comes in one run."""
         host = host or Host.from_env()
         files = spec_files(directory) if directory.is_dir() else []
         if not directory.is_dir() and not extra_files:
@@ -76,24 +82,27 @@ class Workspace:
             problems = unsafe_spec_paths([directory, *files] if directory.is_dir() else files)
             if problems:
                 raise SpecError(problems)
-        specs, problems = load_each(files)
+        loaded = read_each(files)
+        specs, problems, checked = loaded.specs, loaded.problems, loaded.checked
         if pure:
             facts = None
         elif facts is None:
             facts = _facts_for([ls.spec for ls in specs], host)
-        problems += find_conflicts(specs, facts)
+        # Conflicts are checked on what is valid of invalid specs too (LoadedSpec.partial):
+        # every problem in one run.
+        problems += find_conflicts(checked, facts)
         problems += find_host_conflicts(specs, facts)  # governors, module options
         if facts is not None:
-            problems += held_conflicts(specs, _held(host, {ls.spec.name for ls in specs}),
+            problems += held_conflicts(checked, _held(host, {ls.spec.name for ls in checked}),
                                        facts)
-        if problems:
-            raise SpecError(problems)
-        return cls(directory, specs, facts or HostFacts(), host)
+        if problems and not collect:
+            raise SpecError(problems, warnings=tuple(loaded.warnings))
+        return cls(directory, specs, facts or HostFacts(), host, loaded.warnings, problems)
 
     def with_host_facts(self) -> Workspace:
         """This workspace with this host's facts (one opened `pure` has none)."""
         facts = _facts_for([ls.spec for ls in self.specs], self.host)
-        return Workspace(self.directory, self.specs, facts, self.host)
+        return Workspace(self.directory, self.specs, facts, self.host, self.warnings)
 
     def names(self) -> list[str]:
         return [ls.spec.name for ls in self.specs]
@@ -116,9 +125,13 @@ class Workspace:
 
     def plan(self, ls: LoadedSpec) -> Plan:
         try:
-            return plan_env(ls.spec, self.facts)
+            plan = plan_env(ls.spec, self.facts)
         except PlanError as exc:
-            raise SpecError([ls.problem(loc, msg) for loc, msg in exc.issues]) from None
+            raise SpecError([ls.problem(loc, msg) for loc, msg in exc.issues],
+                            warnings=ls.warnings) from None
+        # What the spec says that rarely means what it says, first, with its file and line.
+        plan.warnings[:0] = [str(w) for w in ls.warnings]
+        return plan
 
     def plan_each(self, selected: list[LoadedSpec]) -> tuple[list[Plan], dict[str, SpecError]]:
         """Plan every selected spec; those this host cannot serve (a required module missing,

@@ -167,6 +167,19 @@ def test_up_writes_limits_and_down_removes_everything(clean):
         sb.envctl("down", "lim", check=True)
 
 
+def test_cpus_is_written_as_the_equivalent_quota(clean):
+    sb = clean
+    res = up(sb, "  cpu: {cpus: 0.5, period_us: 50000}")
+    assert res.returncode == 0, res.stderr
+    assert v1_path(sb, "cpu", "lim", "cpu.cfs_quota_us").read_text().strip() == "25000"
+    assert v1_path(sb, "cpu", "lim", "cpu.cfs_period_us").read_text().strip() == "50000"
+    # The same limit written as a quota changes nothing on the host.
+    sb.write_spec("lim", SPEC.format(name="lim", resources="  cpu: {quota: 50%, period_us: 50000}"))
+    plan = sb.envctl_json("plan", "lim")[0]
+    assert {s["op"] for s in plan["steps"]} == {"="}, plan["steps"]
+    sb.envctl("down", "lim", check=True)
+
+
 def test_cpu_burner_under_half_quota_is_throttled(clean):
     sb = clean
     assert up(sb, "  cpu: {quota: 50%}").returncode == 0

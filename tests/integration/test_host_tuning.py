@@ -71,7 +71,7 @@ def test_missing_sysctl_required_refused_best_effort_skipped_and_recorded(clean)
     assert sb.sysctl("vm.zone_reclaim_mode") == "0" and not sb.state.exists()
     sb.write_spec("a", spec("a", "  sysctls:\n    vm.zone_reclaim_mode: 1\n"
                                  "    vm.envctl_no_such_knob: {value: 1, policy: best-effort}\n"))
-    assert "! this kernel" in sb.envctl("plan", "a", check=True).stdout
+    assert "  warning: this kernel" in sb.envctl("plan", "a", check=True).stdout
     res = sb.envctl("up", "a", check=True)
     assert "warning: a: this kernel" in res.stderr and "skipped" in res.stderr
     _, warnings = steps_by_key(sb, "a")

@@ -46,7 +46,8 @@ def test_validate_a_directory_and_a_file(capsys, tmp_path):
     code, out, _ = run(capsys, "validate", str(d))
     assert code == 0 and out.startswith("ok: a, b")
     code, out, _ = run(capsys, "--config-dir", str(d), "validate", str(d / "b.yaml"), "--json")
-    assert json.loads(out) == {"ok": True, "environments": ["b"], "host": False}
+    assert json.loads(out) == {"ok": True, "environments": ["b"], "host": False,
+                               "warnings": []}
 
 
 def test_validate_the_shipped_cpu_partition(capsys):

@@ -35,8 +35,8 @@ def test_cpu_compute_on_a_big_host_dedicates_cores_2_to_n_minus_2():
     assert plan.resolved["threads"] == 13
     assert plan.resolved["memory.max"] == int(256 * 0.7 * 1024**3) // 4096 * 4096
     assert not [w for w in plan.warnings if "sharing all online CPUs" in w]
-    # 1500% on 13 dedicated CPUs can never throttle: said, not hidden.
-    assert any("quota 1500% is at least the 13 CPU(s)" in w for w in plan.warnings)
+    # 15 CPUs (1500%) on 13 dedicated CPUs can never throttle: said, not hidden.
+    assert any("cpus 15 (quota 1500%) is at least the 13 CPU(s)" in w for w in plan.warnings)
 
 
 def test_small_host_error_policy_refuses():

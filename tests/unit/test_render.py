@@ -30,7 +30,7 @@ def test_plan_shows_symbols_old_and_new_values_and_a_summary():
                                               "memory.max": 1 << 30},
                                  "steps": steps}], down=False)
     assert "demo  cpus 0-1 (shared), 2 threads, memory.max 1G" in out
-    assert "! careful" in out
+    assert "warning: careful" in out and "! careful" not in out  # `!` is a refusal
     assert "+ network namespace demo" in out
     assert "~ sysctl net.ipv4.ip_forward = 1  (value: 0 -> 1)" in out
     assert "= sysctl vm.swappiness = 10" in out

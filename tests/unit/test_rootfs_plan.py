@@ -172,3 +172,18 @@ def test_named_majors_are_read_from_proc_devices(tmp_path):
     assert resolve_rules(rules, tmp_path) == ("c 1:3 rwm", "c 509:1 rw", "c 136:* rwm")
     with pytest.raises(HostError, match="'nvidia-caps' is not in .*: its driver is not loaded"):
         resolve_rules(("c nvidia-caps:1 rw",), tmp_path)
+
+
+def test_what_the_host_lacks_is_reported_at_the_entry_that_asks_for_it():
+    missing = RootfsFacts(missing=(
+        ("binary nvidia-smi", "not found in /usr/bin, /bin"),
+        ("library libcuda.so*", "no library in ld.so.cache matches"),
+        ("python", "no python3 in /usr/bin"),
+        ("library libfoo.so.1 (needed by /usr/bin/sh)", "not found"),
+    ))
+    with pytest.raises(PlanError) as exc:
+        plan_env(spec("a", "rootfs: {binaries: [sh, nvidia-smi], libraries: [libcuda.so*], "
+                           "python: true}"), facts(rootfs={"a": missing}))
+    assert [loc for loc, _ in exc.value.issues] == [
+        ("rootfs", "binaries", 1), ("rootfs", "libraries", 0), ("rootfs", "python"),
+        ("rootfs",)]

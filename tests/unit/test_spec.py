@@ -46,7 +46,8 @@ def test_shipped_configs_validate_together():
     assert {ls.spec.name for ls in loaded} == {"cpu-compute", "gpu-compute"}
     cpu = next(ls.spec for ls in loaded if ls.spec.name == "cpu-compute")
     assert str(cpu.network.address) == "10.200.0.21" and cpu.network.ports[0].host == 9090
-    assert cpu.resources.cpu.quota == 1500.0 and cpu.resources.io.weight == 900
+    assert cpu.resources.cpu.cpus == 15 and cpu.resources.cpu.percent == 1500.0
+    assert cpu.resources.io.weight == 900
     assert cpu.resources.memory.max.percent == 70
     gpu = next(ls.spec for ls in loaded if ls.spec.name == "gpu-compute")
     assert gpu.gpus.all and [m.name for m in gpu.host.modules] == ["nvidia", "nvidia_uvm"]
@@ -66,12 +67,16 @@ def test_shipped_configs_validate_together():
         (BASE.replace("10.9.0.1/24", "10.9.0.1/33"), "network.bridge_address", 5, []),
         (BASE.replace("10.9.0.1/24", "10.9.0.0/24"), "network.bridge_address", 5,
          ["network or broadcast"]),
-        (BASE.replace("address: 10.9.0.5", "address: 10.8.0.5"), "network", 3,
-         ["outside the bridge subnet"]),
-        (BASE + "  gateway: 10.1.1.1\n", "network", 3, ["gateway 10.1.1.1 is outside"]),
-        (BASE.replace("address: 10.9.0.5", "address: 10.9.0.1"), "network", 3,
+        # Each at the line of the value that is wrong, not at the section's.
+        (BASE.replace("address: 10.9.0.5", "address: 10.8.0.5"), "network.address", 6,
+         ["outside the bridge subnet 10.9.0.0/24"]),
+        (BASE + "  gateway: 10.1.1.1\n", "network.gateway", 7, ["gateway 10.1.1.1 is outside"]),
+        (BASE.replace("address: 10.9.0.5", "address: 10.9.0.1"), "network.address", 6,
          ["bridge's own address"]),
-        (BASE + "  ports: [8080, 8080]\n", "network", 3, ["forwarded twice"]),
+        (BASE + "  ports: [8080, 8080]\n", "network.ports[1]", 7,
+         ["8080/tcp is forwarded twice", "entry 1 repeats entry 0"]),
+        (BASE + "  ports:\n    - 8080\n    - 9090\n    - 8080/tcp\n", "network.ports[2]", 10,
+         ["8080/tcp is forwarded twice"]),
         (BASE + "  ports: ['80:70000']\n", "network.ports[0]", 7, ["1 to 65535"]),
         (BASE + "  ports: ['http']\n", "network.ports[0]", 7, ["HOST[:ENV]"]),
         ("name: demo\nkind: cpu\nresources:\n  memory:\n    max: 170%\n",
@@ -79,7 +84,7 @@ def test_shipped_configs_validate_together():
         ("name: demo\nkind: cpu\nresources:\n  memory:\n    max: lots\n",
          "resources.memory.max", 5, ["not a size"]),
         ("name: demo\nkind: cpu\nresources:\n  memory:\n    max: 1G\n    high: 2G\n",
-         "resources.memory", 4, ["memory.high is above memory.max"]),
+         "resources.memory.high", 6, ["memory.high (2G) is above memory.max (1G)"]),
         ("name: demo\nkind: cpu\nresources:\n  cpu:\n    dedicated: 2-1\n",
          "resources.cpu.dedicated", 5, ["backwards"]),
         ("name: demo\nkind: cpu\nresources:\n  cpu:\n    dedicated: 1,1\n",
@@ -90,20 +95,21 @@ def test_shipped_configs_validate_together():
          "resources.cpu.weight", 5, ["from 1 to 10000"]),
         ("name: demo\nkind: cpu\nresources:\n  io:\n    weight: 20000\n",
          "resources.io.weight", 5, ["10000"]),
-        ("name: demo\nkind: cpu\ngpus: 1\n", "", 1, ["kind: cpu", "GPUs"]),
+        ("name: demo\nkind: cpu\ngpus: 1\n", "gpus", 3, ["kind: cpu", "GPUs"]),
         ("name: demo\nkind: gpu\ngpus: [0, GPU-1]\n", "gpus", 3, ["not a mix"]),
-        ("name: demo\nkind: gpu\ngpus: [0, 0]\n", "gpus", 3, ["twice"]),
+        ("name: demo\nkind: gpu\ngpus: [0, 0]\n", "gpus[1]", 3, ["GPU index 0", "twice"]),
+        ("name: demo\nkind: gpu\ngpus:\n  - 1\n  - 0\n  - 1\n", "gpus[2]", 6, ["twice"]),
         ("name: demo\nkind: cpu\nmounts:\n  - {source: a, target: data}\n",
          "mounts[0].target", 4, ["absolute"]),
         ("name: demo\nkind: cpu\nmounts:\n  - {source: ../etc, target: /x}\n",
          "mounts[0].source", 4, ["'..'"]),
         ("name: demo\nkind: cpu\nmounts:\n  - {source: a, target: /x}\n"
-         "  - {source: b, target: /x}\n", "", 1, ["used twice"]),
+         "  - {source: b, target: /x}\n", "mounts[1].target", 5, ["/x is used twice"]),
         ("name: demo\nkind: cpu\nhost:\n  sysctls:\n    bad name: 1\n",
          "host.sysctls.bad name", 5, []),
         ("name: demo\nkind: cpu\nhost:\n  sysctls:\n    vm.x: {value: 1, policy: maybe}\n",
          "host.sysctls.vm.x.policy", 5, ["'required' or 'best-effort'"]),
-        ("name: demo\nkind: cpu\nhost:\n  modules: [nvidia, nvidia]\n", "host.modules", 4,
+        ("name: demo\nkind: cpu\nhost:\n  modules: [nvidia, nvidia]\n", "host.modules[1]", 4,
          ["twice"]),
         ("name: demo\nkind: cpu\nservice:\n  command: ''\n", "service.command", 4, ["empty"]),
         ("name: demo\nkind: cpu\nrootfs:\n  env:\n    1BAD: x\n", "rootfs.env.1BAD", 5, []),

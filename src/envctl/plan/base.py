@@ -37,10 +37,12 @@ def _resolve(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         plan.resolved["cpus"] = format_cpu_list(cpus)
         plan.resolved["dedicated"] = bool(placement.cpus)
         plan.resolved["threads"] = len(cpus)
-        quota = spec.resources.cpu.quota
-        if quota is not None and quota >= 100 * len(cpus):
-            plan.warn(f"cpu quota {quota:g}% is at least the {len(cpus)} CPU(s) the environment "
-                      "runs on, so it never throttles")
+        cpu = spec.resources.cpu
+        if cpu.percent is not None and cpu.percent >= 100 * len(cpus):
+            limit = (f"cpu quota {cpu.quota:g}%" if cpu.quota is not None
+                     else f"cpus {cpu.cpus:g} (quota {cpu.percent:g}%)")
+            plan.warn(f"{limit} is at least the {len(cpus)} CPU(s) the environment runs on, "
+                      "so it never throttles")
     mem = spec.resources.memory
     for name in ("max", "high", "swap_max"):
         q = getattr(mem, name)

@@ -82,9 +82,9 @@ def _settings(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, st
     # -- cpu: quota and period, weight
     cpu = res.cpu
     quota_us = quota_micros(cpu, plan)
-    if cpu.quota is not None and quota_us is None:
+    if cpu.percent is not None and quota_us is None:
         ok = False
-    wants_cpu = cpu.quota is not None or cpu.weight is not None
+    wants_cpu = cpu.percent is not None or cpu.weight is not None
     if wants_cpu and not need(cg, "cpu", loc_cpu, "a CPU quota or weight", plan):
         ok = False
     if "cpu" in cg.controllers:

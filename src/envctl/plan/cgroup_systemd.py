@@ -63,14 +63,14 @@ def properties(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, s
 
     # -- cpu: quota (percent of one CPU, as systemd's CPUQuota) and period, weight
     cpu = res.cpu
-    if cpu.quota is not None and quota_micros(cpu, plan) is None:
+    if cpu.percent is not None and quota_micros(cpu, plan) is None:
         ok = False
-    if (cpu.quota is not None or cpu.weight is not None) and not need(
+    if (cpu.percent is not None or cpu.weight is not None) and not need(
             cg, "cpu", loc_cpu, "a CPU quota or weight", plan):
         ok = False
     if "cpu" in cg.controllers:
         # systemd keeps the quota in 1/100 percent: two decimals are exact.
-        quota = f"{round(cpu.quota, 2):g}%" if cpu.quota is not None else ""
+        quota = f"{round(cpu.percent, 2):g}%" if cpu.percent is not None else ""
         out += [("CPUQuota", quota), ("CPUQuotaPeriodSec", f"{cpu.period_us}us"),
                 ("CPUWeight", str(cpu.weight or 100))]
 

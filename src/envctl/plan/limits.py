@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from envctl.spec.models import quota_us
+
 if TYPE_CHECKING:
     from envctl.facts import CgroupFacts
     from envctl.plan.builder import Plan
@@ -23,15 +25,17 @@ GPU_DEVICES_KEY = "cgroup.devices"
 def quota_micros(cpu: Cpu, plan: Plan) -> int | None:
     """The quota in µs per period; None (with a plan error) below the kernel's 1000 µs minimum,
     or when there is no quota."""
-    if cpu.quota is None:
+    percent = cpu.percent  # `quota: 150%` and `cpus: 1.5` are the same limit
+    if percent is None:
         return None
-    quota_us = round(cpu.quota / 100 * cpu.period_us)
-    if quota_us < 1000:
-        plan.error(("resources", "cpu", "quota"), f"{cpu.quota:g}% of a {cpu.period_us} µs "
-                   f"period is {quota_us} µs, below the kernel's 1000 µs minimum; raise the "
-                   "quota or the period")
+    micros = quota_us(percent, cpu.period_us)
+    if micros < 1000:
+        field = "quota" if cpu.quota is not None else "cpus"
+        plan.error(("resources", "cpu", field), f"{percent:g}% of a {cpu.period_us} µs "
+                   f"period is {micros} µs, below the kernel's 1000 µs minimum; raise the "
+                   f"{field} or the period")
         return None
-    return quota_us
+    return micros
 
 
 def need(cg: CgroupFacts, controller: str, loc: tuple, why: str, plan: Plan) -> bool:

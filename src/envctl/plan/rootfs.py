@@ -48,6 +48,19 @@ def data_path(spec: EnvSpec, facts: HostFacts, source: str) -> str:
     return source if source.startswith("/") else f"{data_dir(spec, facts)}/{source}"
 
 
+def _missing_at(spec: EnvSpec, item: str) -> tuple:
+    """Where the spec asks for what the host lacks (`binary nvidia-smi` -> the entry of
+    rootfs.binaries naming it); the section for what no entry names (a library's closure)."""
+    kind, _, name = item.partition(" ")
+    if kind == "binary" and name in spec.rootfs.binaries:
+        return ("rootfs", "binaries", spec.rootfs.binaries.index(name))
+    if kind == "library" and name in spec.rootfs.libraries:
+        return ("rootfs", "libraries", spec.rootfs.libraries.index(name))
+    if item == "python":
+        return ("rootfs", "python")
+    return ("rootfs",)
+
+
 def plan_rootfs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     if not wants_rootfs(spec):
         return
@@ -57,7 +70,7 @@ def plan_rootfs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     from envctl.resources.rootfs import RootfsTree
     found = facts.rootfs.get(spec.name, RootfsFacts())
     for item, why in found.missing:
-        plan.error(("rootfs",), f"{item}: {why}")
+        plan.error(_missing_at(spec, item), f"{item}: {why}")
     root = rootfs_path(spec, facts)
     files = {f.path: (f.path, f.source, f.link) for f in found.files}
     for path in sorted(files):

@@ -15,17 +15,22 @@ if TYPE_CHECKING:
 
 
 def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> list[Problem]:
-    """Every conflict among `specs`, each reported on the second claimant with the first named."""
+    """Every conflict among `specs`, each reported on the second claimant with the first named,
+    at the line of the second claim. A partial spec (what is valid of one with errors) claims
+    only what its file says: nothing that stands in for a value taken out (LoadedSpec.knows)."""
     problems: list[Problem] = []
 
     def claim(table: dict, key: object, ls: LoadedSpec, loc: tuple, what: str) -> None:
+        if not ls.knows(loc):
+            return
         first = table.get(key)
         if first is None:
             table[key] = (ls, loc)
             return
-        other = first[0]
-        problems.append(ls.problem(loc, f"{what} is already claimed by environment "
-                                        f"'{other.spec.name}' ({other.path})"))
+        other, where = first[0], first[0].problem(first[1], "")
+        at = f"{where.file}:{where.line}" if where.line is not None else where.file
+        mine = "this spec" if other is ls else f"environment '{other.spec.name}'"
+        problems.append(ls.problem(loc, f"{what} is already claimed by {mine} ({at})"))
 
     names: dict = {}
     veths: dict = {}
@@ -46,9 +51,9 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
             claim(cpus, cpu, ls, ("resources", "cpu", "dedicated"), f"dedicated CPU {cpu}")
 
         for i, idx in enumerate(s.gpus.indices):
-            claim(gpus, ("index", idx), ls, ("gpus", i), f"GPU {idx}")
+            claim(gpus, ("index", idx), ls, _gpu_loc(ls, "indices", i), f"GPU {idx}")
         for i, uuid in enumerate(s.gpus.uuids):
-            claim(gpus, ("uuid", uuid), ls, ("gpus", i), f"GPU {uuid}")
+            claim(gpus, ("uuid", uuid), ls, _gpu_loc(ls, "uuids", i), f"GPU {uuid}")
         if s.gpus.all:
             claim(gpus, "all", ls, ("gpus",), "every GPU")
         if s.gpus.wanted:
@@ -65,7 +70,10 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
             wanting_gpus.append((ls, None))
 
         net = s.network
-        if net is not None:
+        # A bridge's name and address are compared together: neither may be a default
+        # standing in for a value with an error.
+        bridge_known = ls.knows(("network", "bridge"), ("network", "bridge_address"))
+        if net is not None and bridge_known:
             seen = bridges.get(net.bridge)
             if seen and seen[1] != net.bridge_address:
                 problems.append(ls.problem(
@@ -80,6 +88,7 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
                         f"subnet {net.subnet} overlaps {other_addr.network} of bridge "
                         f"'{other_name}' ({other.path})"))
             bridges.setdefault(net.bridge, (ls, net.bridge_address))
+        if net is not None:
             # Derived names are hashed, so this almost never fires; when it does, say so
             # rather than let two environments fight over one interface.
             claim(veths, host_veth(s.name), ls, ("name",),
@@ -102,7 +111,7 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
                     "spec is the same kernel value")))
                 continue
             wanted_sysctls[key], spelled[key] = value, name
-        if net is not None and (net.nat or net.ports):
+        if net is not None and (net.nat or net.ports) and ls.knows(("network", "nat")):
             # The network plan needs forwarding on; another environment must not want it off.
             forward = wanted_sysctls.setdefault("net.ipv4.ip_forward", "1")
             if forward != "1":
@@ -151,6 +160,11 @@ def find_conflicts(specs: list[LoadedSpec], facts: HostFacts | None = None) -> l
                 f"memory limits add up to {format_size(total)} ({parts}), more than the host's "
                 f"{format_size(facts.memory_bytes)}"))
     return problems
+
+
+def _gpu_loc(ls: LoadedSpec, form: str, i: int) -> tuple:
+    """Where the i-th GPU index or UUID is written: `gpus: [0, 1]` or `gpus: {indices: […]}`."""
+    return ("gpus", form, i) if ("gpus", form) in ls.marks else ("gpus", i)
 
 
 def _explicit_or_resolved_cpus(ls: LoadedSpec, facts: HostFacts | None) -> tuple[int, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +13,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from envctl.errors import Problem, SpecError
-from envctl.spec.models import EnvSpec
+from envctl.spec.models import EnvSpec, FieldFault
+from envctl.spec.surprises import surprises
 
 if TYPE_CHECKING:
     from envctl.facts import HostFacts
@@ -21,16 +24,52 @@ Loc = tuple[str | int, ...]
 
 @dataclass(frozen=True)
 class LoadedSpec:
-    """A validated spec plus where each of its values came from."""
+    """A validated spec plus where each of its values came from.
+
+    A `partial` one is what is left of an invalid spec once the values with errors are taken
+    out (`dropped`, at their places in the file): it is never planned, only checked against
+    the others, so that one run reports a spec's conflicts together with its field errors."""
 
     spec: EnvSpec
     path: str
     marks: dict[Loc, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
+    # Values that are valid but rarely mean what they say (`quota: 1.5`): see spec.surprises.
+    warnings: tuple[Problem, ...] = field(default=(), compare=False)
+    partial: bool = field(default=False, compare=False)
+    dropped: frozenset[Loc] = field(default=frozenset(), compare=False, repr=False)
+    # list in the file (by its place there) -> the places of the items kept, when some were
+    # dropped: the spec's list indices are renumbered, the file's are not.
+    kept: dict[Loc, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def problem(self, loc: Loc, message: str) -> Problem:
         """A Problem pointing at the closest recorded position of `loc` in this file."""
+        loc = self.in_file(loc)
         line, col = _nearest_mark(self.marks, loc)
         return Problem(self.path, line, col, _dotted(loc), message)
+
+    def in_file(self, loc: Loc) -> Loc:
+        """`loc` of the spec as the place in the file (list items dropped renumber the rest)."""
+        return _in_file(self.kept, loc)
+
+    def knows(self, *locs: Loc) -> bool:
+        """Whether the values at `locs` are the file's own: not dropped (nor a default
+        standing in for a dropped value), nor containing a dropped value."""
+        for loc in locs:
+            place = self.in_file(loc)
+            for gone in self.dropped:
+                n = min(len(gone), len(place))
+                if gone[:n] == place[:n]:
+                    return False
+        return True
+
+
+def _in_file(kept: dict[Loc, tuple[int, ...]], loc: Loc) -> Loc:
+    out: Loc = ()
+    for part in loc:
+        if isinstance(part, int) and out in kept and 0 <= part < len(kept[out]):
+            part = kept[out][part]
+        out += (part,)
+    return out
 
 
 def _dotted(loc: Loc) -> str:
@@ -162,6 +201,16 @@ def _clean_loc(loc: tuple[Any, ...]) -> Loc:
     return tuple(out)
 
 
+def _findings(err: dict[str, Any]) -> list[tuple[Loc, str | None]]:
+    """(location, own message or None) for one pydantic error: a FieldFault holds findings
+    about entries below the value its validator checked, each at its own place."""
+    loc = _clean_loc(err["loc"])
+    fault = (err.get("ctx") or {}).get("error")
+    if isinstance(fault, FieldFault):
+        return [(loc + tuple(at), message) for at, message in fault.faults]
+    return [(loc, None)]
+
+
 def _message(err: dict[str, Any], loc: Loc, plain: dict[Loc, str] | None = None) -> str:
     kind = err["type"]
     msg = err["msg"]
@@ -228,18 +277,108 @@ def parse_spec(text: str, path: str) -> LoadedSpec:
         raise SpecError([Problem(path, 1, 1, "", "a spec is a mapping with name, kind, …")])
     marks = {**builder.marks, **{k: v for k, v in builder.key_marks.items()}}
     problems = list(builder.problems)
+    warnings = tuple(Problem(path, *_nearest_mark(marks, loc), _dotted(loc), message)
+                     for loc, message in surprises(data))
     try:
         spec = EnvSpec.model_validate(data)
     except ValidationError as exc:
-        for err in exc.errors():
-            loc = _clean_loc(err["loc"])
-            line, col = _nearest_mark(marks, loc)
-            problems.append(Problem(path, line, col, _dotted(loc),
-                                    _message(err, loc, builder.plain)))
-        raise SpecError(problems) from None
+        errors = exc.errors()
+        for err in errors:
+            for loc, own in _findings(err):
+                line, col = _nearest_mark(marks, loc)
+                problems.append(Problem(path, line, col, _dotted(loc),
+                                        own or _message(err, loc, builder.plain)))
+        raise SpecError(problems, warnings=warnings,
+                        partial=_salvage(data, errors, path, marks, warnings)) from None
+    loaded = LoadedSpec(spec, path, marks, warnings)
     if problems:
-        raise SpecError(problems)
-    return LoadedSpec(spec, path, marks)
+        raise SpecError(problems, warnings=warnings, partial=dataclasses.replace(
+            loaded, partial=True))
+    return loaded
+
+
+# A spec with errors at every level of nesting is rebuilt a few times at most: each round
+# takes out every value the last one refused.
+SALVAGE_ROUNDS = 12
+
+
+def _salvage(data: dict[str, Any], errors: list[dict[str, Any]], path: str,
+             marks: dict[Loc, tuple[int, int]],
+             warnings: tuple[Problem, ...]) -> LoadedSpec | None:
+    """What is left of an invalid spec without the values it has errors in, validated; None
+    when nothing useful is (its name or kind is wrong). Conflicts with other specs are checked
+    on it, so that they are reported in the same run as the field errors."""
+    data = copy.deepcopy(data)
+    dropped: set[Loc] = set()
+    kept: dict[Loc, tuple[int, ...]] = {}
+    for _ in range(SALVAGE_ROUNDS):
+        progress = False
+        # Deepest first, and list items from the last: removing one renumbers only later ones.
+        places = sorted({_at_error(err, loc) for err in errors for loc, _ in _findings(err)},
+                        key=lambda loc: (len(loc), loc[-1] if loc and isinstance(loc[-1], int)
+                                         else -1), reverse=True)
+        for loc in places:
+            if _drop(data, loc, kept, dropped):
+                progress = True
+        if not progress:
+            return None
+        try:
+            spec = EnvSpec.model_validate(data)
+        except ValidationError as exc:
+            errors = exc.errors()
+            continue
+        return LoadedSpec(spec, path, marks, warnings, partial=True,
+                          dropped=frozenset(dropped), kept=dict(kept))
+    return None
+
+
+def _at_error(err: dict[str, Any], loc: Loc) -> Loc:
+    # A required value that is missing cannot be taken out: the value holding it goes.
+    return loc[:-1] if err["type"] == "missing" else loc
+
+
+def _stand_in_address(bridge: Any) -> str | None:
+    import ipaddress
+
+    from envctl.spec.models import Network
+
+    try:
+        iface = ipaddress.IPv4Interface(bridge if bridge is not None else
+                                        Network.model_fields["bridge_address"].default)
+    except (ValueError, TypeError):
+        return None
+    return next((str(h) for h in iface.network.hosts() if h != iface.ip), None)
+
+
+def _drop(data: Any, loc: Loc, kept: dict[Loc, tuple[int, ...]], dropped: set[Loc]) -> bool:
+    """Take the value at `loc` (as the spec is now) out of `data`, or the deepest value on the
+    way there; record its place in the file. False when that would be the whole spec, or one
+    of the values without which nothing else means anything (name, kind)."""
+    node, place, parent, key = data, (), None, None
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            parent, key, node, place = node, part, node[part], place + (part,)
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            in_file = kept.get(place, tuple(range(len(node))))[part]
+            parent, key, node, place = node, part, node[part], place + (in_file,)
+        else:
+            break
+    if parent is None or place in (("name",), ("kind",)):
+        return False
+    if place == ("network", "address") and place not in dropped:
+        # Required: without one the whole network section (its ports, its bridge) would go
+        # too. A stand-in takes its place; being dropped, it is never claimed.
+        stand_in = _stand_in_address(parent.get("bridge_address"))
+        if stand_in is not None:
+            parent[key] = stand_in
+            dropped.add(place)
+            return True
+    if isinstance(parent, list):
+        where = place[:-1]
+        kept[where] = tuple(i for i in kept.get(where, range(len(parent))) if i != place[-1])
+    del parent[key]
+    dropped.add(place)
+    return True
 
 
 def load_spec(path: str | os.PathLike[str]) -> LoadedSpec:
@@ -257,24 +396,48 @@ def spec_files(directory: str | os.PathLike[str]) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
 
 
-def load_each(paths: list[Path]) -> tuple[list[LoadedSpec], list[Problem]]:
+@dataclass
+class Loaded:
+    """Several spec files, each validated on its own."""
+
+    specs: list[LoadedSpec]  # the valid ones
+    # Valid and partial (what is left of an invalid one), in file order: what conflicts
+    # between specs are checked on, so that they come in the same run as field errors.
+    checked: list[LoadedSpec]
+    problems: list[Problem]
+    warnings: list[Problem]
+
+
+def read_each(paths: list[Path]) -> Loaded:
     """Validate each file on its own: the specs that are valid, and every problem of the rest."""
-    loaded: list[LoadedSpec] = []
-    problems: list[Problem] = []
+    out = Loaded([], [], [], [])
     for p in paths:
         try:
-            loaded.append(load_spec(p))
+            ls = load_spec(p)
         except SpecError as exc:
-            problems.extend(exc.problems)
-    return loaded, problems
+            out.problems.extend(exc.problems)
+            out.warnings.extend(exc.warnings)
+            if isinstance(exc.partial, LoadedSpec):
+                out.checked.append(exc.partial)
+            continue
+        out.specs.append(ls)
+        out.checked.append(ls)
+        out.warnings.extend(ls.warnings)
+    return out
+
+
+def load_each(paths: list[Path]) -> tuple[list[LoadedSpec], list[Problem]]:
+    """Validate each file on its own: the specs that are valid, and every problem of the rest."""
+    loaded = read_each(paths)
+    return loaded.specs, loaded.problems
 
 
 def load_specs(paths: list[Path], facts: HostFacts | None = None) -> list[LoadedSpec]:
     """Validate several files together: every problem of every file, then every conflict."""
     from envctl.spec.conflicts import find_conflicts
 
-    loaded, problems = load_each(paths)
-    problems.extend(find_conflicts(loaded, facts))
+    loaded = read_each(paths)
+    problems = loaded.problems + find_conflicts(loaded.checked, facts)
     if problems:
-        raise SpecError(problems)
-    return loaded
+        raise SpecError(problems, warnings=tuple(loaded.warnings))
+    return loaded.specs

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from envctl.spec.units import parse_cpu_list, parse_percent, parse_size
+from envctl.spec.units import format_size, parse_cpu_list, parse_percent, parse_size
 
 # ---------------------------------------------------------------- what the kernel takes
 # Each bound is what the kernel (or systemd) accepts; past it a write fails half-way through
@@ -47,6 +47,32 @@ GPU_INDEX_MAX = 253
 RESTART_SEC_MAX = 86_400
 # sysctl integers are read as 64-bit (signed or not, per sysctl); longer is always EINVAL.
 SYSCTL_INT = (-(1 << 63), (1 << 64) - 1)
+
+
+class FieldFault(ValueError):
+    """A validator's finding about entries below the value it checks (the second `8080` of a
+    list of ports, the target of the second mount): `faults` holds (relative location, message)
+    pairs, which the loader reports each at its own line instead of the section's."""
+
+    def __init__(self, faults: list[tuple[tuple[str | int, ...], str]]):
+        super().__init__("; ".join(message for _, message in faults))
+        self.faults = tuple(faults)
+
+
+def _repeats(items: list[Any] | tuple[Any, ...], what: Any, *, verb: str = "listed",
+             at: tuple[str | int, ...] = ()) -> None:
+    """Raise a FieldFault at each later occurrence of an item seen before (`at` is the part
+    of the entry that holds the item, like ("target",) for a mount)."""
+    first: dict[Any, int] = {}
+    faults: list[tuple[tuple[str | int, ...], str]] = []
+    for i, item in enumerate(items):
+        if item in first:
+            faults.append(((i, *at), f"{what(item) if callable(what) else what} is {verb} "
+                                     f"twice: entry {i} repeats entry {first[item]}"))
+        else:
+            first[item] = i
+    if faults:
+        raise FieldFault(faults)
 
 
 def _shown(v: Any) -> str:
@@ -225,25 +251,44 @@ class Network(Strict):
             raise ValueError(f"{v.ip} is the network or broadcast address of {v.network}")
         return v
 
-    @model_validator(mode="after")
-    def _addresses_fit(self) -> Network:
-        net = self.bridge_address.network
-        if self.address not in net:
-            raise ValueError(f"address {self.address} is outside the bridge subnet {net}")
-        if self.address in (net.network_address, net.broadcast_address):
-            raise ValueError(f"address {self.address} is the network or broadcast address of {net}")
-        if self.address == self.bridge_address.ip:
-            raise ValueError(f"address {self.address} is the bridge's own address")
-        if self.gateway is not None and self.gateway not in net:
-            raise ValueError(f"gateway {self.gateway} is outside the bridge subnet {net}")
-        if self.gateway == self.address:
+    # Field validators rather than one check of the whole section: each finding is reported at
+    # its own line, and is still found when another field of the section is wrong (a field
+    # that failed is absent from info.data, so nothing is compared with a value never read).
+    @field_validator("address")
+    @classmethod
+    def _address_fits(cls, v: ipaddress.IPv4Address,
+                      info: ValidationInfo) -> ipaddress.IPv4Address:
+        bridge = info.data.get("bridge_address")
+        if bridge is None:
+            return v
+        net = bridge.network
+        if v not in net:
+            raise ValueError(f"address {v} is outside the bridge subnet {net} "
+                             f"(bridge_address {bridge})")
+        if v in (net.network_address, net.broadcast_address):
+            raise ValueError(f"address {v} is the network or broadcast address of {net}")
+        if v == bridge.ip:
+            raise ValueError(f"address {v} is the bridge's own address")
+        return v
+
+    @field_validator("gateway")
+    @classmethod
+    def _gateway_fits(cls, v: ipaddress.IPv4Address | None,
+                      info: ValidationInfo) -> ipaddress.IPv4Address | None:
+        bridge = info.data.get("bridge_address")
+        if v is not None and bridge is not None and v not in bridge.network:
+            raise ValueError(f"gateway {v} is outside the bridge subnet {bridge.network}")
+        if v is not None and v == info.data.get("address"):
             raise ValueError("the gateway cannot be the environment's own address")
-        seen: set[tuple[int, str]] = set()
-        for pf in self.ports:
-            if (pf.host, pf.protocol) in seen:
-                raise ValueError(f"host port {pf.host}/{pf.protocol} is forwarded twice")
-            seen.add((pf.host, pf.protocol))
-        return self
+        return v
+
+    @field_validator("ports")
+    @classmethod
+    def _ports_once(cls, v: list[PortForward]) -> list[PortForward]:
+        # At the second occurrence: a host port/protocol is forwarded once.
+        _repeats([(pf.host, pf.protocol) for pf in v],
+                 lambda key: f"host port {key[0]}/{key[1]}", verb="forwarded")
+        return v
 
     @property
     def gateway_ip(self) -> ipaddress.IPv4Address:
@@ -391,10 +436,18 @@ def _cpus_or_reserved(v: Any) -> str:
     return "ReservedCpus" if isinstance(v, dict | ReservedCpus) else "tuple[int, ...]"
 
 
+def quota_us(percent: float, period_us: int) -> int:
+    """A quota in percent of one CPU as µs per period (the planner's rounding too)."""
+    return round(percent / 100 * period_us)
+
+
 class Cpu(Strict):
-    # period_us comes before quota: the quota's check needs the period.
+    # period_us comes before quota and cpus: their checks need the period.
     period_us: Annotated[int, _whole(1_000, 1_000_000, " µs")] = 100_000
+    # Percent of one CPU, as systemd's CPUQuota= (150 is one and a half CPUs) ...
     quota: float | None = None
+    # ... or CPUs, as Docker's --cpus and compose's cpus: (1.5 is one and a half CPUs).
+    cpus: float | None = None
     weight: Weight = None
     dedicated: Annotated[
         Annotated[tuple[int, ...], Tag("tuple[int, ...]")]
@@ -415,11 +468,43 @@ class Cpu(Strict):
                              f"{QUOTA_MAX}% ({CPU_MAX + 1} CPUs), like 150%, not {_shown(v)}")
         period = info.data.get("period_us")
         # The same rounding as the planner: a spec valid here is valid on every host.
-        if period is not None and round(value / 100 * period) < QUOTA_MIN_US:
+        if period is not None and quota_us(value, period) < QUOTA_MIN_US:
             raise ValueError(f"quota {value:g}% of a {period} µs period is "
-                             f"{round(value / 100 * period)} µs, below the kernel's "
+                             f"{quota_us(value, period)} µs, below the kernel's "
                              f"{QUOTA_MIN_US} µs minimum; raise the quota or period_us")
         return float(value)
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _cpus(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None:
+            return v
+        if "quota" in info.data and info.data["quota"] is not None:
+            raise ValueError("give the CPU limit once: quota (percent of one CPU, like 150%) "
+                             "or cpus (CPUs, like 1.5), not both")
+        value = v
+        # Compose files often quote it (cpus: '0.50'); it is CPUs either way.
+        if isinstance(v, str) and re.fullmatch(r"\s*[0-9]+(?:\.[0-9]*)?\s*|\s*\.[0-9]+\s*", v):
+            value = float(v)
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not (math.isfinite(value) and 0 < value <= CPU_MAX + 1)):
+            hint = (f"; a percentage of one CPU is quota: {v.strip()}"
+                    if isinstance(v, str) and parse_percent(v) is not None else "")
+            raise ValueError(f"cpus is a number of CPUs above 0 and at most {CPU_MAX + 1}, "
+                             f"like 1.5 (as docker run --cpus), not {_shown(v)}{hint}")
+        period = info.data.get("period_us")
+        if period is not None and quota_us(value * 100, period) < QUOTA_MIN_US:
+            raise ValueError(f"cpus {value:g} of a {period} µs period is "
+                             f"{quota_us(value * 100, period)} µs, below the kernel's "
+                             f"{QUOTA_MIN_US} µs minimum; raise cpus or period_us")
+        return float(value)
+
+    @property
+    def percent(self) -> float | None:
+        """The CPU limit in percent of one CPU, however the spec wrote it (quota or cpus)."""
+        if self.quota is not None:
+            return self.quota
+        return None if self.cpus is None else self.cpus * 100
 
     @field_validator("dedicated", mode="before")
     @classmethod
@@ -461,7 +546,11 @@ class Memory(Strict):
         if mx and hi and (mx.percent is None) == (hi.percent is None):
             above = (hi.percent > mx.percent) if mx.percent is not None else hi.bytes > mx.bytes
             if above:
-                raise ValueError("memory.high is above memory.max")
+                def shown(q: Quantity) -> str:
+                    return str(q) if q.bytes is None else format_size(q.bytes)
+
+                raise FieldFault([(("high",), f"memory.high ({shown(hi)}) is above memory.max "
+                                              f"({shown(mx)})")])
         return self
 
 
@@ -492,8 +581,7 @@ GpuUuid = Annotated[str, _pattern(r"(?:GPU|MIG)-[A-Za-z0-9/-]{1,100}",
 
 
 def _unique(items: tuple[Any, ...], what: str) -> tuple[Any, ...]:
-    if len(set(items)) != len(items):
-        raise ValueError(f"a {what} is listed twice")
+    _repeats(items, lambda item: f"{what} {_shown(item)}")
     return items
 
 
@@ -535,12 +623,10 @@ class Gpus(Strict):
             return {"count": data}
         if isinstance(data, list):
             if all(isinstance(x, int) and not isinstance(x, bool) for x in data):
-                if len(set(data)) != len(data):
-                    raise ValueError("a GPU index is listed twice")
+                _repeats(data, lambda x: f"GPU index {x}")
                 return {"indices": data}
             if all(isinstance(x, str) and x.startswith(("GPU-", "MIG-")) for x in data):
-                if len(set(data)) != len(data):
-                    raise ValueError("a GPU UUID is listed twice")
+                _repeats(data, lambda x: f"GPU {x}")
                 return {"uuids": data}
             raise ValueError("list either GPU indices (0, 1, …) or UUIDs (GPU-…), not a mix")
         if isinstance(data, dict):
@@ -687,9 +773,7 @@ class HostTuning(Strict):
     @field_validator("modules")
     @classmethod
     def _unique(cls, v: list[Module]) -> list[Module]:
-        names = [m.name.replace("-", "_") for m in v]
-        if len(set(names)) != len(names):
-            raise ValueError("a module is listed twice")
+        _repeats([m.name.replace("-", "_") for m in v], lambda name: f"module {name}")
         return v
 
 
@@ -807,8 +891,8 @@ class Runtime(Strict):
     def _gvisor_used(self) -> Runtime:
         # A gvisor section that nothing reads is a mistake the operator should hear of.
         if "gvisor" in self.model_fields_set and self.isolation != "gvisor":
-            raise ValueError("runtime.gvisor is set but runtime.isolation is "
-                             f"'{self.isolation}'; add isolation: gvisor or drop the section")
+            raise FieldFault([(("gvisor",), "runtime.gvisor is set but runtime.isolation is "
+                               f"'{self.isolation}'; add isolation: gvisor or drop the section")])
         return self
 
 
@@ -828,16 +912,29 @@ class EnvSpec(Strict):
     service: Service | None = None
     runtime: Runtime = Runtime()
 
-    @model_validator(mode="after")
-    def _consistent(self) -> EnvSpec:
-        if self.kind == "cpu" and self.gpus.wanted:
+    # Cross-field rules as field validators (fields validate in the order above, and
+    # info.data holds those before that passed): each is reported at the field it is about,
+    # and found in the same run as the errors of unrelated fields.
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_of_kind(cls, v: Gpus, info: ValidationInfo) -> Gpus:
+        if info.data.get("kind") == "cpu" and v.wanted:
             raise ValueError("a kind: cpu environment cannot claim GPUs; use kind: gpu")
-        targets = [m.target for m in self.mounts]
-        dup = {t for t in targets if targets.count(t) > 1}
-        if dup:
-            raise ValueError(f"mount target {sorted(dup)[0]} is used twice")
-        if (self.host.governor and self.host.governor.cpus == "dedicated"
-                and self.resources.cpu.dedicated is None):
-            raise ValueError("host.governor.cpus is 'dedicated' but resources.cpu.dedicated "
-                             "is unset")
-        return self
+        return v
+
+    @field_validator("mounts")
+    @classmethod
+    def _targets_once(cls, v: list[Mount]) -> list[Mount]:
+        _repeats([m.target for m in v], lambda t: f"mount target {t}", verb="used",
+                 at=("target",))
+        return v
+
+    @field_validator("host")
+    @classmethod
+    def _governor_cpus(cls, v: HostTuning, info: ValidationInfo) -> HostTuning:
+        res = info.data.get("resources")
+        if (res is not None and v.governor and v.governor.cpus == "dedicated"
+                and res.cpu.dedicated is None):
+            raise FieldFault([(("governor", "cpus"), "host.governor.cpus is 'dedicated' but "
+                               "resources.cpu.dedicated is unset")])
+        return v
