@@ -124,13 +124,19 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
     return True
 
 
-def assert_clean_down(sb) -> None:
+def assert_clean_down(sb, data: tuple[str, ...] = ()) -> None:
+    """`down` of box leaves nothing but job records and box's `data` directories (its spec's
+    relative mount sources), which survive `down` as data does."""
     res = sb.envctl("down", "box")
     assert res.returncode == 0, res.stderr
     residue = sb.residue()
     # Job records are history: they outlive the environment (and keep the state directory).
-    assert residue.pop("state_dir", None) in (["jobs", "lock"], None), residue
+    kept = residue.pop("state_dir", None)
+    assert kept in ([*(["data"] if data else []), "jobs", "lock"], None), residue
     assert residue == {}, residue
+    if data:
+        assert sorted(os.listdir(sb.state / "data")) == ["box"]
+        assert sorted(os.listdir(sb.state / "data" / "box")) == sorted(data)
 
 
 # ---------------------------------------------------------------- how jobs end
