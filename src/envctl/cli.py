@@ -320,7 +320,8 @@ def down(
         "host has (found by name).")] = False,
     purge: Annotated[bool, typer.Option(
         "--purge", help="Also delete the environments' data directories (the sources of "
-        "their data mounts that envctl created), which `down` otherwise keeps.")] = False,
+        "their data mounts that envctl created), which `down` otherwise keeps, empty or not; "
+        "of one that is already down, its <state>/data/ENV.")] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Take environments down: remove what envctl made and restore what it changed.

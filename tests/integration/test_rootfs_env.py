@@ -150,10 +150,17 @@ def test_rootfs_runs_its_binaries_under_pivot_root_and_down_leaves_nothing(sandb
     assert residue.pop("state_dir", None) == ["data", "lock"], residue
     assert residue == {}
     assert not (sb.state / "rootfs").exists()
-    # ... until --purge: bring it up and down again with --purge.
+    # ... until --purge: bring it up and down again with --purge ...
     assert sb.envctl("up", "box").returncode == 0
     res = sb.envctl("down", "box", "--purge")
     assert res.returncode == 0, res.stderr
+    assert sb.residue() == {}
+    # ... or, once it is down, `down --purge` of it as it is (not up).
+    assert sb.envctl("up", "box").returncode == 0
+    assert sb.envctl("down", "box").returncode == 0
+    assert (sb.state / "data" / "box" / "logs").is_dir()
+    res = sb.envctl("down", "box", "--purge")
+    assert res.returncode == 0 and "data directories deleted" in res.stdout, res.stdout
     assert sb.residue() == {}
 
 

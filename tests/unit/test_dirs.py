@@ -87,3 +87,26 @@ def test_a_host_data_directory_envctl_made_survives_down(host, tmp_path):
     purge(host)
     out = engine.down("demo")
     assert out.errors == [] and made.is_dir()
+
+
+def test_down_purge_of_an_environment_that_is_not_up_deletes_its_data(host):
+    """A plain `down` kept the data (and the journal went): `down --purge` then still deletes
+    `<state>/data/ENV/`, and nothing of another environment's."""
+    from envctl import app
+
+    engine = Engine(host)
+    engine.up("demo", [data()])
+    engine.up("other", [data("data/other/results")])
+    (host.state_dir / "data" / "demo" / "results" / "r.txt").write_text("1\n")
+    app.down(engine, ["demo"])
+    assert (host.state_dir / "data" / "demo" / "results" / "r.txt").is_file()
+    assert [o.steps for o in app.down(engine, ["demo"])] == [[]]  # not up, no purge: nothing
+    purge(host)
+    (out,) = app.down(engine, ["demo"])
+    assert out.errors == [] and [(s.op, s.resource.describe(), s.note) for s in out.steps] == [
+        ("-", "directory <state>/data/demo", "it was not up: its data directories deleted "
+                                             "(--purge)")]
+    assert not (host.state_dir / "data" / "demo").exists()
+    assert (host.state_dir / "data" / "other" / "results").is_dir()
+    # Again: nothing left to delete, nothing said.
+    assert [o.steps for o in app.down(engine, ["demo"])] == [[]]
