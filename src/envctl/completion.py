@@ -71,9 +71,31 @@ def journal_names(state: Path) -> set[str]:
             if e.name.endswith(".json") and not e.name.startswith(".")}
 
 
+def typed_config_dir(environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """The --config-dir/-C of the command line being completed, wherever it stands in it
+    (`envctl up -C DIR <Tab>`: after the subcommand, where envctl takes it too, and where
+    click does not see it): from the words the shell passes (bash's COMP_WORDS, zsh's and
+    fish's _TYPER_COMPLETE_ARGS)."""
+    import shlex
+
+    text = environ.get("COMP_WORDS") or environ.get("_TYPER_COMPLETE_ARGS") or ""
+    try:
+        words = shlex.split(text)
+    except ValueError:  # an open quote: the word being typed
+        words = text.split()
+    found = None
+    for i, word in enumerate(words):
+        if word in ("-C", "--config-dir") and i + 1 < len(words):
+            found = words[i + 1]
+        elif word.startswith("--config-dir="):
+            found = word.split("=", 1)[1]
+    return found
+
+
 def environments(incomplete: str, *, explicit_config: str | None = None) -> list[str]:
     """Environment names starting with `incomplete`, sorted."""
     try:
+        explicit_config = explicit_config or typed_config_dir()
         names = spec_names(config_dir(explicit_config)) | journal_names(state_dir())
     except Exception:  # noqa: BLE001 - a Tab must never print a traceback
         return []

@@ -110,7 +110,9 @@ def test_the_completion_protocol_through_python_m_envctl(dirs):
                         ("envctl logs 1", "12 11 10 1"),
                         ("envctl wait ", "12 11 10 2 1"),
                         ("envctl cancel ", "10 2"),
-                        (f"envctl -C {dirs[0].parent} plan ", "alpha delta")):
+                        (f"envctl -C {dirs[0].parent} plan ", "alpha delta"),
+                        (f"envctl up -C {dirs[0].parent} ", "alpha delta"),
+                        (f"envctl status --config-dir={dirs[0].parent} d", "delta")):
         res = complete(words, env)
         assert res.returncode == 0 and res.stderr == "", (words, res.stderr)
         assert res.stdout.split() == want.split(), (words, res.stdout)
@@ -141,3 +143,14 @@ def test_the_completion_options_are_offered():
     assert script.returncode == 0, script.stderr
     assert "_ENVCTL_COMPLETE=complete_bash" in script.stdout
     assert "complete -o default -F _envctl_completion envctl" in script.stdout
+
+
+def test_the_config_dir_typed_anywhere_on_the_line():
+    read = completion.typed_config_dir
+    assert read({"COMP_WORDS": "envctl up -C /a b"}) == "/a"
+    assert read({"COMP_WORDS": "envctl -C /x up --config-dir=/y "}) == "/y"
+    assert read({"_TYPER_COMPLETE_ARGS": "envctl status --config-dir '/with space' "}) == \
+        "/with space"
+    assert read({"COMP_WORDS": "envctl up -C"}) is None
+    assert read({"COMP_WORDS": "envctl up 'open"}) is None
+    assert read({}) is None
