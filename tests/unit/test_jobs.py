@@ -564,6 +564,14 @@ def test_make_request_runs_a_bare_name_from_the_rootfs_and_stages_a_path(tmp_pat
         assert sv.check_request(ctx, req) == (["/job/sleep", "1"], "sleep"), exe
     with pytest.raises(InputError, match="No such file"):
         sv.check_request(ctx, request("./perl"))
+    # A script of the rootfs whose #! interpreter is not there: refused, naming it.
+    tool = root / "usr" / "bin" / "tool"
+    tool.write_text("#!/usr/bin/perl\nprint 1;\n")
+    tool.chmod(0o755)
+    with pytest.raises(InputError, match="its interpreter /usr/bin/perl"):
+        sv.check_request(ctx, request("tool"))
+    tool.write_text("#!/bin/sh\necho\n")
+    assert sv.check_request(ctx, request("tool"))[0] == ["/usr/bin/tool", "1"]
 
 
 def test_the_record_says_where_the_program_came_from():

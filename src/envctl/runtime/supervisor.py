@@ -103,6 +103,7 @@ def check_request(ctx: EnvContext, req: Request) -> tuple[list[str], str]:
         # The environment's own program (found in its PATH by make_request): nothing staged.
         argv, staged = [req.program, *req.args], ""
         _check_job_dir(ctx)
+        _check_interpreter(ctx, Path(req.program), _rootfs_head(ctx, req.program))
     else:
         argv, staged = _staged_argv(ctx, req)
     _check_options(ctx, req)
@@ -321,6 +322,38 @@ def find_in_rootfs(ctx: EnvContext, name: str, search: str | None = None, *,
     finally:
         os.close(root)
     return None
+
+
+def _rootfs_head(ctx: EnvContext, inside: str) -> bytes:
+    """The first bytes of program `inside` of the rootfs (its #! line, if any), resolved as
+    find_in_rootfs resolves it; b"" when it cannot be read. Opened O_PATH first, and read only
+    when that descriptor is a regular file: a device node or FIFO planted there is never
+    opened for reading."""
+    from envctl.host.safepath import RESOLVE_NO_MAGICLINKS, fd_path, openat2
+
+    try:
+        root = os.open(ctx.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        fd = openat2(root, inside.lstrip("/"), os.O_PATH,
+                     resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    except OSError:
+        return b""
+    finally:
+        os.close(root)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""
+        rfd = os.open(fd_path(fd), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        try:
+            return os.pread(rfd, 256, 0)
+        finally:
+            os.close(rfd)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def _cpulist(cpus: Any) -> str:
