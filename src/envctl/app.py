@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from envctl.engine.engine import Engine, Outcome, Step
+from envctl.engine.engine import REMOVE, Engine, Outcome, Step
 from envctl.engine.journal import Entry, Journal, Ledger
 from envctl.errors import HostError, NeedsRootError, SpecError, StateCorrupt
 from envctl.host.context import Host
@@ -49,7 +49,31 @@ def up(plans: list[Plan], engine: Engine, claims: dict[str, dict]) -> UpResult:
 
 def down(engine: Engine, names: list[str]) -> list[Outcome]:
     with engine.locked():
-        return engine.down_many(names, locked=True)
+        outcomes = engine.down_many(names, locked=True)
+        if engine.host.options.get("purge"):
+            for o in outcomes:
+                if not o.steps and not o.errors:
+                    _purge_data_of_down(engine.host, o)
+        return outcomes
+
+
+def _purge_data_of_down(host: Host, outcome: Outcome) -> None:
+    """`down --purge` of an environment that is not up: its data directories outlive a plain
+    `down` (and a journal), so `<state>/data/ENV/` is deleted all the same, as the data
+    directory resource deletes its own (through descriptors, never through a symlink)."""
+    from envctl.resources.base import Check
+    from envctl.resources.dirs import Directory
+
+    res = Directory("state", f"data/{outcome.env}", 0o755, keep=True)
+    if not os.path.lexists(host.state_dir / "data" / outcome.env):
+        return
+    try:
+        res.remove(host, {"existed": True})
+    except HostError as exc:
+        outcome.errors.append(f"remove {res.describe()}: {exc}")
+        return
+    outcome.steps.append(Step(REMOVE, res, Check.absent(),
+                              "it was not up: its data directories deleted (--purge)"))
 
 
 def known_environments(ws: Workspace | None, host: Host) -> list[str]:

@@ -25,7 +25,6 @@ app = typer.Typer(
          "  envctl status --json            what envctl made and whether it still matches\n\n"
          "  sudo envctl down --all          take every partition down, restore the host",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -49,8 +48,29 @@ class Ctx:
 
 CTX = Ctx()
 
+def _complete_envs(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Tab: environment names (specs of the config directory, journals): envctl.completion."""
+    from envctl import completion
+
+    return completion.environments(incomplete,
+                                   explicit_config=ctx.find_root().params.get("config_dir"))
+
+
+def _complete_jobs(incomplete: str) -> list[tuple[str, str]]:
+    from envctl import completion
+
+    return completion.jobs(incomplete)
+
+
+def _complete_active_jobs(incomplete: str) -> list[tuple[str, str]]:
+    from envctl import completion
+
+    return completion.jobs(incomplete, active_only=True)
+
+
 EnvNames = Annotated[list[str] | None, typer.Argument(help="Environment names (or spec files).",
-                                                       show_default=False)]
+                                                       show_default=False,
+                                                       autocompletion=_complete_envs)]
 AllOpt = Annotated[bool, typer.Option("--all", "-a", help="Every environment.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 
@@ -339,7 +359,8 @@ def down(
         "host has (found by name).")] = False,
     purge: Annotated[bool, typer.Option(
         "--purge", help="Also delete the environments' data directories (the sources of "
-        "their data mounts that envctl created), which `down` otherwise keeps.")] = False,
+        "their data mounts that envctl created), which `down` otherwise keeps, empty or not; "
+        "of one that is already down, its <state>/data/ENV.")] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Take environments down: remove what envctl made and restore what it changed.
@@ -565,7 +586,7 @@ def _render_gpus(console: Any, report: dict[str, Any]) -> None:
 @app.command("exec")
 def exec_(
     env: Annotated[str, typer.Argument(help="The environment (it must be up).",
-                                       show_default=False)],
+                                       show_default=False, autocompletion=_complete_envs)],
     command: Annotated[list[str], typer.Argument(
         help="The program and its arguments, after `--`; passed as they are, never through "
         "a shell.", show_default=False)],
@@ -599,10 +620,12 @@ def exec_(
 @app.command("submit-job")
 def submit_job(
     env: Annotated[str, typer.Argument(help="The environment (it must be up).",
-                                       show_default=False)],
+                                       show_default=False, autocompletion=_complete_envs)],
     exe: Annotated[str, typer.Argument(
-        help="The program or .py script, on this host: copied into the job's directory and "
-        "run as /job/NAME (a .py with the environment's python3).", show_default=False)],
+        help="The program: a path (or a file here) of this host, copied into the job's "
+        "directory and run as /job/NAME (a .py with the environment's python3); or a bare "
+        "name, found in the environment's PATH and run from its rootfs.",
+        show_default=False)],
     args: Annotated[list[str] | None, typer.Argument(
         help="Its arguments: everything after the program, passed as they are (never through "
         "a shell, options included).", show_default=False)] = None,
@@ -699,7 +722,8 @@ def _exit_text(job: Any) -> str:
 @app.command("jobs")
 def jobs_(
     env: Annotated[str | None, typer.Argument(help="Only this environment's jobs.",
-                                              show_default=False)] = None,
+                                              show_default=False,
+                                              autocompletion=_complete_envs)] = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="Finished jobs too (the newest "
                                        "1000 are kept).")] = False,
     json_: JsonOpt = False,
@@ -732,7 +756,8 @@ def jobs_(
 
 @app.command()
 def logs(
-    job: Annotated[str, typer.Argument(help="The job id.", show_default=False)],
+    job: Annotated[str, typer.Argument(help="The job id.", show_default=False,
+                                       autocompletion=_complete_jobs)],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing what it "
                                          "writes until it ends.")] = False,
     stderr_: Annotated[bool, typer.Option("--stderr", help="Its stderr instead of its "
@@ -770,7 +795,8 @@ def logs(
 
 @app.command()
 def cancel(
-    job_ids: Annotated[list[str], typer.Argument(help="Job ids.", show_default=False)],
+    job_ids: Annotated[list[str], typer.Argument(help="Job ids.", show_default=False,
+                                                 autocompletion=_complete_active_jobs)],
     grace: Annotated[float, typer.Option(
         "--grace", help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
     json_: JsonOpt = False,
@@ -806,7 +832,8 @@ def cancel(
 
 @app.command("wait")
 def wait_(
-    job_ids: Annotated[list[str], typer.Argument(help="Job ids.", show_default=False)],
+    job_ids: Annotated[list[str], typer.Argument(help="Job ids.", show_default=False,
+                                                 autocompletion=_complete_jobs)],
     json_: JsonOpt = False,
 ) -> None:
     """Wait until the jobs have ended; exit with the first non-zero job exit code (0 when all
@@ -1084,7 +1111,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = hoist_global_options(split_job_args(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in argv
     try:
-        rc = app(args=argv, standalone_mode=False)
+        # prog_name: `python -m envctl` too reads _ENVCTL_COMPLETE (shell completion).
+        rc = app(args=argv, standalone_mode=False, prog_name="envctl")
     except typer.Exit as exc:
         rc = exc.exit_code
     except typer.Abort:

@@ -177,6 +177,18 @@ class Sandbox:
             found["netns_dir"] = self.mounts_under("/run/netns")
         return {k: v for k, v in found.items() if v}
 
+    def residue_keeping_data(self, data: dict[str, list[str]]) -> dict[str, list[str]]:
+        """The residue after a plain `down` of environments whose data directories (their
+        specs' relative mount sources, `data`: env -> sources) survive it, as data does:
+        asserts they are exactly those and leaves them (and the lock beside them) out."""
+        found = self.residue()
+        d = self.state / "data"
+        assert {e: sorted(os.listdir(d / e)) for e in os.listdir(d)} == \
+            {e: sorted(v) for e, v in data.items()}, "data directories"
+        kept = found.pop("state_dir", [])
+        assert kept == ["data", "lock"], kept
+        return found
+
     def cgroups(self) -> list[str]:
         """This sandbox's cgroup parent (and anything below it) in every hierarchy."""
         found = []

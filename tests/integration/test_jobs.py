@@ -124,13 +124,19 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
     return True
 
 
-def assert_clean_down(sb) -> None:
+def assert_clean_down(sb, data: tuple[str, ...] = ()) -> None:
+    """`down` of box leaves nothing but job records and box's `data` directories (its spec's
+    relative mount sources), which survive `down` as data does."""
     res = sb.envctl("down", "box")
     assert res.returncode == 0, res.stderr
     residue = sb.residue()
     # Job records are history: they outlive the environment (and keep the state directory).
-    assert residue.pop("state_dir", None) in (["jobs", "lock"], None), residue
+    kept = residue.pop("state_dir", None)
+    assert kept in ([*(["data"] if data else []), "jobs", "lock"], None), residue
     assert residue == {}, residue
+    if data:
+        assert sorted(os.listdir(sb.state / "data")) == ["box"]
+        assert sorted(os.listdir(sb.state / "data" / "box")) == sorted(data)
 
 
 # ---------------------------------------------------------------- how jobs end
@@ -167,7 +173,7 @@ def test_exit_codes_signals_and_outputs_land_in_the_record(box):
     assert job_cgroups(sb) == []
     table = sb.envctl("jobs", "--all").stdout.splitlines()
     assert table[0].split() == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT",
-                                "START"]
+                                "START", "PROGRAM"]
     assert [row.split()[:5] for row in table[1:]] == [
         [str(a["id"]), "first", "box", "root", "COMPLETED"],
         [str(b["id"]), "three.sh", "box", "root", "FAILED"],
@@ -270,6 +276,47 @@ def test_user_defaults_to_the_sudo_user_and_never_silently_root(box):
     assert Path(done["stdout"]).read_text() == "65534 65534\n"
     assert os.stat(done["stdout"]).st_uid == 65534  # the user behind sudo can read it
     shutil.rmtree(pub)
+    assert_clean_down(sb)
+
+
+def test_a_bare_name_runs_the_environments_program_and_a_file_here_is_staged(box):
+    """`submit-job box sleep 0`, as srun and `docker run` read it: the environment's own
+    /usr/bin/sleep, found in its PATH, run from the rootfs (nothing staged); python3, a
+    symlink inside the rootfs, works too. A file of that name in the caller's directory, or a
+    path, is this host's and is staged. Not found: exit 2 naming the PATH, no id taken."""
+    sb = box
+    a = submit(sb, "sleep", "0")
+    py = submit(sb, "python3", "-c", "import sys; print(sys.executable)")
+    code, done = wait(sb, a["id"], py["id"])
+    assert code == 0 and [j["state"] for j in done] == ["COMPLETED", "COMPLETED"], done
+    assert a["program"] == {"rootfs": "/usr/bin/sleep"} and a["argv"] == ["/usr/bin/sleep", "0"]
+    assert py["program"] == {"rootfs": "/usr/bin/python3"}
+    assert Path(done[1]["stdout"]).read_text().strip().startswith("/usr/bin/python3")
+    assert sorted(os.listdir(sb.state / "jobs" / str(a["id"]))) == ["stderr", "stdout"]
+    rows = {r.split()[0]: r.split() for r in sb.envctl("jobs", "--all").stdout.splitlines()}
+    assert rows[str(a["id"])][-1] == "rootfs:/usr/bin/sleep"
+
+    # A file named `sleep` where the caller stands is staged (and it is not the real sleep).
+    here = sb.root / "here"
+    here.mkdir()
+    script(sb, "here/sleep", "#!/bin/sh\necho not the real sleep \"$@\"\n")
+    res = sb.run("env", "-C", str(here), sys.executable, "-m", "envctl", "submit-job",
+                 "--json", "--user", "root", "box", "sleep", "5")
+    assert res.returncode == 0, res.stderr
+    staged = json.loads(res.stdout)
+    assert staged["program"] == {"staged": str(here / "sleep")}
+    assert staged["argv"] == ["/job/sleep", "5"]
+    code, (done,) = wait(sb, staged["id"])
+    assert code == 0 and Path(done["stdout"]).read_text() == "not the real sleep 5\n"
+
+    before = sorted(os.listdir(sb.state / "jobs"))
+    for args, words in ((["perl", "-e", "1"], "no program of that name in environment "
+                         "'box''s PATH (/usr/local/sbin:"),
+                        (["--env", "PATH=/opt", "sleep", "1"], "PATH (/opt)")):
+        res = sb.envctl("submit-job", "--user", "root", "box", *args)
+        assert res.returncode == 2 and words in res.stderr, res.stderr
+    assert sorted(os.listdir(sb.state / "jobs")) == before  # no id taken, nothing made
+    shutil.rmtree(here)
     assert_clean_down(sb)
 
 

@@ -160,7 +160,7 @@ def test_a_program_symlinked_to_a_root_only_file_is_refused_and_not_staged(box, 
         assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (NOBODY, 0o600)
     assert os.stat(jdir / "link.sh").st_uid == NOBODY
     assert sb.envctl("logs", str(job["id"]), env=AS_NOBODY).stdout == "mine\n"
-    assert_clean_down(sb)
+    assert_clean_down(sb, data=("scratch",))
 
 
 # ---------------------------------------------------------------- --output / --error
@@ -210,7 +210,7 @@ def test_outputs_at_a_root_file_a_symlink_a_device_or_a_fifo_are_refused(box, pu
     assert res.returncode == 0, res.stderr
     rc, _ = wait(sb, json.loads(res.stdout)["id"])
     assert rc == 0 and out.read_text() == "written\n" and os.stat(out).st_uid == NOBODY
-    assert_clean_down(sb)
+    assert_clean_down(sb, data=("scratch",))
 
 
 # ---------------------------------------------------------------- logs
@@ -256,7 +256,7 @@ def test_logs_refuse_an_output_the_jobs_owner_swapped_for_a_symlink_or_fifo(box,
     res = sb.envctl("logs", "--stderr", str(in_dir["id"]), timeout=30)
     assert res.returncode == 1 and "not a regular file" in res.stderr, res.stderr
     assert unchanged(shadow, os.stat(shadow))
-    assert_clean_down(sb)
+    assert_clean_down(sb, data=("scratch",))
 
 
 # ---------------------------------------------------------------- down --purge, modes

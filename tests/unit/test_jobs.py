@@ -220,7 +220,8 @@ def test_format_elapsed_and_exit():
 def test_table_rows():
     rows = jobs.table([job(4, State.RUNNING, name="bench", user="alice", start_time=100.0)],
                       now=190.0)
-    assert rows[0] == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "START"]
+    assert rows[0] == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "START",
+                       "PROGRAM"]
     assert rows[1][:7] == ["4", "bench", "box", "alice", "RUNNING", "1:30", "-"]
 
 
@@ -481,3 +482,104 @@ def test_a_scripts_interpreter_must_be_in_the_environment(tmp_path):
         with pytest.raises(InputError) as exc:
             _check_interpreter(ctx, exe, bad)
         assert f"interpreter {named}" in str(exc.value) and "'box'" in str(exc.value)
+
+
+# ---------------------------------------------------------------- a program of the environment
+
+
+def rootfs_with_programs(root: Path) -> None:
+    """usr/bin/sleep, python3 -> python3.11 (relative) and an absolute link, a file with no
+    execute bit, and links that leave the tree."""
+    (root / "usr" / "bin").mkdir(parents=True)
+    (root / "bin").symlink_to("usr/bin")
+    (root / "job").mkdir()
+    for name in ("sleep", "python3.11"):
+        (root / "usr" / "bin" / name).write_text("")
+        (root / "usr" / "bin" / name).chmod(0o755)
+    (root / "usr" / "bin" / "python3").symlink_to("python3.11")
+    (root / "usr" / "bin" / "py").symlink_to("/usr/bin/python3.11")  # absolute, inside
+    (root / "usr" / "bin" / "noexec").write_text("")
+    (root / "usr" / "bin" / "noexec").chmod(0o644)
+
+
+def test_a_bare_name_is_found_in_the_environments_path_and_never_leaves_the_rootfs(tmp_path):
+    root = tmp_path / "root"
+    rootfs_with_programs(root)
+    outside = tmp_path / "host-only"
+    outside.write_text("")
+    outside.chmod(0o755)
+    (root / "usr" / "bin" / "escape").symlink_to(outside)          # absolute: a host file
+    (root / "usr" / "bin" / "climb").symlink_to("../../../host-only")  # relative, climbs
+    ctx = ctx_for(root)
+    find = sv.find_in_rootfs
+    assert find(ctx, "sleep", executable=True) == "/usr/bin/sleep"
+    assert find(ctx, "python3", executable=True) == "/usr/bin/python3"
+    assert find(ctx, "py", executable=True) == "/usr/bin/py"
+    assert find(ctx, "sleep", "/bin", executable=True) == "/bin/sleep"
+    # A later PATH entry when the first has no such program; relative entries are skipped.
+    assert find(ctx, "sleep", "relative:/opt/none:/usr/bin", executable=True) == \
+        "/usr/bin/sleep"
+    for name in ("noexec", "escape", "climb", "nothing", "", ".", "..", "bin/sleep"):
+        assert find(ctx, name, executable=True) is None, name
+    # A symlink out of the tree resolves inside it, as the environment sees it: /host-only
+    # there is nothing, whatever the host has at that path.
+    (root / "host-only").write_text("")
+    (root / "host-only").chmod(0o755)
+    assert find(ctx, "climb", executable=True) == "/usr/bin/climb"
+
+
+def test_make_request_runs_a_bare_name_from_the_rootfs_and_stages_a_path(tmp_path,
+                                                                         monkeypatch):
+    root = tmp_path / "root"
+    rootfs_with_programs(root)
+    ctx = ctx_for(root)
+    here = tmp_path / "cwd"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    host = Host(state_dir=tmp_path / "state")
+    environ = {"SUDO_UID": "0", "SUDO_GID": "0", "SUDO_USER": "root"}
+
+    def request(exe: str, **kw) -> sv.Request:
+        return sv.make_request(host, ctx, exe, ["1"], user="root", environ=environ, **kw)
+
+    req = request("sleep")
+    assert req.program == "/usr/bin/sleep"
+    assert sv.check_request(ctx, req) == (["/usr/bin/sleep", "1"], "")
+    # --env PATH is the job's PATH: the search follows it.
+    assert request("sleep", env=["PATH=/bin"]).program == "/bin/sleep"
+    with pytest.raises(InputError) as exc:
+        request("sleep", env=["PATH=/opt/none"])
+    assert "PATH (/opt/none)" in str(exc.value) and "'box'" in str(exc.value)
+    with pytest.raises(InputError) as exc:
+        request("perl")
+    assert "no program of that name in environment 'box''s PATH (/usr/bin:/bin)" in \
+        str(exc.value) and "./perl" in str(exc.value)
+    # A file of that name here, or anything with a '/', is this host's: staged.
+    (here / "sleep").write_text("#!/bin/sh\n")
+    (here / "sleep").chmod(0o755)
+    (root / "usr" / "bin" / "sh").write_text("")
+    for exe in ("sleep", "./sleep", str(here / "sleep")):
+        req = request(exe)
+        assert req.program == "", exe
+        assert sv.check_request(ctx, req) == (["/job/sleep", "1"], "sleep"), exe
+    with pytest.raises(InputError, match="No such file"):
+        sv.check_request(ctx, request("./perl"))
+    # A script of the rootfs whose #! interpreter is not there: refused, naming it.
+    tool = root / "usr" / "bin" / "tool"
+    tool.write_text("#!/usr/bin/perl\nprint 1;\n")
+    tool.chmod(0o755)
+    with pytest.raises(InputError, match="its interpreter /usr/bin/perl"):
+        sv.check_request(ctx, request("tool"))
+    tool.write_text("#!/bin/sh\necho\n")
+    assert sv.check_request(ctx, request("tool"))[0] == ["/usr/bin/tool", "1"]
+
+
+def test_the_record_says_where_the_program_came_from():
+    staged = job(1, State.COMPLETED, program={"staged": "/home/a/bench"})
+    ran = job(2, State.RUNNING, program={"rootfs": "/usr/bin/sleep"})
+    old = job(3, State.COMPLETED)  # a record of an older envctl
+    assert [jobs.format_program(j) for j in (staged, ran, old)] == [
+        "staged:/home/a/bench", "rootfs:/usr/bin/sleep", "-"]
+    assert [r[-1] for r in jobs.table([staged, ran, old], now=0)[1:]] == [
+        "staged:/home/a/bench", "rootfs:/usr/bin/sleep", "-"]
+    assert ran.to_json()["program"] == {"rootfs": "/usr/bin/sleep"}

@@ -302,12 +302,18 @@ class Engine:
     def _rollback(self, env: str, applied: list[tuple[str, Resource]], journal: Journal,
                   ledger: Ledger) -> tuple[list[str], list[str]]:
         rolled, errors = [], []
-        for key, res in reversed(applied):
-            try:
-                self._release(env, key, res, journal, ledger, index=-1, faults=False)
-                rolled.append(res.describe())
-            except (EnvctlError, OSError) as exc:
-                errors.append(f"{res.describe()}: {exc}")
+        # A removal may tell a rollback from a `down` (an empty data directory this run made
+        # goes back; one `down` meets stays: resources.dirs).
+        self.host.options["rollback"] = "1"
+        try:
+            for key, res in reversed(applied):
+                try:
+                    self._release(env, key, res, journal, ledger, index=-1, faults=False)
+                    rolled.append(res.describe())
+                except (EnvctlError, OSError) as exc:
+                    errors.append(f"{res.describe()}: {exc}")
+        finally:
+            del self.host.options["rollback"]
         return rolled, errors
 
     # ------------------------------------------------------------------ down

@@ -31,8 +31,10 @@ class Directory(Resource):
     base: str
     path: str
     mode: int = 0o755
-    # Keep the contents on removal (data the user wrote is never deleted by teardown, unless
-    # `down --purge` sets host.options["purge"]).
+    # A data directory: kept by `down`, empty or not, with the parents made for it (data the
+    # user wrote is never deleted by teardown, unless `down --purge` sets
+    # host.options["purge"]); the rollback of a failed `up` (host.options["rollback"]) takes
+    # back one it made when still empty.
     keep: bool = False
     # The uid and gid that own it (-1: root, as made). An environment's data directories
     # belong to its user namespace's root (runtime.userns), so that root inside may write
@@ -99,8 +101,7 @@ class Directory(Resource):
         (`<state>/data/ENV/…`): deleted with its contents, whether this run or an earlier one
         made it (data directories outlive the journal that made them), then its parents up to
         `data/` as they empty. True when it applied."""
-        if not (self.keep and host.options.get("purge") and self.base == "state"
-                and self.path.startswith("data/")):
+        if not (self._state_data() and host.options.get("purge")):
             return False
         p = self._path(host)
         try:
@@ -131,14 +132,18 @@ class Directory(Resource):
             return None
         return None if now == memo["mode"] else (now, memo["mode"])
 
+    def _state_data(self) -> bool:
+        """A data directory in envctl's own state directory (`<state>/data/ENV/…`)."""
+        return self.keep and self.base == "state" and self.path.startswith("data/")
+
     def undo_note(self, host: Host, memo: dict[str, Any]) -> str:
+        if self.keep and host.options.get("purge"):
+            if self._state_data() or not memo.get("existed"):
+                return ""  # deleted, contents and all
+        elif self.keep and (self._state_data() or not memo.get("existed")):
+            # Made by envctl (in this run or an earlier one): data, empty or not.
+            return "kept: a data directory (down --purge deletes it)"
         if not memo.get("existed"):
-            if self.keep and not host.options.get("purge"):
-                try:
-                    if any(os.scandir(self._path(host))):
-                        return "kept: it holds data (down --purge deletes it)"
-                except OSError:
-                    pass
             return ""
         back = self._mode_back(host, memo)
         return "kept: it existed before envctl" + (
@@ -232,6 +237,12 @@ class Directory(Resource):
                     pass  # gone meanwhile: nothing to give back
                 except OSError as exc:
                     raise HostError(f"restore directory '{p}': chown: {exc.strerror}") from exc
+            return
+        if self.keep and not host.options.get("purge") and not host.options.get("rollback"):
+            # A data directory survives `down`, empty or not, with the parents made for it:
+            # a job may count on an empty results directory being there at the next `up`.
+            # Only the rollback of the `up` that made it (nothing ran there yet) takes it
+            # back, when still empty; `down --purge` deletes it.
             return
         try:
             if self.base == "host":

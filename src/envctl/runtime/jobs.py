@@ -95,6 +95,10 @@ class Job(Record):
     cpus: list[int] = Factory(list)
     gpus: list[str] = Factory(list)
     error: str | None = None  # why it could not be started, or what went wrong around it
+    # Where its program came from: {"staged": host path} (copied to /job, as given) or
+    # {"rootfs": path inside} (a bare name found in the environment's PATH, run from there).
+    # {} in a record of an older envctl.
+    program: dict[str, str] = Factory(dict)
 
     # ------------------------------------------------------------------ (de)serializing
     def to_json(self) -> dict[str, Any]:
@@ -466,13 +470,22 @@ def format_exit(job: Job) -> str:
 def table(jobs: list[Job], *, now: float | None = None) -> list[list[str]]:
     """Rows of the `envctl jobs` table, header first."""
     now = time.time() if now is None else now
-    rows = [["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "START"]]
+    rows = [["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "START", "PROGRAM"]]
     for j in jobs:
         start = (time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(j.start_time))
                  if j.start_time is not None else "-")
         rows.append([str(j.id), j.name or "-", j.env, j.user or str(j.uid), str(j.state),
-                     format_elapsed(j.elapsed(now)), format_exit(j), start])
+                     format_elapsed(j.elapsed(now)), format_exit(j), start,
+                     format_program(j)])
     return rows
+
+
+def format_program(job: Job) -> str:
+    """`rootfs:/usr/bin/sleep` (the environment's own) or `staged:/home/a/bench` (copied)."""
+    for how in ("rootfs", "staged"):
+        if isinstance(job.program, dict) and job.program.get(how):
+            return f"{how}:{job.program[how]}"
+    return "-"
 
 
 def parse_cpus(text: str, what: str = "CPUs") -> tuple[int, ...]:

@@ -45,7 +45,7 @@ import stat
 import time
 from pathlib import Path
 
-from envctl.errors import EnvctlError, HostError, InputError, UsageError
+from envctl.errors import EnvctlError, HostError, InputError, NeedsRootError, UsageError
 from envctl.record import Factory, Record
 from envctl.runtime import jobs
 from envctl.runtime.daemon import read_report, wait_fd
@@ -70,6 +70,9 @@ class Request(Record):
     """A job as `submit-job` asks for it, before anything is staged or started."""
 
     exe: Path  # on the host: copied into the job's directory, read as `submitter`
+    # The program's path inside the environment when `exe` was a bare name found in its PATH
+    # (see make_request): run from the rootfs as it is, nothing staged. "": `exe` is staged.
+    program: str = ""
     args: list[str] = Factory(list)
     name: str = ""
     user: User | None = None  # None: refused (never silently root); see launch.resolve_user
@@ -96,6 +99,26 @@ def check_request(ctx: EnvContext, req: Request) -> tuple[list[str], str]:
     The program is opened and looked at with the submitting user's rights (a symlink to a file
     that user cannot read is refused as the file would be); the output paths are looked at
     with the job's user's rights: root's are never lent to a path a user names."""
+    if req.program:
+        # The environment's own program (found in its PATH by make_request): nothing staged.
+        argv, staged = [req.program, *req.args], ""
+        _check_job_dir(ctx)
+        _check_interpreter(ctx, Path(req.program), _rootfs_head(ctx, req.program))
+    else:
+        argv, staged = _staged_argv(ctx, req)
+    _check_options(ctx, req)
+    return argv, staged
+
+
+def _check_job_dir(ctx: EnvContext) -> None:
+    if not (Path(ctx.root) / "job").is_dir():
+        raise HostError(f"submit-job: environment '{ctx.env}''s rootfs has no /job directory "
+                        f"to bind the job's files on: run `envctl up {ctx.env}` with this "
+                        "envctl, which makes it")
+
+
+def _staged_argv(ctx: EnvContext, req: Request) -> tuple[list[str], str]:
+    """The argv of a program of this host, staged as /job/NAME, and NAME."""
     exe = req.exe
     fd = _open_program(req)
     try:
@@ -103,10 +126,7 @@ def check_request(ctx: EnvContext, req: Request) -> tuple[list[str], str]:
         head = os.pread(fd, 256, 0)  # its #! line, if any
     finally:
         os.close(fd)
-    if not (Path(ctx.root) / "job").is_dir():
-        raise HostError(f"submit-job: environment '{ctx.env}''s rootfs has no /job directory "
-                        f"to bind the job's files on: run `envctl up {ctx.env}` with this "
-                        "envctl, which makes it")
+    _check_job_dir(ctx)
     staged = exe.name
     if exe.suffix == ".py":
         python = find_in_rootfs(ctx, "python3")
@@ -121,6 +141,10 @@ def check_request(ctx: EnvContext, req: Request) -> tuple[list[str], str]:
                              "script)")
         _check_interpreter(ctx, exe, head)
         argv = [f"/job/{staged}", *req.args]
+    return argv, staged
+
+
+def _check_options(ctx: EnvContext, req: Request) -> None:
     if req.cpus is not None:
         extra = sorted(set(req.cpus) - set(ctx.cpus))
         if not req.cpus or extra:
@@ -138,7 +162,6 @@ def check_request(ctx: EnvContext, req: Request) -> tuple[list[str], str]:
     for opt, path in (("--output", req.output), ("--error", req.error)):
         if path is not None:
             _check_output(opt, path, _output_creds(req))
-    return argv, staged
 
 
 def _output_creds(req: Request) -> tuple | None:
@@ -263,17 +286,74 @@ def _in_rootfs(ctx: EnvContext, path: str) -> bool:
         os.close(root)
 
 
-def find_in_rootfs(ctx: EnvContext, name: str) -> str | None:
-    """The path inside the environment of program `name`, searched in its PATH (from its
-    /etc/environment) as the launch will: checked on the host under the rootfs."""
-    path = ctx.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin"
-    for d in path.split(":"):
-        if not d.startswith("/"):
-            continue
-        inside = f"{d.rstrip('/')}/{name}"
-        if os.path.lexists(Path(ctx.root) / inside.lstrip("/")):
-            return inside
+def find_in_rootfs(ctx: EnvContext, name: str, search: str | None = None, *,
+                   executable: bool = False) -> str | None:
+    """The path inside the environment of program `name`, searched in `search` (default: its
+    PATH, from its /etc/environment) as the launch's execvp will: the first entry of that name
+    (with `executable`, the first regular file with an execute bit, as execvp skips the
+    others). Resolved beneath the rootfs as the environment resolves it
+    (RESOLVE_IN_ROOT): a symlink inside it (`/usr/bin/python3 -> python3.11`, absolute ones
+    too) is followed within the tree, never out of it; the host's own files are never looked
+    at. The rootfs as the host sees it: a program on a data mount is not found here."""
+    from envctl.host.safepath import RESOLVE_NO_MAGICLINKS, openat2
+    from envctl.runtime.context import DEFAULT_PATH
+
+    if not name or "/" in name or name in (".", ".."):
+        return None
+    if search is None:
+        search = ctx.environ.get("PATH") or DEFAULT_PATH
+    root = os.open(ctx.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for d in search.split(":"):
+            if not d.startswith("/"):
+                continue  # a relative entry names no directory of the environment's
+            inside = f"{d.rstrip('/')}/{name}"
+            try:
+                fd = openat2(root, inside.lstrip("/"), os.O_PATH,
+                             resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+            except OSError:
+                continue  # not there (or a loop, a magic link): execvp goes on too
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            if not executable or (stat.S_ISREG(st.st_mode) and st.st_mode & 0o111):
+                return inside
+    finally:
+        os.close(root)
     return None
+
+
+def _rootfs_head(ctx: EnvContext, inside: str) -> bytes:
+    """The first bytes of program `inside` of the rootfs (its #! line, if any), resolved as
+    find_in_rootfs resolves it; b"" when it cannot be read. Opened O_PATH first, and read only
+    when that descriptor is a regular file: a device node or FIFO planted there is never
+    opened for reading."""
+    from envctl.host.safepath import RESOLVE_NO_MAGICLINKS, fd_path, openat2
+
+    try:
+        root = os.open(ctx.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        fd = openat2(root, inside.lstrip("/"), os.O_PATH,
+                     resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    except OSError:
+        return b""
+    finally:
+        os.close(root)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""
+        rfd = os.open(fd_path(fd), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        try:
+            return os.pread(rfd, 256, 0)
+        finally:
+            os.close(rfd)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def _cpulist(cpus: Any) -> str:
@@ -308,13 +388,16 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
               submit_time=submit_time, boot_id=host.boot_id, stdout=str(stdout),
               stderr=str(stderr), workdir=req.workdir, time_limit=req.time_limit,
               cpus=sorted(req.cpus if req.cpus is not None else ctx.cpus),
-              gpus=list(req.gpus if req.gpus is not None else ctx.gpus), cgroup=cgroup)
+              gpus=list(req.gpus if req.gpus is not None else ctx.gpus), cgroup=cgroup,
+              program={"rootfs": req.program} if req.program else
+              {"staged": os.path.abspath(req.exe)})
     fds: list[int] = []
     jfd = -1
     try:
         jfd = _make_job_dir(host.state_dir, jid)
         owner = _host_ids(ctx, uid, gid)
-        _stage(req, jfd, staged, *owner)
+        if not req.program:
+            _stage(req, jfd, staged, *owner)
         out_fd = _open_output(stdout, owner if req.output is None else _output_creds(req),
                               jfd if req.output is None else None)
         fds.append(out_fd)
@@ -880,8 +963,26 @@ def make_request(host: Host, ctx: EnvContext, exe: str, args: list[str], *,
         if not eq or not key or "\0" in item:
             raise UsageError(f"--env {item!r}: give KEY=VALUE")
         variables[key] = value
+    program = ""
+    if "/" not in exe and not os.path.lexists(exe):
+        # A bare name that is no file here: the environment's own program, found in the PATH
+        # the job will have, as srun and `docker run` find one. A path, or a file of that
+        # name here, is this host's and is staged.
+        from envctl.runtime.context import DEFAULT_PATH
+
+        search = variables.get("PATH") or ctx.environ.get("PATH") or DEFAULT_PATH
+        try:
+            program = find_in_rootfs(ctx, exe, search, executable=True) or ""
+        except PermissionError:
+            raise NeedsRootError(f"envctl submit-job looks {exe!r} up in environment "
+                                 f"'{ctx.env}''s rootfs and needs root: run it with "
+                                 "sudo") from None
+        if not program:
+            raise InputError(f"submit-job: {exe or repr(exe)}: no such file here, and no "
+                             f"program of that name in environment '{ctx.env}''s PATH "
+                             f"({search}); give a path (./{exe}) for a file of this host")
     return Request(
-        exe=Path(exe), args=list(args), name=name or "", user=who,
+        exe=Path(exe), program=program, args=list(args), name=name or "", user=who,
         user_name=_user_name(user, who.uid, ctx, environ),
         cpus=jobs.parse_cpus(cpus, "--cpus") if cpus is not None else None,
         gpus=resolve_gpus(host, ctx, gpus) if gpus is not None else None,

@@ -1,0 +1,112 @@
+"""Data directories (mount sources): `down` keeps them, empty or not, with the parents made for
+them; `down --purge` deletes them; the rollback of the failed `up` that made one takes it back
+when still empty. Temporary directories only; no root needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from envctl.engine.engine import Engine
+from envctl.errors import StepFailed
+from envctl.host.context import Host
+from envctl.resources.dirs import Directory, SharedDirectory
+from tests.unit import fakes
+
+
+@pytest.fixture
+def host(tmp_path):
+    fakes.reset()
+    yield Host(state_dir=tmp_path / "state", run_dir=tmp_path / "run")
+    fakes.reset()
+
+
+def data(path: str = "data/demo/results") -> Directory:
+    return Directory("state", path, 0o755, keep=True)
+
+
+def purge(host: Host) -> None:
+    host.options["purge"] = "1"
+
+
+def test_down_keeps_an_empty_data_directory_and_the_parents_made_for_it(host):
+    engine = Engine(host)
+    engine.up("demo", [Directory("state", "envs/demo"), data()])
+    results = host.state_dir / "data" / "demo" / "results"
+    assert results.is_dir() and not any(results.iterdir())
+    out = engine.down("demo")
+    assert out.errors == []
+    assert results.is_dir(), "an empty data directory was deleted by a plain down"
+    notes = {s.resource.describe(): s.note for s in out.steps}
+    assert notes["directory <state>/data/demo/results"] == \
+        "kept: a data directory (down --purge deletes it)"
+    # What was not data goes.
+    assert not (host.state_dir / "envs" / "demo").exists()
+
+
+def test_a_second_up_and_a_purge_delete_it_with_its_parents(host):
+    engine = Engine(host)
+    engine.up("demo", [data()])
+    (host.state_dir / "data" / "demo" / "results" / "r.txt").write_text("1\n")
+    engine.down("demo")
+    # The next `up` finds it there (memo: existed); --purge deletes it all the same.
+    engine.up("demo", [data()])
+    purge(host)
+    out = engine.down("demo")
+    assert out.errors == [] and [s.note for s in out.steps] == [""]
+    assert not (host.state_dir / "data").exists()
+
+
+def test_the_rollback_of_the_up_that_made_it_takes_it_back_when_empty(host):
+    engine = Engine(host)
+    fakes.FAIL_ON.add("boom")
+    with pytest.raises(StepFailed, match="injected"):
+        engine.up("demo", [data(), fakes.Thing("boom")])
+    assert not (host.state_dir / "data").exists()
+    assert "rollback" not in host.options
+
+
+def test_the_rollback_keeps_one_that_was_there_before(host):
+    results = host.state_dir / "data" / "demo" / "results"
+    results.mkdir(parents=True)
+    fakes.FAIL_ON.add("boom")
+    with pytest.raises(StepFailed):
+        Engine(host).up("demo", [data(), fakes.Thing("boom")])
+    assert results.is_dir()
+
+
+def test_a_host_data_directory_envctl_made_survives_down(host, tmp_path):
+    engine = Engine(host)
+    made = tmp_path / "srv" / "in"
+    src = SharedDirectory("host", str(made).lstrip("/"), 0o755, keep=True)
+    engine.up("demo", [src])
+    assert made.is_dir()
+    engine.down("demo")
+    assert made.is_dir()
+    # A directory that existed before envctl is left as found, purge or not.
+    engine.up("demo", [src])
+    purge(host)
+    out = engine.down("demo")
+    assert out.errors == [] and made.is_dir()
+
+
+def test_down_purge_of_an_environment_that_is_not_up_deletes_its_data(host):
+    """A plain `down` kept the data (and the journal went): `down --purge` then still deletes
+    `<state>/data/ENV/`, and nothing of another environment's."""
+    from envctl import app
+
+    engine = Engine(host)
+    engine.up("demo", [data()])
+    engine.up("other", [data("data/other/results")])
+    (host.state_dir / "data" / "demo" / "results" / "r.txt").write_text("1\n")
+    app.down(engine, ["demo"])
+    assert (host.state_dir / "data" / "demo" / "results" / "r.txt").is_file()
+    assert [o.steps for o in app.down(engine, ["demo"])] == [[]]  # not up, no purge: nothing
+    purge(host)
+    (out,) = app.down(engine, ["demo"])
+    assert out.errors == [] and [(s.op, s.resource.describe(), s.note) for s in out.steps] == [
+        ("-", "directory <state>/data/demo", "it was not up: its data directories deleted "
+                                             "(--purge)")]
+    assert not (host.state_dir / "data" / "demo").exists()
+    assert (host.state_dir / "data" / "other" / "results").is_dir()
+    # Again: nothing left to delete, nothing said.
+    assert [o.steps for o in app.down(engine, ["demo"])] == [[]]
