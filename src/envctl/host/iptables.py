@@ -5,9 +5,9 @@ ENVCTL-RAW-PREROUTING (raw: the loopback guard, before conntrack) hold every env
 rules, each tagged with a comment `envctl:ENV …`; the built-in chains get one jump each.
 Nothing else is read or changed: other chains are never flushed or deleted. An environment's
 rules go with it; the chains and jumps are shared by every environment and go with the last
-one (`release_base`), and only those envctl made: a chain or an unconditional
-jump that was there before, a chain that holds a rule envctl did not make or that something
-else still jumps to, and every jump envctl did not add (an operator's conditional one) stay.
+one (`release_base`), and only those envctl made: a chain or an unconditional jump that was
+there before, a chain that holds a rule envctl did not make or that something else still
+jumps to, and every jump envctl did not add (an operator's conditional one) stay.
 
 Every change holds the xtables lock (/run/xtables.lock, or $XTABLES_LOCKFILE) from its read to
 its commit, as `iptables -w` does: libiptc replaces a whole table per commit, so an `iptables`

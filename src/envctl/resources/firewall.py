@@ -12,6 +12,7 @@ from envctl.resources.base import Check, Diff, Resource, Status
 if TYPE_CHECKING:
     from envctl.host.context import Host
 
+
 def route_localnet(bridge: str) -> str:
     """The sysctl that lets packets with a loopback address be routed to and from `bridge`
     (its published ports on the host's loopback; see fwrules.loopback_rules). A '.' in an
