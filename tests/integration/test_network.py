@@ -39,7 +39,7 @@ SERVER = """\
 import socket, sys
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", int(sys.argv[1])))
+s.bind((sys.argv[2] if len(sys.argv) > 2 else "0.0.0.0", int(sys.argv[1])))
 s.listen()
 print("listening", flush=True)
 s.settimeout(10)
@@ -77,11 +77,11 @@ def in_ns(sb, ns, *argv, check=False, timeout=30):
     return sb.run("ip", "netns", "exec", ns, *argv, check=check, timeout=timeout)
 
 
-def serve(sb, ns, port, *, udp=False):
-    """A one-shot TCP (or UDP) server in `ns` that answers with the address the client came
-    from."""
+def serve(sb, ns, port, *, udp=False, bind=None):
+    """A one-shot TCP (or UDP) server in `ns` (None: the sandbox's host) that answers with the
+    address the client came from; TCP on `bind` only, when given."""
     cmd = ("ip", "netns", "exec", ns, sys.executable, "-c", UDP_SERVER if udp else SERVER,
-           str(port))
+           str(port), *((bind,) if bind else ()))
     proc = sb.popen(*cmd) if ns else sb.popen(*cmd[4:])
     assert proc.stdout.readline().strip() == "listening", stderr_of(proc)
     return proc
@@ -183,6 +183,10 @@ def test_udp_port_forward(net, backend):
     server.wait(5)
     server = serve(net, "alpha", 53, udp=True)
     assert connect(net, None, HOST_OUT, 5353, udp=True) == HOST_OUT
+    server.wait(5)
+    # And on the host's loopback, the source masqueraded to the bridge's address.
+    server = serve(net, "alpha", 53, udp=True)
+    assert connect(net, None, "127.0.0.1", 5353, udp=True) == "10.231.0.1"
     server.wait(5)
     # The TCP port of the same number is not forwarded: only what the spec names.
     assert connect(net, "outside", HOST_OUT, 5353).startswith("failed")
@@ -337,8 +341,9 @@ def test_fault_at_every_network_step_rolls_back(net, backend):
     network = [i for i, k in enumerate(keys)
                if k.split(":")[0] in ("netns-dir", "netns", "bridge", "firewall-base",
                                       "antispoof", "veth", "ipconfig", "firewall")
-               or k in ("sysctl:net.ipv4.ip_forward", "base-dir:run")]
-    assert len(network) == 11
+               or k in ("sysctl:net.ipv4.ip_forward", "sysctl:net.ipv4.conf.t-br0.route_localnet",
+                        "base-dir:run")]
+    assert len(network) == 12
     for i in network:
         for point in ("before", "apply", "after"):
             res = net.envctl("up", "alpha", env={"ENVCTL_FAULT": f"fail@{point}:#{i}"})
@@ -380,7 +385,7 @@ def test_nft_command_transport_and_backend_in_status(net):
     net.write_spec("alpha", spec("alpha", "10.231.0.2", backend="nftables"))
     env = {"ENVCTL_NFT": "cli"}
     net.envctl("up", "alpha", check=True, env=env)
-    assert len(nft_comments(net)) == 6  # with the hairpin masquerade
+    assert len(nft_comments(net)) == 9  # with the hairpin and loopback rules
     out = net.envctl("status", "alpha", check=True, env=env).stdout
     assert "firewall rules of alpha (nftables:" in out
     server = serve(net, "alpha", 9090)
@@ -399,13 +404,113 @@ def test_auto_backend_follows_envctl_firewall(net):
 
 def test_a_bridge_that_existed_is_kept_and_only_our_address_removed(net):
     net.run("ip", "link", "add", "t-br0", "type", "bridge", check=True)
+    assert route_localnet(net) == "0"
     net.write_spec("alpha", spec("alpha", "10.231.0.2", backend="nftables"))
     net.envctl("up", "alpha", check=True)
     assert ping(net, "alpha", "10.231.0.1")
-    net.envctl("down", "alpha", check=True)
-    assert "t-br0" in net.links()
+    assert route_localnet(net) == "1"  # alpha publishes a port: it answers on loopback
+    res = net.envctl("down", "alpha", check=True)
+    assert "route_localnet" in res.stdout and "restored 1 -> 0" in res.stdout, res.stdout
+    assert "t-br0" in net.links() and route_localnet(net) == "0"  # given back as found
     assert "10.231.0.1" not in net.run("ip", "addr", "show", "t-br0", check=True).stdout
     net.run("ip", "link", "del", "t-br0", check=True)
+
+
+def route_localnet(sb, bridge="t-br0"):
+    return sb.run("cat", f"/proc/sys/net/ipv4/conf/{bridge}/route_localnet",
+                  check=True).stdout.strip()
+
+
+def _aim_at_host_loopback(sb, ns, address):
+    """Root inside environment `ns` sends to 127.0.0.1 through its gateway, as an attacker
+    would (CVE-2020-8558): its own loopback address taken away (else 127.0.0.1 is local),
+    its interface allowed to route loopback addresses, a route via the gateway from its own
+    address (so that anti-spoofing lets it out)."""
+    in_ns(sb, ns, "ip", "addr", "del", "127.0.0.1/8", "dev", "lo", check=True)
+    in_ns(sb, ns, "sysctl", "-qw", "net.ipv4.conf.eth0.route_localnet=1", check=True)
+    in_ns(sb, ns, "ip", "route", "add", "127.0.0.1/32", "via", "10.231.0.1", "dev", "eth0",
+          "src", address, check=True)
+
+
+def _reach_host_loopback(sb, ns):
+    """What `ns` gets from a server bound to the host's 127.0.0.1 only ("failed: …" when
+    nothing)."""
+    server = serve(sb, None, 7777, bind="127.0.0.1")
+    got = connect(sb, ns, "127.0.0.1", 7777)
+    server.kill()
+    server.wait(5)
+    server.stdout.close()
+    server.stderr.close()
+    return got
+
+
+def _delete_loopback_guard(sb, backend):
+    if backend == "nftables":
+        out = json.loads(sb.run("nft", "-j", "list", "chain", "inet", "envctl", "raw-prerouting",
+                                check=True).stdout)
+        for i in out["nftables"]:
+            if "rule" in i:
+                sb.run("nft", "delete", "rule", "inet", "envctl", "raw-prerouting", "handle",
+                       str(i["rule"]["handle"]), check=True)
+    else:
+        sb.run("iptables-legacy", "-t", "raw", "-F", "ENVCTL-RAW-PREROUTING", check=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("br_netfilter", ["on", "off"])
+def test_published_ports_answer_on_the_host_loopback_and_nothing_reaches_it_from_the_bridge(
+        net, backend, br_netfilter):
+    # With br_netfilter (built in here, on by default) a frame from a port meets the IP hooks
+    # in the bridge layer already; without it only once it is passed up to the host. The
+    # guard must hold either way.
+    call = "/proc/sys/net/bridge/bridge-nf-call-iptables"
+    if br_netfilter == "off":
+        net.run("sh", "-c", f"! [ -e {call} ] || echo 0 > {call}", check=True)
+    elif net.run("cat", call).stdout.strip() != "1":
+        pytest.skip("no br_netfilter on this kernel")
+    # alpha publishes 9090; beta, on the same bridge, publishes nothing.
+    net.write_spec("alpha", spec("alpha", "10.231.0.2", backend=backend))
+    net.write_spec("beta", spec("beta", "10.231.0.3", backend=backend, ports="[]"))
+    net.envctl("up", "alpha", "beta", check=True)
+    assert route_localnet(net) == "1"
+    steps = status(net, "alpha")
+    assert steps["sysctl:net.ipv4.conf.t-br0.route_localnet"]["status"] == "ok"
+    assert "sysctl:net.ipv4.conf.t-br0.route_localnet" not in status(net, "beta")
+
+    # On the host, 127.0.0.1:9090 reaches alpha's server; alpha sees the bridge's address
+    # (the loopback source is masqueraded: alpha could not answer 127.0.0.1).
+    server = serve(net, "alpha", 9090)
+    assert connect(net, None, "127.0.0.1", 9090) == "10.231.0.1"
+    server.wait(5)
+    # IPv6 is not published (environments have no IPv6 address): ::1:9090 is nobody's.
+    if "::1" in net.run("ip", "-6", "addr", "show", "dev", "lo").stdout:
+        assert connect(net, None, "::1", 9090).startswith("failed")
+
+    # Neither environment reaches a service bound to the host's 127.0.0.1, even sending to
+    # it through the gateway with its own loopback out of the way.
+    for env, address in (("alpha", "10.231.0.2"), ("beta", "10.231.0.3")):
+        _aim_at_host_loopback(net, env, address)
+        assert _reach_host_loopback(net, env).startswith("failed"), env
+    # The guard is what stops it: without it the same packets get through (route_localnet is
+    # on for the bridge), and `status` says the guard is missing; `up` puts it back.
+    _delete_loopback_guard(net, backend)
+    assert _reach_host_loopback(net, "beta") == "10.231.0.3"
+    fw = status(net, "alpha")["firewall"]
+    assert fw["status"] == "drifted"
+    assert sorted(d["want"] for d in fw["diffs"]) == [
+        "envctl:alpha loopback guard from 127.0.0.0/8 in on t-br0",
+        "envctl:alpha loopback guard to 127.0.0.0/8 in on t-br0"]
+    net.envctl("up", "alpha", check=True)
+    assert _reach_host_loopback(net, "beta").startswith("failed")
+
+    # alpha's `down` gives the sysctl back (beta still holds the bridge) and takes its rules:
+    # nothing answers on the host's loopback any more.
+    res = net.envctl("down", "alpha", check=True)
+    assert "restored 1 -> 0" in res.stdout, res.stdout
+    assert "t-br0" in net.links() and route_localnet(net) == "0"
+    assert not [c for c in comments(net, backend) if c.startswith("envctl:alpha ")]
+    assert connect(net, None, "127.0.0.1", 9090).startswith("failed")
+    net.envctl("down", "beta", check=True)
 
 
 def _break_hook(sb, backend):
@@ -532,7 +637,7 @@ def test_a_rule_edited_under_its_comment_is_reported_and_repaired(net, backend):
 
     net.envctl("up", "alpha", check=True)
     assert status(net, "alpha")["firewall"]["status"] == "ok"
-    assert len(comments(net, backend)) == 6  # with the hairpin masquerade
+    assert len(comments(net, backend)) == 9  # with the hairpin and loopback rules
     server = serve(net, "alpha", 9090)
     assert connect(net, "outside", HOST_OUT, 9090) == PEER
     server.wait(5)

@@ -256,7 +256,7 @@ def test_an_nft_table_that_existed_keeps_its_content(clean):
     sb.write_spec("beta", spec("beta", "10.231.0.3", backend="nftables", ports="[9091]"))
     sb.envctl("up", "alpha", "beta", check=True)
     assert set(nft_table(sb)["chains"]) == {"mine", "prerouting", "output", "postrouting",
-                                            "forward"}
+                                            "forward", "raw-prerouting"}
     sb.envctl("down", "alpha", check=True)
     note = steps(sb, "plan", "--down", "beta")["firewall-base:nftables"]["note"]
     assert "kept: table inet envctl existed before envctl" in note

@@ -38,6 +38,7 @@ from envctl.plan.network import peer_mac
 from envctl.plan.planner import plan_env
 from envctl.resources.base import Resource
 from envctl.resources.dirs import BaseDirectory, Directory
+from envctl.resources.firewall import route_localnet
 from envctl.resources.veth import Veth
 from envctl.spec.loader import load_spec, parse_spec
 from envctl.spec.naming import env_of_comment, host_veth, rule_tag
@@ -85,17 +86,29 @@ def rules(**kw):
 
 
 def test_rule_set_per_option():
-    assert [r.chain for r in rules()] == ["postrouting", "prerouting", "output", "prerouting",
-                                          "output", "forward", "forward"]
+    assert [r.chain for r in rules()] == [
+        "postrouting", "prerouting", "output", "prerouting", "output",
+        "postrouting", "raw-prerouting", "raw-prerouting", "forward", "forward"]
     assert rules(nat=False, isolate=False, ports=()) == []
+    # The loopback rules come with published ports only, once however many ports.
+    assert not [r for r in rules(ports=()) if "loopback" in r.name]
+    assert len([r for r in rules() if "loopback" in r.name]) == 3
     assert all(r.comment.startswith("envctl:alpha ") for r in rules())
     assert len({r.comment for r in rules()}) == len(rules())
 
 
 def test_comments_change_when_the_rule_would():
-    a = {r.comment for r in rules()}
-    b = {r.comment for r in rules(address="10.0.0.3")}
-    assert not a & b
+    a = {r.comment: rule_exprs(r) for r in rules()}
+    b = {r.comment: rule_exprs(r) for r in rules(address="10.0.0.3")}
+    # Only the bridge-wide loopback guard is the same for another address, and so is its
+    # content; every rule that names the address changes its comment with it.
+    assert sorted(a.keys() & b.keys()) == [
+        "envctl:alpha loopback guard from 127.0.0.0/8 in on br0",
+        "envctl:alpha loopback guard to 127.0.0.0/8 in on br0"]
+    assert all(a[c] == b[c] for c in a.keys() & b.keys())
+    c = {r.comment: rule_exprs(r) for r in rules(bridge="br1")}
+    assert all(a[k] == c[k] for k in a.keys() & c.keys())
+    assert any("loopback" in k for k in a.keys() - c.keys())
 
 
 def test_nft_json_of_each_rule():
@@ -108,14 +121,48 @@ def test_nft_json_of_each_rule():
     assert rule_exprs(dnat)[0] == {"match": {"op": "==", "left": {
         "fib": {"result": "type", "flags": ["daddr"]}}, "right": "local"}}
     assert rule_exprs(dnat)[-1] == {"dnat": {"family": "ip", "addr": "10.0.0.2", "port": 80}}
-    assert {"match": {"op": "!=", "left": {"payload": {"protocol": "ip", "field": "daddr"}},
-                      "right": {"prefix": {"addr": "127.0.0.0", "len": 8}}}} in rule_exprs(local)
+    # From the host to any of its addresses, 127.0.0.1 included (loopback is not left out).
+    assert rule_exprs(local) == rule_exprs(dnat)
+    assert local.chain == "output" and local.comment != dnat.comment
     isolate = rules()[-2]
     # A flag test (`ct status ! dnat`, status & dnat == 0): `!=` would compare the whole
     # status word and drop every packet, published ports' included.
     assert rule_exprs(isolate)[-2:] == [
         {"match": {"op": "!", "left": {"ct": {"key": "status"}}, "right": "dnat"}},
         {"drop": None}]
+
+
+def test_loopback_rules_masquerade_the_host_and_guard_the_bridge():
+    masq, to_lo, from_lo = [r for r in rules() if "loopback" in r.name]
+    # A DNATed connection from 127.0.0.0/8 leaving by the bridge to the environment takes the
+    # bridge's address: the environment could not answer 127.0.0.1.
+    assert (masq.chain, masq.comment) == (
+        "postrouting", "envctl:alpha loopback masquerade 127.0.0.0/8 -> 10.0.0.2 on br0")
+    assert rule_exprs(masq) == [
+        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}}, "right": "br0"}},
+        {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
+                   "right": {"prefix": {"addr": "127.0.0.0", "len": 8}}}},
+        {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "daddr"}},
+                   "right": "10.0.0.2"}},
+        {"match": {"op": "in", "left": {"ct": {"key": "status"}}, "right": "dnat"}},
+        {"masquerade": None}]
+    # Anything coming in on the bridge to or from 127.0.0.0/8 is dropped before conntrack, for
+    # every port of the bridge (no address of the environment's in it).
+    assert to_lo.chain == from_lo.chain == "raw-prerouting"
+    assert rule_exprs(to_lo) == [
+        {"match": {"op": "==", "left": {"meta": {"key": "iifname"}}, "right": "br0"}},
+        {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "daddr"}},
+                   "right": {"prefix": {"addr": "127.0.0.0", "len": 8}}}},
+        {"drop": None}]
+    assert rule_exprs(from_lo) == [
+        {"match": {"op": "==", "left": {"meta": {"key": "iifname"}}, "right": "br0"}},
+        {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
+                   "right": {"prefix": {"addr": "127.0.0.0", "len": 8}}}},
+        {"drop": None}]
+    # The raw chain is a filter chain at raw priority, before conntrack and NAT.
+    assert BASE_CHAINS["raw-prerouting"] == ("filter", "prerouting", -300)
+    assert route_localnet("br0") == "net.ipv4.conf.br0.route_localnet"
+    assert route_localnet("br.10") == "net.ipv4.conf.br/10.route_localnet"
 
 
 def test_a_hairpin_masquerade_for_published_ports_when_the_subnet_is_known():
@@ -493,6 +540,47 @@ def test_ip_forward_only_when_routing_is_needed_and_backend_choice():
     assert auto.resolved["firewall"] == "iptables"
 
 
+def test_route_localnet_of_the_bridge_after_the_rules_only_with_published_ports():
+    plan = plan_env(_spec("  address: 10.200.0.5\n  bridge: t.br0\n  ports: [9090]\n"), FACTS)
+    key = "sysctl:net.ipv4.conf.t/br0.route_localnet"
+    # After the rules that carry the loopback guard: set once they are there, restored (the
+    # reverse order at teardown) while they still are.
+    assert keys(plan).index(key) == keys(plan).index("firewall:nftables:x") + 1
+    (ctl,) = [r for r in plan.resources if r.key == key]
+    assert (ctl.value, ctl.shared) == ("1", True)
+    for spec in ("  address: 10.200.0.5\n", "  address: 10.200.0.5\n  ports: []\n"):
+        assert not [k for k in keys(plan_env(_spec(spec), FACTS)) if "route_localnet" in k]
+
+
+def test_a_sysctl_of_an_interface_not_made_yet_is_missing_not_unknown(tmp_path):
+    from types import SimpleNamespace
+
+    from envctl.host.procfs import Sysctls
+    from envctl.resources.base import Status
+    from envctl.resources.sysctl import Sysctl, interface
+
+    conf = tmp_path / "sys" / "net" / "ipv4" / "conf"
+    for link, value in (("br.1", "1"), ("default", "0")):
+        (conf / link).mkdir(parents=True)
+        (conf / link / "route_localnet").write_text(f"{value}\n")
+    host = SimpleNamespace(sysctl=Sysctls(tmp_path))
+    assert Sysctl(route_localnet("br.1"), "1").check(host).status is Status.PRESENT
+    # Not there yet (made by an earlier step): it will start with the `default` value, which
+    # `up` then changes, so `plan` says "~" as `up` will.
+    gone = Sysctl(route_localnet("t-br0"), "1").check(host)
+    assert (gone.status, gone.detail) == (Status.DRIFTED, "interface t-br0 does not exist yet")
+    assert [(d.want, d.have) for d in gone.diffs] == [("1", "0")]
+    (conf / "default" / "route_localnet").write_text("1\n")
+    assert Sysctl(route_localnet("t-br0"), "1").check(host).status is Status.PRESENT
+    # A parameter the interface does not have is still the kernel's lack, not a missing link.
+    odd = Sysctl("net.ipv4.conf.br/1.no_such_thing", "1").check(host)
+    assert odd.status is Status.WRONG_KIND
+    assert [interface(n) for n in ("net.ipv4.conf.all.route_localnet",
+                                   "net.ipv4.conf.default.rp_filter", "net.ipv4.ip_forward",
+                                   "net.ipv6.conf.eth0.disable_ipv6")] == [
+        None, None, None, "eth0"]
+
+
 def test_gateway_and_interface_from_the_spec():
     plan = plan_env(_spec("  address: 10.9.0.5\n  bridge_address: 10.9.0.1/16\n"
                           "  gateway: 10.9.0.254\n  interface: net0\n"), FACTS)
@@ -586,7 +674,8 @@ def test_release_keeps_a_table_that_existed_and_its_chains():
     inv = _inventory()
     inv.chains["mine"] = "not a base chain"
     plan = release_plan(memo, inv, BASE_CHAINS, "inet envctl")
-    assert not plan.table and plan.chains == ["prerouting", "output", "postrouting"]
+    assert not plan.table and plan.chains == ["prerouting", "output", "postrouting",
+                                              "raw-prerouting"]
     assert plan.kept == ["table inet envctl existed before envctl",
                          "chain forward existed before envctl"]
 
@@ -596,7 +685,8 @@ def test_release_keeps_what_holds_anything_not_envctls():
                             "output": [(5, "envctl:a dnat local")]},
                      objects=["set theirs"])
     plan = release_plan(MADE, inv, BASE_CHAINS, "inet envctl")
-    assert not plan.table and plan.chains == ["prerouting", "output", "postrouting"]
+    assert not plan.table and plan.chains == ["prerouting", "output", "postrouting",
+                                              "raw-prerouting"]
     assert plan.kept == ["table inet envctl holds set theirs, not envctl's",
                          "chain forward holds 1 rule(s) envctl did not make"]
     # Another chain alone keeps the table too, never the base chains.

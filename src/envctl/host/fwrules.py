@@ -10,8 +10,11 @@ from typing import Any
 from envctl.spec.naming import env_of_comment, rule_tag
 
 # The chains envctl hooks, one per netfilter hook it needs (nat prerouting/output/postrouting,
-# filter forward). Each backend maps them onto its own table/chains.
-CHAINS = ("prerouting", "output", "postrouting", "forward")
+# filter forward, and prerouting at raw priority, before conntrack and NAT: the loopback guard).
+# Each backend maps them onto its own table/chains.
+CHAINS = ("prerouting", "output", "postrouting", "forward", "raw-prerouting")
+
+LOOPBACK = "127.0.0.0/8"
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,6 @@ class Rule:
     action: str  # masquerade | dnat | drop
     saddr: str | None = None
     daddr: str | None = None
-    not_daddr: str | None = None  # a network the destination must not be in
     iif: str | None = None
     oif: str | None = None
     not_oif: str | None = None
@@ -60,11 +62,11 @@ def env_rules(env: str, *, bridge: str, address: str, nat: bool, isolate: bool,
         rules.append(Rule(env, f"dnat {proto}/{host_port} -> {to}", "prerouting", "dnat",
                           proto=proto, dport=host_port, local_daddr=True, to_addr=address,
                           to_port=env_port))
-        # From the host itself. Loopback is left out: a packet from 127.0.0.1 cannot be routed
-        # to the bridge without route_localnet, which would widen what reaches the host.
-        rules.append(Rule(env, f"dnat local {proto}/{host_port} -> {to}", "output", "dnat",
-                          proto=proto, dport=host_port, local_daddr=True,
-                          not_daddr="127.0.0.0/8", to_addr=address, to_port=env_port))
+        # From the host itself, to any of its addresses, loopback included (`curl
+        # 127.0.0.1:PORT`, as with Docker): see the loopback rules below.
+        rules.append(Rule(env, f"dnat local+lo {proto}/{host_port} -> {to}", "output", "dnat",
+                          proto=proto, dport=host_port, local_daddr=True, to_addr=address,
+                          to_port=env_port))
     if ports and subnet:
         # Hairpin: another environment on the bridge reaching this one's published port
         # through a host address is DNATed back onto the bridge, and would get the answer
@@ -72,6 +74,8 @@ def env_rules(env: str, *, bridge: str, address: str, nat: bool, isolate: bool,
         # not from the address it called. Masqueraded, the answer comes back through the host.
         rules.append(Rule(env, f"hairpin {subnet} -> {address} on {bridge}", "postrouting",
                           "masquerade", saddr=subnet, daddr=address, oif=bridge, dnat=True))
+    if ports:
+        rules += loopback_rules(env, bridge=bridge, address=address)
     if isolate:
         # Bridge-port isolation stops frames between isolated ports; these stop the detour
         # through the host's routing (an environment routing to another via its gateway).
@@ -80,6 +84,33 @@ def env_rules(env: str, *, bridge: str, address: str, nat: bool, isolate: bool,
         rules.append(Rule(env, f"isolate to {address} on {bridge}", "forward", "drop",
                           iif=bridge, oif=bridge, daddr=address, not_dnat=True))
     return rules
+
+
+def loopback_rules(env: str, *, bridge: str, address: str) -> list[Rule]:
+    """What a published port reached on the host's loopback needs, besides the output DNAT and
+    `route_localnet` on the bridge (the sysctl the planner sets after these rules and restores
+    before they go).
+
+    A connection from 127.0.0.1 DNATed to the environment leaves by the bridge with a loopback
+    source, which only route_localnet lets the kernel route; it is masqueraded to the bridge's
+    address, since the environment could not answer 127.0.0.1. The answers come back addressed
+    to the bridge and conntrack turns them into 127.0.0.1 after the raw hook.
+
+    route_localnet also stops the kernel treating packets that *arrive* on the bridge with a
+    loopback address as martians: an environment could then reach services bound to the
+    host's 127.0.0.1 (CVE-2020-8558, Kubernetes' and Docker's fix: drop them). So everything
+    coming in on the bridge that is addressed to, or claims to come from, 127.0.0.0/8 is
+    dropped at raw priority, before conntrack and NAT see it: nothing legitimate arrives so.
+    Not tied to the environment's address: every port of the bridge is covered (without
+    nft there is no anti-spoofing, and another environment may share the bridge)."""
+    return [
+        Rule(env, f"loopback masquerade {LOOPBACK} -> {address} on {bridge}", "postrouting",
+             "masquerade", saddr=LOOPBACK, daddr=address, oif=bridge, dnat=True),
+        Rule(env, f"loopback guard to {LOOPBACK} in on {bridge}", "raw-prerouting", "drop",
+             iif=bridge, daddr=LOOPBACK),
+        Rule(env, f"loopback guard from {LOOPBACK} in on {bridge}", "raw-prerouting", "drop",
+             iif=bridge, saddr=LOOPBACK),
+    ]
 
 
 @dataclass(frozen=True)

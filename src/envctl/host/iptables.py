@@ -1,12 +1,13 @@
 """envctl's own iptables chains (legacy xtables, through python-iptables) for hosts without nft.
 
-Chains ENVCTL-PREROUTING / -OUTPUT / -POSTROUTING (nat) and ENVCTL-FORWARD (filter) hold every
-environment's rules, each tagged with a comment `envctl:ENV …`; the built-in chains get one
-jump each. Nothing else is read or changed: other chains are never flushed or deleted. An
-environment's rules go with it; the chains and jumps are shared by every environment and go
-with the last one (`release_base`), and only those envctl made: a chain or an unconditional
-jump that was there before, a chain that holds a rule envctl did not make or that something
-else still jumps to, and every jump envctl did not add (an operator's conditional one) stay.
+Chains ENVCTL-PREROUTING / -OUTPUT / -POSTROUTING (nat), ENVCTL-FORWARD (filter) and
+ENVCTL-RAW-PREROUTING (raw: the loopback guard, before conntrack) hold every environment's
+rules, each tagged with a comment `envctl:ENV …`; the built-in chains get one jump each.
+Nothing else is read or changed: other chains are never flushed or deleted. An environment's
+rules go with it; the chains and jumps are shared by every environment and go with the last
+one (`release_base`), and only those envctl made: a chain or an unconditional jump that was
+there before, a chain that holds a rule envctl did not make or that something else still
+jumps to, and every jump envctl did not add (an operator's conditional one) stay.
 
 Every change holds the xtables lock (/run/xtables.lock, or $XTABLES_LOCKFILE) from its read to
 its commit, as `iptables -w` does: libiptc replaces a whole table per commit, so an `iptables`
@@ -49,7 +50,9 @@ CHAINS = {
     "output": ("nat", "OUTPUT"),
     "postrouting": ("nat", "POSTROUTING"),
     "forward": ("filter", "FORWARD"),
+    "raw-prerouting": ("raw", "PREROUTING"),
 }
+TABLES = tuple(dict.fromkeys(table for table, _ in CHAINS.values()))
 JUMP_COMMENT = "envctl: jump"
 
 
@@ -119,9 +122,9 @@ class Iptables:
         self.tables_names = tables_names
 
     def _tables(self, *, create: bool = True) -> dict[str, Any]:
-        """nat and filter, freshly read; with `create` False only those that exist already
+        """nat, filter and raw, freshly read; with `create` False only those that exist already
         (opening a table makes it)."""
-        names = ("nat", "filter")
+        names = TABLES
         if not create:
             present = existing_tables(self.tables_names)
             names = tuple(n for n in names if n in present)
@@ -148,7 +151,7 @@ class Iptables:
     def listing(self) -> Listing | None:
         """envctl's chains, the jumps to them, and every rule in them (chain, comment,
         content); None when none of the chains exists."""
-        if not existing_tables(self.tables_names) & {"nat", "filter"}:
+        if not existing_tables(self.tables_names) & set(TABLES):
             return None  # no table, so none of envctl's chains: nothing opened, nothing made
         iptc = _iptc()
         try:
@@ -274,7 +277,7 @@ class Iptables:
 
     def release_note(self, memo: dict[str, Any]) -> str:
         """What `release_base` will leave, for `down` and `status`; "" when everything goes."""
-        if not existing_tables(self.tables_names) & {"nat", "filter"}:
+        if not existing_tables(self.tables_names) & set(TABLES):
             return ""
         try:
             tables = self._tables(create=False)
@@ -437,8 +440,6 @@ def _rule(rule: Rule) -> Any:
         r.src = rule.saddr
     if rule.daddr:
         r.dst = rule.daddr
-    if rule.not_daddr:
-        r.dst = "!" + rule.not_daddr
     if rule.local_daddr:
         m = r.create_match("addrtype")
         m.dst_type = "LOCAL"

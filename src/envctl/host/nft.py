@@ -1,6 +1,6 @@
-"""envctl's own nftables tables: `inet envctl` (NAT, port forwards, isolation) and `bridge
-envctl` (anti-spoofing on the environments' bridge ports), each changed in atomic JSON
-transactions.
+"""envctl's own nftables tables: `inet envctl` (NAT, port forwards, isolation, the loopback
+guard) and `bridge envctl` (anti-spoofing on the environments' bridge ports), each changed in
+atomic JSON transactions.
 
 Every change is one JSON document run as one transaction, exactly what `nft -j -f -` runs: by
 default through libnftables (the library the `nft` command is a thin front end of, loaded with
@@ -43,13 +43,14 @@ from envctl.host.fwrules import Listing, PortRule, Row, Rule, compare_rules
 from envctl.spec.naming import env_of_comment
 
 FAMILY, TABLE = "inet", "envctl"
-# name -> (type, hook, priority): nat at dstnat (-100) / srcnat (100), filter at 0, as nft's
-# named priorities.
+# name -> (type, hook, priority): nat at dstnat (-100) / srcnat (100), filter at 0, and the
+# loopback guard at raw (-300, before conntrack and NAT), as nft's named priorities.
 BASE_CHAINS = {
     "prerouting": ("nat", "prerouting", -100),
     "output": ("nat", "output", -100),
     "postrouting": ("nat", "postrouting", 100),
     "forward": ("filter", "forward", 0),
+    "raw-prerouting": ("filter", "prerouting", -300),
 }
 # The bridge family's filter priority (-200): frames from a port are judged before the bridge
 # learns their source MAC or forwards them, whether to another port or to the host.
@@ -98,8 +99,6 @@ def rule_exprs(rule: Rule) -> list[dict[str, Any]]:
         e.append(_match(_ip("saddr"), _prefix(rule.saddr)))
     if rule.daddr:
         e.append(_match(_ip("daddr"), _prefix(rule.daddr)))
-    if rule.not_daddr:
-        e.append(_match(_ip("daddr"), _prefix(rule.not_daddr), "!="))
     if rule.local_daddr:
         e.append(_match({"fib": {"result": "type", "flags": ["daddr"]}}, "local"))
     if rule.proto:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from envctl.plan.builder import Plan
 from envctl.resources.bridge import Bridge
-from envctl.resources.firewall import AntiSpoof, FirewallBase, FirewallRules
+from envctl.resources.firewall import AntiSpoof, FirewallBase, FirewallRules, route_localnet
 from envctl.resources.netns import NetNamespace, NetnsDir
 from envctl.resources.sysctl import Sysctl
 from envctl.resources.veth import IpConfig, Veth
@@ -39,8 +39,9 @@ def plan_network(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     """In the order `up` needs them (teardown is the reverse): the namespace directory and the
     namespace, the bridge, the port's anti-spoofing rules (before the port exists, so it never
     exists unpinned), the veth pair into the namespace, its addresses and route, forwarding,
-    then the firewall rules that refer to all of them. Shared tables and chains come right
-    before the first rules that need them."""
+    then the firewall rules that refer to all of them, and with published ports the bridge's
+    route_localnet. Shared tables and chains come right before the first rules that need
+    them."""
     net = spec.network
     if net is None:
         return
@@ -72,3 +73,9 @@ def plan_network(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
         plan.add(FirewallRules(spec.name, backend, net.bridge, str(net.address), net.nat,
                                net.isolate, ports, subnet=str(net.subnet)),
                  ("network", "firewall"))
+    if net.ports:
+        # Published ports answer on the host's loopback: the output DNAT of 127.0.0.1 leaves
+        # by the bridge with a loopback source, which the kernel routes only with this. After
+        # the rules, whose loopback guard must be there first (and, at teardown, still be
+        # there until this is restored): see fwrules.loopback_rules.
+        plan.add(Sysctl(route_localnet(net.bridge), "1"), ("network", "ports"))

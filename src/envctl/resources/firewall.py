@@ -12,6 +12,14 @@ from envctl.resources.base import Check, Diff, Resource, Status
 if TYPE_CHECKING:
     from envctl.host.context import Host
 
+
+def route_localnet(bridge: str) -> str:
+    """The sysctl that lets packets with a loopback address be routed to and from `bridge`
+    (its published ports on the host's loopback; see fwrules.loopback_rules). A '.' in an
+    interface name is a '/' in a dotted sysctl name."""
+    return f"net.ipv4.conf.{bridge.replace('.', '/')}.route_localnet"
+
+
 # What each backend's shared part is, for messages.
 _WHAT = {"nftables": "table inet envctl", "nftables-bridge": "table bridge envctl",
          "iptables": "iptables chains ENVCTL-*"}

@@ -41,6 +41,15 @@ class Sysctl(Resource):
     def check(self, host: Host) -> Check:
         have = host.sysctl.read(self.name)
         if have is None:
+            link = interface(self.name)
+            if link is not None and not host.sysctl.path(self.name).parent.exists():
+                # A per-interface value of a link not there yet (a bridge an earlier step of
+                # the plan makes): it will start with the `default` entry's value, which is
+                # what `up` will find and change (or keep), not a kernel without the parameter.
+                parts = self.name.split(".")
+                start = host.sysctl.read(".".join([*parts[:3], "default", parts[4]]))
+                return Check.compare({"value": normalize(self.value)}, {"value": start},
+                                     f"interface {link} does not exist yet")
             return Check.wrong_kind(f"this kernel has no sysctl {self.name}")
         return Check.compare({"value": normalize(self.value)}, {"value": have})
 
@@ -67,3 +76,13 @@ class Sysctl(Resource):
         if host.sysctl.read(self.name) in (None, old):
             return  # already the value we found (or the netns holding it is gone)
         host.sysctl.write(self.name, old)
+
+
+def interface(name: str) -> str | None:
+    """The interface a per-interface sysctl (`net.ipv4.conf.IFACE.x`, `net.ipv6.conf.IFACE.x`)
+    belongs to; None for any other, and for the `all` and `default` entries."""
+    parts = name.split(".")
+    if len(parts) == 5 and parts[0] == "net" and parts[2] in ("conf", "neigh") \
+            and parts[3] not in ("all", "default"):
+        return parts[3].replace("/", ".")
+    return None
