@@ -559,8 +559,11 @@ def test_kill_9_of_envctl_takes_the_command_with_it(sandbox, programs):
 
 def test_not_up_missing_command_and_a_terminal(sandbox, programs):
     sb = sandbox
+    res = ex(sb, "true")  # no spec and no journal of that name
+    assert res.returncode == 2 and "no environment 'box'" in res.stderr, res.stderr
+    sb.write_spec("box", "name: box\nkind: cpu\n")  # a spec, never brought up
     res = ex(sb, "true")
-    assert res.returncode == 2 and "environment 'box' is not up" in res.stderr
+    assert res.returncode == 2 and "environment 'box' is not up" in res.stderr, res.stderr
     up_box(sb, programs)
     res = ex(sb, "no-such-command", "arg")
     assert res.returncode == 127 and "no-such-command: command not found" in res.stderr
