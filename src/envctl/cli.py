@@ -403,6 +403,26 @@ def _name_of_file(path: str) -> str:
     return load_spec(path).spec.name
 
 
+def _targets(names: list[str] | None, host: Any) -> tuple[Any, list[str]]:
+    """The workspace (None when its specs cannot be read) and the environments named, else
+    every one known. Read-only commands work from the journals when a spec is gone or broken:
+    a bad spec elsewhere must not make `status --check` of what is up fail. The problems are
+    still shown."""
+    from envctl import app as ops
+
+    ws = None
+    try:
+        ws, env_names = _workspace(names)
+    except EnvctlError as exc:
+        for line in (exc.problems if isinstance(exc, SpecError) else [exc]):
+            _stderr(f"warning: {line}")
+        _stderr("warning: specs not read: showing what the journals record")
+        env_names = [n for n in names or [] if not n.endswith((".yaml", ".yml"))]
+    if env_names:
+        _require_known(env_names, host, ws)
+    return ws, env_names or ops.known_environments(ws, host)
+
+
 @app.command()
 def status(
     names: EnvNames = None,
@@ -429,19 +449,7 @@ def status(
             raise typer.BadParameter("--watch redraws for a person: not with --json or --check")
         return _watch_status(names, interval)
     host = Host.from_env()
-    ws = None
-    try:
-        ws, env_names = _workspace(names)
-    except EnvctlError as exc:
-        # Status works from the journals when a spec is gone or broken: a bad spec elsewhere
-        # must not make `status --check` of what is up fail. The problems are still shown.
-        for line in (exc.problems if isinstance(exc, SpecError) else [exc]):
-            _stderr(f"warning: {line}")
-        _stderr("warning: specs not read: showing what the journals record")
-        env_names = [n for n in names or [] if not n.endswith((".yaml", ".yml"))]
-    if env_names:
-        _require_known(env_names, host, ws)
-    targets = env_names or ops.known_environments(ws, host)
+    ws, targets = _targets(names, host)
     rows = ops.status_rows(ws, host, targets)
     warnings = ops.status_warnings(ws, host, targets)
     cgroups = ops.cgroup_usage(host, rows)
@@ -463,6 +471,35 @@ def status(
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):
         raise typer.Exit(1)
+
+
+@app.command("list")
+def list_(names: EnvNames = None, json_: JsonOpt = False) -> None:
+    """One line per environment, as `docker ps` and `incus list` give it: state (up,
+    not-applied, degraded, down), address, published ports, CPUs, memory used / limit, GPUs,
+    jobs running/pending, description. Alias: ps.
+
+    Environments come from the specs and from the journals (one whose spec was deleted but
+    that is still up is listed). Fast and read-only: it reads the journals and each cgroup,
+    never checks every resource as `status` does (see docs/lifecycle.md for what each state
+    means).
+
+    Example: envctl list;  envctl ps --json | jq -r '.[] | select(.state != "up") | .name'
+    """
+    from envctl import listing
+    from envctl.host.context import Host
+    from envctl.render import render_list
+
+    host = Host.from_env()
+    ws, targets = _targets(names, host)
+    rows = listing.rows(ws, host, targets)
+    if json_:
+        _emit_json([r.to_json() for r in rows])
+    else:
+        render_list(_console(), rows)
+
+
+app.command("ps", hidden=True)(list_)
 
 
 @app.command()

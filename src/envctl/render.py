@@ -169,3 +169,40 @@ def _cgroup_line(info: dict[str, Any]) -> str:
     if st.get("pids_current") is not None:
         parts.append(f"{st['pids_current']} pids")
     return text + (": " + ", ".join(parts) if parts else "")
+
+
+STATE_COLOUR = {"up": "green", "down": "dim", "degraded": "yellow", "not-applied": "cyan"}
+
+
+def list_lines(rows: list[Any], *, markup: bool = True) -> list[str]:
+    """`envctl list`'s lines (envctl.listing.Row): a header, then one aligned line per
+    environment (the description last, never padded); rich markup colours the state."""
+    from rich.markup import escape
+
+    from envctl.listing import HEADER
+
+    table = [list(HEADER)] + [r.cells() for r in rows]
+    widths = [max(len(line[c]) for line in table) for c in range(len(HEADER) - 1)]
+    out = []
+    for i, line in enumerate(table):
+        cells = [escape(v.ljust(w)) for v, w in zip(line, widths, strict=False)]
+        if i == 0 and markup:
+            cells = [f"[bold]{c}[/]" for c in cells]
+        elif markup:
+            colour = STATE_COLOUR.get(line[1], "")
+            cells[1] = f"[{colour}]{cells[1]}[/]" if colour else cells[1]
+        out.append(("  ".join(cells + [escape(line[-1])])).rstrip())
+    return out
+
+
+def render_list(console: Console, rows: list[Any]) -> None:
+    if not rows:
+        console.print("no environments")
+        return
+    for line in list_lines(rows):
+        console.print(line)
+    from rich.markup import escape
+
+    for r in rows:  # why a row is not plainly up or down, under the table
+        for why in r.reasons:
+            console.print(f"[dim]{escape(r.name)}: {escape(why)}[/]")

@@ -25,3 +25,13 @@ def test_runtime_overhead_smoke():
             assert line is not None and "ratio " in line and "min-max" in line, out
     assert "launch /bin/true:" in out and "submit-job to RUNNING:" in out, out
     assert "seccomp default" in out
+
+
+def test_list_speed_smoke():
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "list_speed.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    for label in ("--version", "list ", "list --json", "status"):
+        assert any(f"envctl {label}" in x and " ms " in x for x in out.splitlines()), out
+    assert "ratio status/list" in out and "vs target 300 ms" in out, out

@@ -1,0 +1,309 @@
+"""`envctl list`: one row per environment (its state, address, published ports, CPU and memory
+limits, memory in use, GPUs, jobs, description), from the journals, the specs' plans and one
+read of each environment's cgroup files, never the per-resource checks of `status`.
+
+States, from the quickest evidence that is still honest (docs/lifecycle.md):
+- up: applied in this boot, every step finished, its network namespace, cgroup and service
+  (where it has them) there, and its spec plans exactly what was applied;
+- not-applied: as up, but its spec has changed since: `envctl up NAME` would apply the
+  difference (`envctl plan NAME` shows it);
+- degraded: applied in this boot, but a step was left half done (a failed or interrupted
+  `up`), its journal cannot be read, or its namespace, cgroup or service is gone;
+- down: nothing of it is applied in this boot (never up, taken down, or gone with a reboot).
+
+Drift inside a kernel object (a changed nft rule, a limit rewritten by hand) is `status`'s and
+the monitor's to find: they check every resource, which is what `list` must not wait for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from envctl.engine.journal import Journal
+from envctl.errors import EnvctlError, SpecError, StateCorrupt
+
+if TYPE_CHECKING:
+    from envctl.host.context import Host
+    from envctl.monitor.collect import EnvSample
+    from envctl.workspace import Workspace
+
+STATES = ("up", "not-applied", "degraded", "down")
+HEADER = ("NAME", "STATE", "ADDRESS", "PORTS", "CPUS", "MEMORY", "GPUS", "JOBS",
+          "DESCRIPTION")
+# Resource kinds whose objects die with a reboot: one of them applied in this boot is what
+# makes an environment more than "down" (directories on disk may outlive it).
+_LIVE_KINDS = ("mntns", "netns", "cgroup", "cgroup-slice", "env-dev", "service", "veth",
+               "ipconfig", "firewall", "antispoof", "bind-mount", "mount")
+
+
+@dataclass
+class Port:
+    """A published port: host `host_port` (every host address) -> `port` in the environment."""
+
+    host_port: int
+    port: int
+    protocol: str = "tcp"
+
+    def __str__(self) -> str:
+        return f"0.0.0.0:{self.host_port}->{self.port}/{self.protocol}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"host_address": "0.0.0.0", "host_port": self.host_port, "port": self.port,
+                "protocol": self.protocol}
+
+
+@dataclass
+class Limits:
+    """The cgroup limits of one environment, in kernel units (None: no limit / not set)."""
+
+    cpu_quota: float | None = None  # in CPUs (1.5 = 150 % of one CPU)
+    cpuset: str = ""
+    memory_max: int | None = None
+    memory_high: int | None = None
+    pids_max: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+@dataclass
+class Row:
+    """One environment as `envctl list` shows it."""
+
+    name: str
+    state: str
+    reasons: list[str] = field(default_factory=list)
+    address: str | None = None
+    ports: list[Port] = field(default_factory=list)
+    limits: Limits = field(default_factory=Limits)
+    memory_used: int | None = None
+    gpus: list[int] = field(default_factory=list)
+    gpu_uuids: list[str] = field(default_factory=list)
+    jobs_running: int = 0
+    jobs_pending: int = 0
+    description: str = ""
+    spec: str | None = None  # the spec file, when the config directory has one
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "state": self.state, "reasons": self.reasons,
+                "address": self.address, "ports": [p.to_json() for p in self.ports],
+                "cpus": {"quota": self.limits.cpu_quota, "cpuset": self.limits.cpuset or None},
+                "memory": {"used": self.memory_used, "limit": self.limits.memory_max},
+                "limits": self.limits.to_json(),
+                "gpus": self.gpus, "gpu_uuids": self.gpu_uuids,
+                "jobs": {"running": self.jobs_running, "pending": self.jobs_pending},
+                "description": self.description, "spec": self.spec}
+
+    def cells(self) -> list[str]:
+        """The row's columns (HEADER), as text."""
+        from envctl.spec.units import format_size
+
+        lim = self.limits
+        if lim.cpu_quota is not None:
+            cpus = f"{lim.cpu_quota:g}" + (f" on {lim.cpuset}" if lim.cpuset else "")
+        else:
+            cpus = lim.cpuset or "-"
+        used = "-" if self.memory_used is None else format_size(self.memory_used)
+        limit = "none" if lim.memory_max is None else format_size(lim.memory_max)
+        return [self.name, self.state, self.address or "-",
+                ", ".join(str(p) for p in self.ports) or "-", cpus, f"{used} / {limit}",
+                ",".join(str(i) for i in self.gpus) or "-",
+                f"{self.jobs_running}/{self.jobs_pending}", self.description]
+
+
+# ---------------------------------------------------------------- reading the resources
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(str(text).split()[0])
+    except (ValueError, IndexError, TypeError):
+        return None  # "max", "-1", "infinity", "": no limit
+
+
+def _limit(text: str | None) -> int | None:
+    n = _int(text)
+    return n if n is not None and 0 <= n < 2**62 else None
+
+
+def _size(text: str) -> int | None:
+    """A systemd size property (bytes, or 512M / 1G / …; "infinity": none)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = text.strip()
+    if text and text[-1].upper() in units and text[:-1].isdigit():
+        return int(text[:-1]) * units[text[-1].upper()]
+    return _limit(text)
+
+
+def limits_of(resources: list[dict[str, Any]]) -> Limits:
+    """The limits (weights aside) the cgroup resource (cgroupfs, v1 or v2) or the systemd
+    slice among `resources` (dict form, as journals record them) sets."""
+    lim = Limits()
+    for res in resources:
+        if res.get("kind") == "cgroup":
+            settings = {name: value for _, name, value in res.get("settings") or ()}
+            period = _int(settings.get("cpu.cfs_period_us"))
+            quota = _int(settings.get("cpu.cfs_quota_us"))
+            if "cpu.max" in settings:
+                q, _, p = settings["cpu.max"].partition(" ")
+                quota, period = _int(q), _int(p)
+            if quota is not None and quota > 0 and period:
+                lim.cpu_quota = round(quota / period, 4)
+            lim.cpuset = settings.get("cpuset.cpus", "")
+            lim.memory_max = _limit(settings.get("memory.max")
+                                    or settings.get("memory.limit_in_bytes"))
+            lim.memory_high = _limit(settings.get("memory.high")
+                                     or settings.get("memory.soft_limit_in_bytes"))
+            lim.pids_max = _limit(settings.get("pids.max"))
+        elif res.get("kind") == "cgroup-slice":
+            props = {k: v for k, v in res.get("properties") or ()}
+            quota = props.get("CPUQuota", "").rstrip("%")
+            if quota.replace(".", "", 1).isdigit():
+                lim.cpu_quota = round(float(quota) / 100, 4)
+            lim.cpuset = props.get("AllowedCPUs", "")
+            lim.memory_max = _size(props.get("MemoryMax", ""))
+            lim.memory_high = _size(props.get("MemoryHigh", ""))
+            lim.pids_max = _limit(props.get("TasksMax"))
+    return lim
+
+
+def ports_of(resources: list[dict[str, Any]], claims: dict[str, Any]) -> list[Port]:
+    """The published ports: from the firewall resource (protocol:host:port), else the claims
+    (protocol/host, published to the same port)."""
+    for res in resources:
+        if res.get("kind") == "firewall" and res.get("ports"):
+            out = []
+            for p in res["ports"]:
+                proto, host, port = str(p).split(":")
+                out.append(Port(int(host), int(port), proto))
+            return out
+    out = []
+    for p in claims.get("ports") or ():
+        proto, _, host = str(p).partition("/")
+        if host.isdigit():
+            out.append(Port(int(host), int(host), proto))
+    return out
+
+
+def _gpus(claims: dict[str, Any]) -> tuple[list[int], list[str]]:
+    g = claims.get("gpus") or {}
+    return [int(i) for i in g.get("indices") or ()], [str(u) for u in g.get("uuids") or ()]
+
+
+# ---------------------------------------------------------------- the rows
+
+
+def rows(ws: Workspace | None, host: Host, names: list[str]) -> list[Row]:
+    """A row for each of `names` (specs and journals alike), in that order."""
+    from envctl.monitor.collect import Sampler
+
+    sampler = Sampler(state_dir=host.state_dir, run_dir=host.run_dir, boot_id=host.boot_id,
+                      cgroups=host.cgroups, proc=host.proc, host_stats=False)
+    samples = {s.env: s for s in sampler.tick().envs}
+    cgroups = {env: any(os.path.exists(p) for p in t.files.values())
+               for env, t in sampler.targets.items() if t.files}
+    jobs = sampler.jobs.counts()
+    out = []
+    for name in names:
+        row = _row(ws, host, name, samples.get(name), cgroups.get(name, False))
+        counts = jobs.get(name, {})
+        row.jobs_running, row.jobs_pending = counts.get("RUNNING", 0), counts.get("PENDING", 0)
+        out.append(row)
+    return out
+
+
+def _planned(ws: Workspace | None, name: str) -> tuple[dict[str, dict[str, Any]] | None, str]:
+    """key -> resource (dict form) of what the spec of `name` plans on this host, or None and
+    why not ("" when there is no spec)."""
+    if ws is None or name not in ws.names():
+        return None, ""
+    try:
+        # As a journal holds them (JSON: lists, not tuples), to compare with what was applied.
+        return {r.key: json.loads(json.dumps(r.to_dict())) for r in
+                ws.plan(ws.get(name)).resources}, ""
+    except SpecError as exc:
+        more = len(exc.problems) - 1
+        return None, f"{exc.problems[0]}" + (f" (and {more} more: envctl plan {name})"
+                                             if more else "")
+
+
+def _row(ws: Workspace | None, host: Host, name: str, sample: EnvSample | None,
+         cgroup_there: bool) -> Row:
+    row = Row(name, "down")
+    ls = ws.get(name) if ws is not None and name in ws.names() else None
+    if ls is not None:
+        row.spec = str(ls.path)
+    planned, unplannable = _planned(ws, name)
+    try:
+        journal = Journal.open(host.state_dir, name, boot=host.boot_id)
+    except (StateCorrupt, EnvctlError) as exc:
+        row.state, row.reasons = "degraded", [f"journal cannot be read: {exc}"]
+        journal = None
+    entries = journal.entries if journal is not None else []
+    live = [e for e in entries if e.resource.get("kind") in _LIVE_KINDS]
+    if journal is not None and live:
+        row.state = "up"
+        applied = [e.resource for e in entries]
+        claims = journal.claims
+        row.reasons += _broken(host, name, entries, sample, cgroup_there)
+        if row.reasons:
+            row.state = "degraded"
+        elif planned is not None:
+            pending = _pending(planned, entries)
+            if pending:
+                row.state = "not-applied"
+                row.reasons.append(f"its spec changed since `up`: {pending} (envctl plan "
+                                   f"{name})")
+    elif planned is not None:
+        applied, claims = list(planned.values()), ws.claims(name) if ws is not None else {}
+    else:
+        applied, claims = [e.resource for e in entries], journal.claims if journal else {}
+        if ls is not None and ws is not None:
+            claims = ws.claims(name)  # what the spec says, though this host cannot serve it
+    if unplannable:
+        row.reasons.append(f"cannot be planned here: {unplannable}")
+    row.address = claims.get("address")
+    row.ports = ports_of(applied, claims)
+    row.limits = limits_of(applied)
+    row.gpus, row.gpu_uuids = _gpus(claims)
+    row.description = str(claims.get("description") or (ls.spec.description if ls else ""))
+    if sample is not None and row.state != "down":
+        row.memory_used = sample.mem_usage
+        if sample.mem_limit is not None:
+            row.limits.memory_max = sample.mem_limit  # what the kernel enforces now
+    return row
+
+
+def _broken(host: Host, name: str, entries: list, sample: EnvSample | None,
+            cgroup_there: bool) -> list[str]:
+    """What is visibly wrong with an applied environment, from its journal and one stat or
+    read per object: half-done steps, a gone namespace, cgroup or service."""
+    out = []
+    half = [e.key for e in entries if e.status != "applied"]
+    if half:
+        out.append(f"left half done by a failed or interrupted `up`: {', '.join(half)}")
+    kinds = {e.resource.get("kind"): e.resource for e in entries}
+    if "netns" in kinds:
+        netns = str(kinds["netns"].get("name") or name)
+        if not os.path.exists(host.netns_dir / netns):
+            out.append(f"network namespace {netns} is gone")
+    if ("cgroup" in kinds or "cgroup-slice" in kinds) and not cgroup_there:
+        out.append("its cgroup is gone")
+    if "service" in kinds and sample is not None and sample.service is not None \
+            and not sample.service["up"]:
+        out.append(f"its service is {sample.service['state']}")
+    return out
+
+
+def _pending(keys: dict[str, dict[str, Any]], entries: list) -> str:
+    """What `up` would change of an applied environment, in counts ("" for nothing)."""
+    have = {e.key: e.resource for e in entries}
+    create = sum(1 for k in keys if k not in have)
+    change = sum(1 for k, r in keys.items() if k in have and have[k] != r)
+    remove = sum(1 for k in have if k not in keys)
+    parts = [f"{n} to {what}" for n, what in ((create, "create"), (change, "change"),
+                                              (remove, "remove")) if n]
+    return ", ".join(parts)
