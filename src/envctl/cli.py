@@ -228,8 +228,11 @@ def plan(
             steps = engine.diff_down(n)  # each removal says what it restores
             out.append({"env": n, "warnings": [], "resolved": {}, "steps": steps})
     else:
+        from envctl.listing import spec_limits
+
         for p in ws.plan_all(ws.select(env_names, all_=all_)):
-            out.append({"env": p.env, "warnings": p.warnings, "resolved": p.resolved,
+            out.append({"env": p.env, "limits": spec_limits(ws.get(p.env).spec, p.resolved),
+                        "warnings": p.warnings, "resolved": p.resolved,
                         "steps": engine.diff(p.env, p.resources)})
     if json_:
         _emit_json([{**o, "steps": [s.to_json() for s in o["steps"]]} for o in out])
@@ -440,7 +443,7 @@ def status(
     Example: envctl status cpu-compute --json
     """
     from envctl import app as ops
-    from envctl.engine.engine import env_state
+    from envctl import listing
     from envctl.host.context import Host
     from envctl.render import render_status
 
@@ -455,10 +458,12 @@ def status(
     cgroups = ops.cgroup_usage(host, rows)
     isolation = ops.status_isolation(ws, host, list(rows))
     descriptions = ops.status_descriptions(ws, host, list(rows))
+    states = listing.status_states(ws, host, rows)
+    limits = listing.limit_summaries(ws, host, list(rows), states)
     events = _recent_events(host, list(rows))
     if json_:
-        _emit_json([{"env": env, "state": env_state(steps), "up": env_state(steps) != "down",
-                     "description": descriptions.get(env, ""),
+        _emit_json([{"env": env, "state": states[env], "up": states[env] != "down",
+                     "description": descriptions.get(env, ""), "limits": limits.get(env),
                      "isolation": isolation.get(env, {"level": "native"}),
                      "steps": [s.to_json() for s in steps],
                      "warnings": warnings.get(env, []), "cgroup": cgroups.get(env),
@@ -466,7 +471,7 @@ def status(
                     for env, steps in rows.items()])
     else:
         render_status(_console(), rows, warnings, cgroups=cgroups, isolation=isolation,
-                      descriptions=descriptions)
+                      descriptions=descriptions, states=states, limits=limits)
         _render_events(_console(), events)
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):

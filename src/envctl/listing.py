@@ -26,6 +26,7 @@ from envctl.engine.journal import Journal
 from envctl.errors import EnvctlError, SpecError, StateCorrupt
 
 if TYPE_CHECKING:
+    from envctl.engine.engine import Step
     from envctl.host.context import Host
     from envctl.monitor.collect import EnvSample
     from envctl.workspace import Workspace
@@ -307,3 +308,139 @@ def _pending(keys: dict[str, dict[str, Any]], entries: list) -> str:
     parts = [f"{n} to {what}" for n, what in ((create, "create"), (change, "change"),
                                               (remove, "remove")) if n]
     return ", ".join(parts)
+
+
+# ---------------------------------------------------------------- the same words for `status`
+
+
+def status_state(steps: list[Step], pending: str = "") -> str:
+    """The state `list` would give, from `status`'s check of every resource (`steps`) and
+    what `up` would change of what was applied (`pending`, from `_pending`): any resource
+    missing or drifted degrades it, where `list` sees only gone namespaces and cgroups."""
+    from envctl.engine.engine import KEEP, NOT_APPLIED
+
+    applied = [s for s in steps if s.note != NOT_APPLIED]
+    if not any(s.resource.volatile for s in applied):
+        return "down"
+    if any(s.op != KEEP or "interrupted while applying" in s.note for s in applied):
+        return "degraded"
+    if pending or len(applied) != len(steps):
+        return "not-applied"
+    return "up"
+
+
+def status_states(ws: Workspace | None, host: Host, rows: dict[str, list[Step]]
+                  ) -> dict[str, str]:
+    """`status_state` of each environment of `status`'s rows."""
+    out = {}
+    for env, steps in rows.items():
+        out[env] = state = status_state(steps)
+        planned, _ = _planned(ws, env)
+        if state != "up" or planned is None:
+            continue
+        try:
+            journal = Journal.open(host.state_dir, env, boot=host.boot_id)
+        except EnvctlError:
+            continue
+        out[env] = status_state(steps, _pending(planned, journal.entries))
+    return out
+
+
+# ---------------------------------------------------------------- limits in words
+
+
+def _pct_cpus(percent: float) -> str:
+    cpus = percent / 100
+    return f"{percent:g}% of one CPU ({cpus:g} CPU{'' if cpus == 1 else 's'})"
+
+
+def spec_limits(spec: Any, resolved: dict[str, Any]) -> str:
+    """The limits of `spec` in the units it used (a percentage of one CPU, or CPUs; a size,
+    or a share of the host with what it comes to here), with what the plan resolved
+    (`resolved`: the CPUs it runs on, memory in bytes):
+    `cpu 150% of one CPU (1.5 CPUs) on 0-1, weight 100, memory 10G (high 8G), pids 16384,
+    io weight 900`. Read from the model's normalized fields: `quota` in percent, and a
+    `cpus` count where the spec gave one (Docker's meaning)."""
+    from envctl.spec.units import format_size
+
+    res = spec.resources
+    cpu = res.cpu
+    given_cpus = getattr(cpu, "cpus", None)
+    if given_cpus is not None:
+        text = f"cpu {given_cpus:g} CPU{'' if given_cpus == 1 else 's'}"
+    elif cpu.quota is not None:
+        text = f"cpu {_pct_cpus(cpu.quota)}"
+    else:
+        text = "cpu no quota"
+    if cpu.period_us != 100_000 and (cpu.quota is not None or given_cpus is not None):
+        text += f" per {cpu.period_us} µs"
+    if resolved.get("cpus"):
+        text += f" on {resolved['cpus']}" + (" (dedicated)" if resolved.get("dedicated")
+                                             else "")
+    parts = [text]
+    if cpu.weight is not None:
+        parts.append(f"weight {cpu.weight}")
+
+    def size(name: str) -> str:
+        q = getattr(res.memory, name)
+        if q.percent is None:
+            return format_size(q.bytes)
+        got = resolved.get(f"memory.{name}")
+        return f"{q.percent:g}% of host" + (f" = {format_size(got)}" if got else "")
+
+    mem = f"memory {size('max')}" if res.memory.max is not None else "memory no limit"
+    extra = [f"{what} {size(name)}" for name, what in (("high", "high"), ("swap_max", "swap"))
+             if getattr(res.memory, name) is not None]
+    parts.append(mem + (f" ({', '.join(extra)})" if extra else ""))
+    if res.pids.max is not None:
+        parts.append(f"pids {res.pids.max}")
+    if res.io.weight is not None:
+        parts.append(f"io weight {res.io.weight}")
+    return ", ".join(parts)
+
+
+def applied_limits(lim: Limits) -> str:
+    """What a cgroup resource sets, in words (weights aside: cgroup v1 keeps them converted),
+    for an environment whose spec is gone: `cpu 1.5 CPUs on 0-1, memory 64M, pids 100`."""
+    from envctl.spec.units import format_size
+
+    cpu = "cpu no quota" if lim.cpu_quota is None else \
+        f"cpu {lim.cpu_quota:g} CPU{'' if lim.cpu_quota == 1 else 's'}"
+    parts = [cpu + (f" on {lim.cpuset}" if lim.cpuset else "")]
+    mem = "memory no limit" if lim.memory_max is None else f"memory {format_size(lim.memory_max)}"
+    parts.append(mem + (f" (high {format_size(lim.memory_high)})" if lim.memory_high else ""))
+    if lim.pids_max is not None:
+        parts.append(f"pids {lim.pids_max}")
+    return ", ".join(parts)
+
+
+def limit_summaries(ws: Workspace | None, host: Host, names: list[str],
+                    states: dict[str, str]) -> dict[str, str]:
+    """For `status`: each environment's limits line. Its spec's words when its spec plans
+    what is applied (or it is down); what was applied (from the journal) when there is no
+    spec, with the spec's words beside it when the spec has changed since (not-applied)."""
+    out = {}
+    for name in names:
+        spec_text = ""
+        if ws is not None and name in ws.names():
+            try:
+                ls = ws.get(name)
+                spec_text = spec_limits(ls.spec, ws.plan(ls).resolved)
+            except SpecError:
+                spec_text = ""
+        state = states.get(name, "down")
+        if spec_text and state in ("up", "down", "degraded"):
+            out[name] = spec_text
+            continue
+        try:
+            journal = Journal.open(host.state_dir, name, boot=host.boot_id)
+        except EnvctlError:
+            journal = None
+        applied = [e.resource for e in journal.entries] if journal is not None else []
+        if not any(r.get("kind") in ("cgroup", "cgroup-slice") for r in applied):
+            if spec_text:
+                out[name] = spec_text
+            continue
+        text = applied_limits(limits_of(applied))
+        out[name] = text + (f" (spec now: {spec_text})" if spec_text else "")
+    return out

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from envctl.engine.engine import Outcome, Step
 
 STYLE = {"+": "green", "~": "yellow", "=": "dim", "-": "red", ".": "dim", "!": "bold red"}
+STATE_COLOUR = {"up": "green", "down": "dim", "degraded": "yellow", "not-applied": "cyan"}
 WORD = {"+": "create", "~": "change", "=": "keep", "-": "remove", ".": "gone", "!": "refuse"}
 
 
@@ -40,9 +41,15 @@ def _resolved(resolved: dict[str, Any]) -> str:
 
 
 def render_plan(console: Console, plans: list[dict[str, Any]], *, down: bool) -> None:
+    from rich.markup import escape
+
     for p in plans:
         head = f"[bold]{p['env']}[/]"
-        if p["resolved"]:
+        if p.get("limits"):  # the spec's limits in its own units, and what it resolved to
+            threads = p["resolved"].get("threads")
+            head += f"  [dim]{escape(p['limits'])}" + (f", {threads} threads" if threads
+                                                      else "") + "[/]"
+        elif p["resolved"]:
             head += f"  [dim]{_resolved(p['resolved'])}[/]"
         console.print(head)
         for w in p["warnings"]:
@@ -120,12 +127,14 @@ def render_status(console: Console, rows: dict[str, list[Step]],
                   warnings: dict[str, list[str]] | None = None, *,
                   cgroups: dict[str, dict] | None = None,
                   isolation: dict[str, dict] | None = None,
-                  descriptions: dict[str, str] | None = None) -> None:
+                  descriptions: dict[str, str] | None = None,
+                  states: dict[str, str] | None = None,
+                  limits: dict[str, str] | None = None) -> None:
     if not rows:
         console.print("no environments")
     for env, steps in rows.items():
-        state = env_state(steps)
-        colour = {"up": "green", "down": "dim", "degraded": "yellow"}[state]
+        state = (states or {}).get(env) or env_state(steps)
+        colour = STATE_COLOUR.get(state, "")
         about = (descriptions or {}).get(env, "")
         from rich.markup import escape
 
@@ -135,6 +144,8 @@ def render_status(console: Console, rows: dict[str, list[Step]],
         if sandbox.get("level", "native") != "native":  # native: the default, not shown
             platform = f" ({sandbox['platform']})" if sandbox.get("platform") else ""
             console.print(f"  {'isolation':<12} {sandbox['level']}{platform}")
+        if (limits or {}).get(env):
+            console.print(f"  {'limits':<12} {escape(limits[env])}")
         if (cgroups or {}).get(env):
             console.print(f"  {'cgroup':<12} {_cgroup_line(cgroups[env])}")
         for s in steps:
@@ -169,9 +180,6 @@ def _cgroup_line(info: dict[str, Any]) -> str:
     if st.get("pids_current") is not None:
         parts.append(f"{st['pids_current']} pids")
     return text + (": " + ", ".join(parts) if parts else "")
-
-
-STATE_COLOUR = {"up": "green", "down": "dim", "degraded": "yellow", "not-applied": "cyan"}
 
 
 def list_lines(rows: list[Any], *, markup: bool = True) -> list[str]:

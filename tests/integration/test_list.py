@@ -87,6 +87,15 @@ def test_list_shows_every_environment_as_it_is(sandbox):
         assert " up " in line and "/ 64M" in line and " 1/0 " in line
         assert line.endswith("the web box")
 
+        # `status` says the limits in the spec's units, and the same state words.
+        status = {r["env"]: r for r in sb.envctl_json("status")}
+        assert status["web"]["state"] == "up" and status["idle"]["state"] == "down"
+        assert status["web"]["limits"].startswith("cpu 50% of one CPU (0.5 CPUs) on ")
+        assert status["web"]["limits"].endswith(", memory 64M")
+        assert status["gone"]["limits"].startswith("cpu no quota on ")  # from its journal
+        assert "limits       cpu 50% of one CPU (0.5 CPUs)" in sb.envctl("status", "web",
+                                                                       check=True).stdout
+
         # A changed spec is not applied yet; a namespace gone behind envctl's back degrades.
         sb.write_spec("web", WEB.format(mem="128M"))
         sb.run("ip", "netns", "del", "gone", check=True)
@@ -96,6 +105,11 @@ def test_list_shows_every_environment_as_it_is(sandbox):
         assert rows["gone"]["state"] == "degraded"
         assert rows["gone"]["reasons"] == ["network namespace gone is gone"]
         assert listed(sb, "web")["web"]["state"] == "not-applied"  # by name
+        status = {r["env"]: r for r in sb.envctl_json("status")}
+        assert status["web"]["state"] == "not-applied" and status["gone"]["state"] == "degraded"
+        applied, _, now = status["web"]["limits"].partition(" (spec now: ")
+        assert applied.startswith("cpu 0.5 CPUs on ") and applied.endswith(", memory 64M")
+        assert now.startswith("cpu 50% of one CPU") and now.endswith(", memory 128M)")
         res = sb.envctl("list", "nosuch")
         assert res.returncode == 2 and "nosuch" in res.stderr
     finally:

@@ -128,3 +128,80 @@ def test_ports_come_from_the_firewall_rule_else_from_the_claims():
     assert [str(p) for p in ports_of(fw, {})] == ["0.0.0.0:5353->53/udp",
                                                    "0.0.0.0:80->8080/tcp"]
     assert [str(p) for p in ports_of([], {"ports": ["tcp/9090"]})] == ["0.0.0.0:9090->9090/tcp"]
+
+
+# ---------------------------------------------------------------- limits in words, states
+
+
+def _spec(tmp: Path, text: str):
+    from envctl.spec.loader import load_spec
+
+    p = tmp / "x.yaml"
+    p.write_text(text)
+    return load_spec(p).spec
+
+
+def test_limits_are_said_in_the_units_the_spec_used(tmp_path):
+    from envctl.listing import spec_limits
+
+    spec = _spec(tmp_path, "name: x\nkind: cpu\nresources:\n  cpu: {quota: 150%, weight: 100}\n"
+                 "  memory: {max: 10G, high: 8G}\n  pids: {max: 16384}\n  io: {weight: 900}\n")
+    assert spec_limits(spec, {"cpus": "0-1", "dedicated": False}) == (
+        "cpu 150% of one CPU (1.5 CPUs) on 0-1, weight 100, memory 10G (high 8G), "
+        "pids 16384, io weight 900")
+    spec = _spec(tmp_path, "name: x\nkind: cpu\nresources:\n  cpu: {dedicated: [2, 3]}\n"
+                 "  memory: {max: 70%}\n")
+    assert spec_limits(spec, {"cpus": "2-3", "dedicated": True, "memory.max": 7 << 30}) == (
+        "cpu no quota on 2-3 (dedicated), memory 70% of host = 7G")
+    assert spec_limits(_spec(tmp_path, "name: x\nkind: cpu\n"), {}) == "cpu no quota, memory no limit"
+
+
+def test_a_cpus_count_is_said_as_cpus(tmp_path):
+    """The Docker form (`cpus: 1.5`), where the model keeps it beside the quota."""
+    from types import SimpleNamespace
+
+    from envctl.listing import spec_limits
+
+    spec = _spec(tmp_path, "name: x\nkind: cpu\nresources:\n  cpu: {quota: 150%}\n")
+    cpu = SimpleNamespace(**{**vars(spec.resources.cpu), "cpus": 1.5})
+    fake = SimpleNamespace(resources=SimpleNamespace(**{**vars(spec.resources), "cpu": cpu}))
+    assert spec_limits(fake, {"cpus": "0-3"}).startswith("cpu 1.5 CPUs on 0-3, memory")
+
+
+def test_applied_limits_for_a_spec_that_is_gone():
+    from envctl.listing import Limits, applied_limits
+
+    assert applied_limits(Limits(0.5, "0-1", 64 << 20, None, 100)) == (
+        "cpu 0.5 CPUs on 0-1, memory 64M, pids 100")
+    assert applied_limits(Limits()) == "cpu no quota, memory no limit"
+
+
+def test_status_gives_the_same_state_words_as_list():
+    from envctl.engine.engine import NOT_APPLIED, Step
+    from envctl.listing import status_state
+    from envctl.resources.base import Check, Diff, Status
+    from envctl.resources.netns import NetNamespace
+    from envctl.resources.sysctl import Sysctl
+
+    ok = Step("=", NetNamespace("a"), Check.present())
+    drifted = Step("~", Sysctl("a.b", "1"), Check(Status.DRIFTED, (Diff("value", "1", "0"),)))
+    new = Step("+", NetNamespace("b"), Check.absent(), NOT_APPLIED)
+    half = Step("=", NetNamespace("c"), Check.present(), "interrupted while applying")
+    assert status_state([ok]) == "up"
+    assert status_state([ok], "1 to change") == "not-applied"
+    assert status_state([ok, new]) == "not-applied"
+    assert status_state([ok, drifted]) == "degraded"
+    assert status_state([ok, half]) == "degraded"
+    assert status_state([new]) == "down"
+
+
+def test_plan_heads_each_environment_with_its_limits(capsys):
+    code, out, err = run(capsys, "plan", "cpu-compute")
+    assert code == 0, err
+    head = out.splitlines()[0]
+    assert head.startswith("cpu-compute  cpu 1500% of one CPU (15 CPUs) on ")
+    assert "memory 70% of host = " in head and "pids 16384, io weight 900" in head
+    code, out, _ = run(capsys, "plan", "cpu-compute", "--json")
+    assert json.loads(out)[0]["limits"].startswith("cpu 1500% of one CPU")
+    code, out, _ = run(capsys, "status", "cpu-compute")
+    assert "limits       cpu 1500% of one CPU (15 CPUs)" in out
