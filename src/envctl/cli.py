@@ -433,7 +433,10 @@ def status(
     check: Annotated[bool, typer.Option("--check", help="Exit 1 unless every applied resource "
                                                         "is ok (for monitoring).")] = False,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw it every --interval "
-                                                              "seconds until Ctrl-C.")] = False,
+                                                              "seconds until q or Ctrl-C: "
+                                                              "`list`'s table, then each "
+                                                              "environment's detail while "
+                                                              "they fit the terminal.")] = False,
     interval: Annotated[float, typer.Option("--interval", "-n", help="Seconds between redraws "
                                                                      "(--watch).")] = 2.0,
 ) -> None:
@@ -916,8 +919,10 @@ DEFAULT_CSV_DIR = "/var/log/envctl"  # where the monitor's CSV files go by defau
 @app.command()
 def monitor(
     interval: Annotated[float, typer.Option(
-        "--interval", "-i", help="Seconds between samples (the setup envctl replaces polled "
+        "--interval", "-n", help="Seconds between samples (the setup envctl replaces polled "
         "every 30 s).")] = 30.0,
+    interval_i: Annotated[float | None, typer.Option(
+        "-i", hidden=True, help="The old spelling of -n.")] = None,
     once: Annotated[bool, typer.Option(
         "--once", help="Take one sample (over a 1 s window, for CPU percentages), print the "
         "Prometheus exposition on stdout and exit: a probe that changes nothing (no CSV, no "
@@ -955,6 +960,7 @@ def monitor(
     from envctl.monitor import daemon
     from envctl.monitor.prom import parse_listen
 
+    interval = interval if interval_i is None else interval_i
     if not interval > 0:
         raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
     addr = None if once else parse_listen(listen)
@@ -983,7 +989,8 @@ def top(
 ) -> None:
     """A live view of the environments (CPU, memory, OOM kills, tasks, jobs, service, GPU
     memory, last monitor event), the GPUs (utilisation, memory, temperature, power, holder)
-    and the active jobs, redrawn in place until Ctrl-C. Read-only.
+    and the active jobs, redrawn in place until q or Ctrl-C, fitted to the terminal: a row
+    per environment, then as many GPUs and jobs as the height leaves room for. Read-only.
 
     Example: envctl top -n 5
     """
@@ -1014,11 +1021,14 @@ def _render_events(console: Any, recent: dict[str, list[dict[str, Any]]]) -> Non
 
 
 def _watch_status(names: list[str] | None, interval: float) -> None:
-    """`status --watch`: the status view, redrawn every `interval` seconds until Ctrl-C."""
+    """`status --watch`: `list`'s table (with `status`'s states), then each environment's
+    `status` for as many as fit the terminal, redrawn every `interval` seconds until q or
+    Ctrl-C."""
     from envctl import app as ops
+    from envctl import listing
     from envctl.host.context import Host
-    from envctl.monitor.top import watch
-    from envctl.render import render_status
+    from envctl.monitor.top import captured, fit, watch
+    from envctl.render import render_list, render_status
 
     if not interval > 0:
         raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
@@ -1032,9 +1042,22 @@ def _watch_status(names: list[str] | None, interval: float) -> None:
             console.print(f"[yellow]! specs not read: {exc}[/]")
         targets = env_names or ops.known_environments(ws, host)
         rows = ops.status_rows(ws, host, targets)
-        render_status(console, rows, ops.status_warnings(ws, host, targets),
-                      cgroups=ops.cgroup_usage(host, rows))
-        _render_events(console, _recent_events(host, targets))
+        states = listing.status_states(ws, host, rows)
+        table = listing.rows(ws, host, list(rows))
+        for r in table:
+            r.state = states.get(r.name, r.state)
+        kw = {"cgroups": ops.cgroup_usage(host, rows), "states": states,
+              "limits": listing.limit_summaries(ws, host, list(rows), states)}
+        warnings, recent = ops.status_warnings(ws, host, targets), _recent_events(host, targets)
+        blocks = [(env, captured(console, lambda c, env=env: (
+            render_status(c, {env: rows[env]}, warnings, **kw),
+            _render_events(c, {env: recent[env]} if env in recent else {}))))
+            for env in rows]
+        head = captured(console, lambda c: render_list(c, table)) + [""]
+        lines = head + [x for _, b in blocks for x in b] if not console.fit_height else fit(
+            head, blocks, console.fit_height, more="… {n} more not shown ({names}): "
+                                                   "`envctl status NAME` shows one")
+        console.file.write("".join(line + "\n" for line in lines))  # already rendered
 
     watch(render, interval=interval, console=_console())
 

@@ -207,10 +207,13 @@ def render_list(console: Console, rows: list[Any]) -> None:
     if not rows:
         console.print("no environments")
         return
+    # One line each, as ps(1) on a terminal: cut at its width (never when piped).
+    cut: dict[str, Any] = {"no_wrap": True, "overflow": "ellipsis"} \
+        if console.is_terminal and not console.soft_wrap else {}
     for line in list_lines(rows):
-        console.print(line)
+        console.print(line, **cut)
     from rich.markup import escape
 
     for r in rows:  # why a row is not plainly up or down, under the table
         for why in r.reasons:
-            console.print(f"[dim]{escape(r.name)}: {escape(why)}[/]")
+            console.print(f"[dim]{escape(r.name)}: {escape(why)}[/]", **cut)

@@ -153,7 +153,8 @@ def test_limits_are_said_in_the_units_the_spec_used(tmp_path):
                  "  memory: {max: 70%}\n")
     assert spec_limits(spec, {"cpus": "2-3", "dedicated": True, "memory.max": 7 << 30}) == (
         "cpu no quota on 2-3 (dedicated), memory 70% of host = 7G")
-    assert spec_limits(_spec(tmp_path, "name: x\nkind: cpu\n"), {}) == "cpu no quota, memory no limit"
+    plain = _spec(tmp_path, "name: x\nkind: cpu\n")
+    assert spec_limits(plain, {}) == "cpu no quota, memory no limit"
 
 
 def test_a_cpus_count_is_said_as_cpus(tmp_path):
