@@ -274,7 +274,12 @@ def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> 
         ws.host.progress = bar_printer(_console())
     engine = ws.engine(lock_timeout=CTX.lock_timeout, on_wait=_stderr,
                        progress=None if json_ else step_printer(_console()))
-    result = ops.up(plans, engine, {p.env: ws.claims(p.env) for p in plans})
+    from envctl.listing import spec_digest
+
+    # With what the spec said (its digest), for `list` to tell up from not-applied quickly.
+    result = ops.up(plans, engine, {p.env: {**ws.claims(p.env),
+                                            "spec_digest": spec_digest(ws.get(p.env).spec)}
+                                    for p in plans})
     for env, err in result.failed.items():
         _stderr(f"error: {env}: {err}")
     if json_:
@@ -406,7 +411,8 @@ def _name_of_file(path: str) -> str:
     return load_spec(path).spec.name
 
 
-def _targets(names: list[str] | None, host: Any) -> tuple[Any, list[str]]:
+def _targets(names: list[str] | None, host: Any, *, pure: bool = False
+             ) -> tuple[Any, list[str]]:
     """The workspace (None when its specs cannot be read) and the environments named, else
     every one known. Read-only commands work from the journals when a spec is gone or broken:
     a bad spec elsewhere must not make `status --check` of what is up fail. The problems are
@@ -415,7 +421,7 @@ def _targets(names: list[str] | None, host: Any) -> tuple[Any, list[str]]:
 
     ws = None
     try:
-        ws, env_names = _workspace(names)
+        ws, env_names = _workspace(names, pure=pure)
     except EnvctlError as exc:
         for line in (exc.problems if isinstance(exc, SpecError) else [exc]):
             _stderr(f"warning: {line}")
@@ -499,7 +505,7 @@ def list_(names: EnvNames = None, json_: JsonOpt = False) -> None:
     from envctl.render import render_list
 
     host = Host.from_env()
-    ws, targets = _targets(names, host)
+    ws, targets = _targets(names, host, pure=True)  # host facts only as rows need them
     rows = listing.rows(ws, host, targets)
     if json_:
         _emit_json([r.to_json() for r in rows])

@@ -37,7 +37,7 @@ HEADER = ("NAME", "STATE", "ADDRESS", "PORTS", "CPUS", "MEMORY", "GPUS", "JOBS",
 # Resource kinds whose objects die with a reboot: one of them applied in this boot is what
 # makes an environment more than "down" (directories on disk may outlive it).
 _LIVE_KINDS = ("mntns", "netns", "cgroup", "cgroup-slice", "env-dev", "service", "veth",
-               "ipconfig", "firewall", "antispoof", "bind-mount", "mount")
+               "ipconfig", "firewall", "antispoof", "mount")
 
 
 @dataclass
@@ -198,7 +198,8 @@ def _gpus(claims: dict[str, Any]) -> tuple[list[int], list[str]]:
 
 
 def rows(ws: Workspace | None, host: Host, names: list[str]) -> list[Row]:
-    """A row for each of `names` (specs and journals alike), in that order."""
+    """A row for each of `names` (specs and journals alike), in that order. `ws` may be
+    opened `pure` (no host facts): only what a row needs of this host is read."""
     from envctl.monitor.collect import Sampler
 
     sampler = Sampler(state_dir=host.state_dir, run_dir=host.run_dir, boot_id=host.boot_id,
@@ -207,13 +208,51 @@ def rows(ws: Workspace | None, host: Host, names: list[str]) -> list[Row]:
     cgroups = {env: any(os.path.exists(p) for p in t.files.values())
                for env, t in sampler.targets.items() if t.files}
     jobs = sampler.jobs.counts()
+    lazy = _Lazy(ws, host)
     out = []
     for name in names:
-        row = _row(ws, host, name, samples.get(name), cgroups.get(name, False))
+        row = _row(lazy, host, name, samples.get(name), cgroups.get(name, False))
         counts = jobs.get(name, {})
         row.jobs_running, row.jobs_pending = counts.get("RUNNING", 0), counts.get("PENDING", 0)
         out.append(row)
     return out
+
+
+def spec_digest(spec: Any) -> str:
+    """A digest of what a spec says (its normalized model, defaults left out: a comment, a
+    reordering or a new field with a default does not change it), which `up` records with
+    the environment's claims: `list` compares it to tell up from not-applied without
+    planning (a rootfs's closure alone costs tens of ms per spec)."""
+    import hashlib
+
+    return hashlib.sha256(spec.model_dump_json(exclude_defaults=True).encode()).hexdigest()[:16]
+
+
+class _Lazy:
+    """The specs, and what is read of the host only when a row needs it: the cheap facts
+    (CPUs, memory) for a row from a spec, a workspace with every fact for an environment up
+    from before `up` recorded spec digests."""
+
+    def __init__(self, ws: Workspace | None, host: Host):
+        self.ws, self.host = ws, host
+        self._facts: Any = None
+        self._full: Any = None
+
+    def spec(self, name: str) -> Any:
+        return self.ws.get(name) if self.ws is not None and name in self.ws.names() else None
+
+    def facts(self) -> Any:
+        if self._facts is None:
+            from envctl.host.facts import gather
+
+            self._facts = gather(proc_root=self.host.proc, sys_root=self.host.sys,
+                                 state_dir=self.host.state_dir)
+        return self._facts
+
+    def planned(self, name: str) -> dict[str, dict[str, Any]] | None:
+        if self._full is None:
+            self._full = self.ws.with_host_facts() if self.ws is not None else False
+        return _planned(self._full or None, name)[0]
 
 
 def _planned(ws: Workspace | None, name: str) -> tuple[dict[str, dict[str, Any]] | None, str]:
@@ -226,49 +265,41 @@ def _planned(ws: Workspace | None, name: str) -> tuple[dict[str, dict[str, Any]]
         return {r.key: json.loads(json.dumps(r.to_dict())) for r in
                 ws.plan(ws.get(name)).resources}, ""
     except SpecError as exc:
-        more = len(exc.problems) - 1
-        return None, f"{exc.problems[0]}" + (f" (and {more} more: envctl plan {name})"
-                                             if more else "")
+        return None, str(exc.problems[0])
 
 
-def _row(ws: Workspace | None, host: Host, name: str, sample: EnvSample | None,
+def _row(lazy: _Lazy, host: Host, name: str, sample: EnvSample | None,
          cgroup_there: bool) -> Row:
     row = Row(name, "down")
-    ls = ws.get(name) if ws is not None and name in ws.names() else None
+    ls = lazy.spec(name)
     if ls is not None:
         row.spec = str(ls.path)
-    planned, unplannable = _planned(ws, name)
     try:
         journal = Journal.open(host.state_dir, name, boot=host.boot_id)
     except (StateCorrupt, EnvctlError) as exc:
         row.state, row.reasons = "degraded", [f"journal cannot be read: {exc}"]
         journal = None
     entries = journal.entries if journal is not None else []
-    live = [e for e in entries if e.resource.get("kind") in _LIVE_KINDS]
-    if journal is not None and live:
+    if journal is not None and any(e.resource.get("kind") in _LIVE_KINDS for e in entries):
         row.state = "up"
-        applied = [e.resource for e in entries]
-        claims = journal.claims
+        applied, claims = [e.resource for e in entries], journal.claims
         row.reasons += _broken(host, name, entries, sample, cgroup_there)
         if row.reasons:
             row.state = "degraded"
-        elif planned is not None:
-            pending = _pending(planned, entries)
-            if pending:
+        elif ls is not None:
+            changed = _changed(lazy, name, ls.spec, claims, entries)
+            if changed is not None:
                 row.state = "not-applied"
-                row.reasons.append(f"its spec changed since `up`: {pending} (envctl plan "
-                                   f"{name})")
-    elif planned is not None:
-        applied, claims = list(planned.values()), ws.claims(name) if ws is not None else {}
+                row.reasons.append(f"its spec changed since `up`{changed}: `envctl plan "
+                                   f"{name}` shows what `up` would do")
+        row.limits = limits_of(applied)
+        row.ports = ports_of(applied, claims)
+    elif ls is not None:
+        claims = _spec_columns(row, ls.spec, lazy.facts())
     else:
         applied, claims = [e.resource for e in entries], journal.claims if journal else {}
-        if ls is not None and ws is not None:
-            claims = ws.claims(name)  # what the spec says, though this host cannot serve it
-    if unplannable:
-        row.reasons.append(f"cannot be planned here: {unplannable}")
+        row.limits, row.ports = limits_of(applied), ports_of(applied, claims)
     row.address = claims.get("address")
-    row.ports = ports_of(applied, claims)
-    row.limits = limits_of(applied)
     row.gpus, row.gpu_uuids = _gpus(claims)
     row.description = str(claims.get("description") or (ls.spec.description if ls else ""))
     if sample is not None and row.state != "down":
@@ -276,6 +307,44 @@ def _row(ws: Workspace | None, host: Host, name: str, sample: EnvSample | None,
         if sample.mem_limit is not None:
             row.limits.memory_max = sample.mem_limit  # what the kernel enforces now
     return row
+
+
+def _changed(lazy: _Lazy, name: str, spec: Any, claims: dict[str, Any], entries: list
+             ) -> str | None:
+    """None when the spec of an applied environment says what `up` applied, else what
+    changed (" (1 to create, …)", or "" when only the digest says so). By the digest `up`
+    recorded; by planning, for an environment up from before digests were recorded."""
+    if "spec_digest" in claims:
+        return None if claims["spec_digest"] == spec_digest(spec) else ""
+    planned = lazy.planned(name)
+    pending = _pending(planned, entries) if planned is not None else ""
+    return f" ({pending})" if pending else None
+
+
+def _spec_columns(row: Row, spec: Any, facts: Any) -> dict[str, Any]:
+    """A row's address, ports and limits as `up` would make them (for one that is down), from
+    its spec and this host's CPUs and memory; its claims."""
+    from envctl.plan.claims import spec_claims
+    from envctl.plan.limits import page
+    from envctl.spec.resolve import dedicated_cpus
+    from envctl.spec.units import format_cpu_list
+
+    cpu, mem = spec.resources.cpu, spec.resources.memory
+    quota = getattr(cpu, "cpus", None)
+    quota = quota if quota is not None else (None if cpu.quota is None else cpu.quota / 100)
+    try:
+        cpus = dedicated_cpus(spec, facts).effective(facts)
+    except ValueError:
+        cpus = ()
+    row.limits = Limits(
+        cpu_quota=None if quota is None else round(quota, 4),
+        cpuset=format_cpu_list(cpus) if cpus else "",
+        memory_max=page(mem.max.resolve(facts.memory_bytes)) if mem.max else None,
+        memory_high=page(mem.high.resolve(facts.memory_bytes)) if mem.high else None,
+        pids_max=spec.resources.pids.max)
+    if spec.network is not None:
+        row.ports = [Port(p.host, p.port, p.protocol) for p in spec.network.ports]
+    return spec_claims(spec, facts)
 
 
 def _broken(host: Host, name: str, entries: list, sample: EnvSample | None,

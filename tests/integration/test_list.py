@@ -119,3 +119,59 @@ def test_list_shows_every_environment_as_it_is(sandbox):
     # Job records are history: they outlive the environment (and keep the state directory).
     assert residue.pop("state_dir", None) == ["jobs", "lock"], residue
     assert residue == {}, residue
+
+
+SVC = ("name: svc\nkind: cpu\nrootfs:\n  binaries: [sh, sleep]\nservice:\n"
+       "  command: [/bin/sh, -c, \"exec sleep 600\"]\n  restart: \"no\"\n")
+
+
+def test_a_service_that_died_degrades_the_environment(sandbox):
+    sb = sandbox
+    sb.write_spec("svc", SVC)
+    try:
+        sb.envctl("up", "svc", check=True)
+        row = listed(sb)["svc"]
+        assert row["state"] == "up", row
+        record = sb.run_dir / "svc" / "service.json"  # its supervisor's record
+        deadline = time.monotonic() + 60
+        while not (state := json.loads(record.read_text())).get("pid"):
+            assert time.monotonic() < deadline, state
+            time.sleep(0.05)
+        os.kill(state["pid"], 9)  # the service's program, behind envctl's back (restart: no)
+        deadline = time.monotonic() + 60
+        while (row := listed(sb)["svc"])["state"] == "up":
+            assert time.monotonic() < deadline, row
+            time.sleep(0.05)
+        assert row["state"] == "degraded" and row["reasons"][0].startswith("its service is "), \
+            row
+    finally:
+        sb.envctl("down", "--all", "--force")
+    assert sb.residue() == {}
+
+
+def test_an_environment_up_from_before_spec_digests_is_compared_by_its_plan(sandbox):
+    """`up` records a digest of the spec, which `list` compares; one brought up by an envctl
+    that did not record it is compared by planning its spec (slower, as exact)."""
+    from envctl.engine.journal import Journal
+
+    sb = sandbox
+    sb.write_spec("idle", IDLE)
+    try:
+        sb.envctl("up", "idle", check=True)
+        journal = Journal.open(sb.state, "idle")
+        assert "spec_digest" in journal.claims
+        sb.write_spec("idle", IDLE.replace("32M", "48M"))
+        assert listed(sb)["idle"]["state"] == "not-applied"
+        sb.write_spec("idle", "# a comment changes nothing\n" + IDLE)
+        assert listed(sb)["idle"]["state"] == "up"
+
+        claims = {k: v for k, v in journal.claims.items() if k != "spec_digest"}
+        journal.set_meta({**journal.meta, "claims": claims})
+        journal.save()
+        assert listed(sb)["idle"]["state"] == "up"
+        sb.write_spec("idle", IDLE.replace("32M", "48M"))
+        row = listed(sb)["idle"]
+        assert row["state"] == "not-applied" and "(1 to change)" in row["reasons"][0], row
+    finally:
+        sb.envctl("down", "--all")
+    assert sb.residue() == {}

@@ -206,3 +206,14 @@ def test_plan_heads_each_environment_with_its_limits(capsys):
     assert json.loads(out)[0]["limits"].startswith("cpu 1500% of one CPU")
     code, out, _ = run(capsys, "status", "cpu-compute")
     assert "limits       cpu 1500% of one CPU (15 CPUs)" in out
+
+
+def test_the_spec_digest_changes_with_what_the_spec_says_only(tmp_path):
+    from envctl.listing import spec_digest
+
+    base = "name: x\nkind: cpu\nresources:\n  memory: {max: 64M}\n"
+    same = [base, "# why\n" + base, base + "description: ''\n",
+            "kind: cpu\nname: x\nresources: {memory: {max: 67108864}}\n"]
+    assert len({spec_digest(_spec(tmp_path, t)) for t in same}) == 1
+    assert spec_digest(_spec(tmp_path, base.replace("64M", "65M"))) != spec_digest(
+        _spec(tmp_path, base))
