@@ -83,6 +83,7 @@ class Row:
     memory_used: int | None = None
     gpus: list[int] = field(default_factory=list)
     gpu_uuids: list[str] = field(default_factory=list)
+    gpus_wanted: str = ""  # "all": a spec that is down asks for every GPU
     jobs_running: int = 0
     jobs_pending: int = 0
     description: str = ""
@@ -95,6 +96,7 @@ class Row:
                 "memory": {"used": self.memory_used, "limit": self.limits.memory_max},
                 "limits": self.limits.to_json(),
                 "gpus": self.gpus, "gpu_uuids": self.gpu_uuids,
+                "gpus_wanted": self.gpus_wanted or None,
                 "jobs": {"running": self.jobs_running, "pending": self.jobs_pending},
                 "description": self.description, "spec": self.spec}
 
@@ -111,7 +113,7 @@ class Row:
         limit = "none" if lim.memory_max is None else format_size(lim.memory_max)
         return [self.name, self.state, self.address or "-",
                 ", ".join(str(p) for p in self.ports) or "-", cpus, f"{used} / {limit}",
-                ",".join(str(i) for i in self.gpus) or "-",
+                ",".join(str(i) for i in self.gpus) or self.gpus_wanted or "-",
                 f"{self.jobs_running}/{self.jobs_pending}", self.description]
 
 
@@ -189,9 +191,12 @@ def ports_of(resources: list[dict[str, Any]], claims: dict[str, Any]) -> list[Po
     return out
 
 
-def _gpus(claims: dict[str, Any]) -> tuple[list[int], list[str]]:
+def _gpus(claims: dict[str, Any]) -> tuple[list[int], list[str], bool]:
+    """The GPUs held (indices, UUIDs), and whether the spec asks for every GPU (`all`, as a
+    spec that is down says before this host resolves it)."""
     g = claims.get("gpus") or {}
-    return [int(i) for i in g.get("indices") or ()], [str(u) for u in g.get("uuids") or ()]
+    return ([int(i) for i in g.get("indices") or ()], [str(u) for u in g.get("uuids") or ()],
+            bool(g.get("all")))
 
 
 # ---------------------------------------------------------------- the rows
@@ -300,7 +305,9 @@ def _row(lazy: _Lazy, host: Host, name: str, sample: EnvSample | None,
         applied, claims = [e.resource for e in entries], journal.claims if journal else {}
         row.limits, row.ports = limits_of(applied), ports_of(applied, claims)
     row.address = claims.get("address")
-    row.gpus, row.gpu_uuids = _gpus(claims)
+    row.gpus, row.gpu_uuids, all_gpus = _gpus(claims)
+    if all_gpus and not row.gpus:
+        row.gpus_wanted = "all"
     row.description = str(claims.get("description") or (ls.spec.description if ls else ""))
     if sample is not None and row.state != "down":
         row.memory_used = sample.mem_usage

@@ -15,7 +15,7 @@ from envctl.listing import limits_of, ports_of
 REPO = Path(__file__).resolve().parents[2]
 BOOT_FILE = Path("/proc/sys/kernel/random/boot_id")
 JSON_KEYS = {"name", "state", "reasons", "address", "ports", "cpus", "memory", "limits", "gpus",
-             "gpu_uuids", "jobs", "description", "spec"}
+             "gpu_uuids", "gpus_wanted", "jobs", "description", "spec"}
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -44,6 +44,8 @@ def test_the_shipped_specs_are_listed_down_with_what_up_would_give_them(capsys):
     assert cpu.split()[1:4] == ["down", "10.200.0.21", "0.0.0.0:9090->9090/tcp"]
     assert "- / " in cpu and " 0/0 " in cpu  # nothing used yet; the limit it would get
     assert cpu.endswith("Dedicated-core CPU partition for batch and benchmark jobs")
+    gpu = next(x for x in lines if x.startswith("gpu-compute "))
+    assert "  all   0/0  " in gpu  # its spec asks for every GPU; none is held while down
     assert run(capsys, "ps")[1] == out  # the alias
 
 
