@@ -1,11 +1,12 @@
 """`envctl list`: one row per environment (its state, address, published ports, CPU and memory
-limits, memory in use, GPUs, jobs, description), from the journals, the specs' plans and one
-read of each environment's cgroup files, never the per-resource checks of `status`.
+limits, memory in use, GPUs, jobs, description), from the specs, the journals and one read of
+each environment's cgroup files, never the per-resource checks of `status`; and the same
+state words, and the limits in the spec's units, for `status` and `plan`.
 
 States, from the quickest evidence that is still honest (docs/lifecycle.md):
 - up: applied in this boot, every step finished, its network namespace, cgroup and service
-  (where it has them) there, and its spec plans exactly what was applied;
-- not-applied: as up, but its spec has changed since: `envctl up NAME` would apply the
+  (where it has them) there, and its spec says what `up` applied (the digest `up` recorded);
+- not-applied: as up, but its spec says something else now: `envctl up NAME` would apply the
   difference (`envctl plan NAME` shows it);
 - degraded: applied in this boot, but a step was left half done (a failed or interrupted
   `up`), its journal cannot be read, or its namespace, cgroup or service is gone;

@@ -9,29 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from envctl.cli import main
 from envctl.listing import limits_of, ports_of
+from tests.unit.test_cli import isolated, run  # noqa: F401 - isolated: autouse, here too
 
-REPO = Path(__file__).resolve().parents[2]
 BOOT_FILE = Path("/proc/sys/kernel/random/boot_id")
 JSON_KEYS = {"name", "state", "reasons", "address", "ports", "cpus", "memory", "limits", "gpus",
              "gpu_uuids", "gpus_wanted", "jobs", "description", "spec"}
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
-
-
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("ENVCTL_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.setenv("ENVCTL_CONFIG_DIR", str(REPO / "configs"))
+def no_cgroups(monkeypatch):
+    """test_cli's isolation (state, run and config directories), with a cgroup parent that
+    does not exist: nothing of a journal's cgroup is there."""
     monkeypatch.setenv("ENVCTL_CGROUP_PARENT", "envctl-unit-listing-none")
-    monkeypatch.setenv("COLUMNS", "200")
 
 
 def test_the_shipped_specs_are_listed_down_with_what_up_would_give_them(capsys):
