@@ -1000,12 +1000,22 @@ def top(
 
     Example: envctl top -n 5
     """
+    from envctl import listing
     from envctl.host.context import Host
     from envctl.monitor.top import run_top
 
     if not interval > 0:
         raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
-    run_top(Host.from_env(), interval=interval, console=_console())
+    host = Host.from_env()
+    try:
+        ws = _workspace(None, pure=True)[0]
+    except EnvctlError:
+        ws = None  # states from the journals alone (a spec's change is not seen)
+
+    def states(names: list[str]) -> dict[str, str]:  # as `envctl list` says them
+        return {r.name: r.state for r in listing.rows(ws, host, names)}
+
+    run_top(host, interval=interval, console=_console(), states=states)
 
 
 def _recent_events(host: Any, envs: list[str]) -> dict[str, list[dict[str, Any]]]:

@@ -21,6 +21,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from envctl.render import STATE_COLOUR
+
 if TYPE_CHECKING:
     from envctl.monitor.collect import Sampler, Snapshot
 
@@ -109,7 +111,7 @@ def fit(head: list[str], blocks: list[tuple[str, list[str]]], height: int, *,
 
 
 def view(snap: Snapshot, jobs: list[Any] | None = None, *, events: dict[str, Any] | None = None,
-         height: int | None = None) -> Group:
+         height: int | None = None, states: dict[str, str] | None = None) -> Group:
     """The renderable of one sample: a row per environment, then the GPUs, the active jobs
     and problems for as many lines as `height` (the terminal's; None: no limit) leaves."""
     room = [height - 1 if height else 1 << 30]  # lines left below the head line
@@ -131,7 +133,7 @@ def view(snap: Snapshot, jobs: list[Any] | None = None, *, events: dict[str, Any
                 f"memory {_pct(snap.host_mem_percent).strip()}", style="bold")
     envs = Table(title="environments", title_justify="left", expand=False, box=None,
                  header_style="bold")
-    for col, just in (("ENV", "left"), ("CPU%", "right"), ("CPUS", "right"),
+    for col, just in (("ENV", "left"), ("STATE", "left"), ("CPU%", "right"), ("CPUS", "right"),
                       ("MEMORY", "right"), ("LIMIT", "right"), ("PEAK", "right"),
                       ("OOM", "right"), ("TASKS", "right"), ("THROTTLED", "right"),
                       ("JOBS", "right"), ("SERVICE", "left"), ("GPU MEM", "right"),
@@ -144,7 +146,10 @@ def view(snap: Snapshot, jobs: list[Any] | None = None, *, events: dict[str, Any
             f"[green]{s.service['state']}[/]" if s.service["up"]
             else f"[red]{escape(str(s.service['state']))}[/]")
         last = (events or {}).get(s.env) or []
-        envs.add_row(escape(s.env), _pct(s.cpu_percent), str(s.cpus or "-"),
+        state = (states or {}).get(s.env, "-")
+        colour = STATE_COLOUR.get(state)
+        envs.add_row(escape(s.env), f"[{colour}]{state}[/]" if colour else state,
+                     _pct(s.cpu_percent), str(s.cpus or "-"),
                      _bytes(s.mem_usage), _bytes(s.mem_limit) if s.mem_limit else "none",
                      _bytes(s.mem_peak), str(s.oom_kills if s.oom_kills is not None else "-"),
                      str(s.tasks if s.tasks is not None else "-"),
@@ -190,9 +195,11 @@ def view(snap: Snapshot, jobs: list[Any] | None = None, *, events: dict[str, Any
 
 def run_top(host: Any, *, interval: float, sampler: Sampler | None = None,
             console: Any = None, iterations: int | None = None,
-            sleep: Callable[[float], None] = time.sleep, keys: Keys | None = None) -> None:
+            sleep: Callable[[float], None] = time.sleep, keys: Keys | None = None,
+            states: Callable[[list[str]], dict[str, str]] | None = None) -> None:
     """Redraw every `interval` seconds until `q` or Ctrl-C (or `iterations` draws, for
-    tests), fitted to the terminal's height."""
+    tests), fitted to the terminal's height. `states(names)` gives each environment's state
+    as `envctl list` says it."""
     from envctl.monitor import events as ev
     from envctl.monitor.collect import Sampler
     from envctl.runtime import jobs as jb
@@ -210,8 +217,9 @@ def run_top(host: Any, *, interval: float, sampler: Sampler | None = None,
                 listed = jb.listing(host.state_dir, host.boot_id)
                 rows = jb.table(listed) if listed else None
                 height = live.console.height if live.console.is_terminal else None
+                said = states([e.env for e in snap.envs]) if states else None
                 live.update(view(snap, rows, events=ev.recent(host.state_dir, per_env=1),
-                                 height=height), refresh=True)
+                                 height=height, states=said), refresh=True)
                 n += 1
     except KeyboardInterrupt:
         pass
