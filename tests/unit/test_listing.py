@@ -209,3 +209,12 @@ def test_the_spec_digest_changes_with_what_the_spec_says_only(tmp_path):
     assert len({spec_digest(_spec(tmp_path, t)) for t in same}) == 1
     assert spec_digest(_spec(tmp_path, base.replace("64M", "65M"))) != spec_digest(
         _spec(tmp_path, base))
+
+
+def test_a_damaged_journal_is_degraded_not_a_crash(capsys, tmp_path):
+    (tmp_path / "state" / "journal").mkdir(parents=True)
+    (tmp_path / "state" / "journal" / "broken.json").write_text("{not json")
+    code, out, err = run(capsys, "list", "--json")
+    assert code == 0, err
+    row = {r["name"]: r for r in json.loads(out)}["broken"]
+    assert row["state"] == "degraded" and row["reasons"][0].startswith("journal cannot be read")
