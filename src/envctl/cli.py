@@ -269,8 +269,11 @@ def plan(
             steps = engine.diff_down(n)  # each removal says what it restores
             out.append({"env": n, "warnings": [], "resolved": {}, "steps": steps})
     else:
+        from envctl.listing import spec_limits
+
         for p in ws.plan_all(ws.select(env_names, all_=all_)):
-            out.append({"env": p.env, "warnings": p.warnings, "resolved": p.resolved,
+            out.append({"env": p.env, "limits": spec_limits(ws.get(p.env).spec, p.resolved),
+                        "warnings": p.warnings, "resolved": p.resolved,
                         "steps": engine.diff(p.env, p.resources)})
     if json_:
         _emit_json([{**o, "steps": [s.to_json() for s in o["steps"]]} for o in out])
@@ -330,7 +333,12 @@ def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> 
         ws.host.progress = bar_printer(_console())
     engine = ws.engine(lock_timeout=CTX.lock_timeout, on_wait=_stderr,
                        progress=None if json_ else step_printer(_console()))
-    result = ops.up(plans, engine, {p.env: ws.claims(p.env) for p in plans})
+    from envctl.listing import spec_digest
+
+    # With what the spec said (its digest), for `list` to tell up from not-applied quickly.
+    result = ops.up(plans, engine, {p.env: {**ws.claims(p.env),
+                                            "spec_digest": spec_digest(ws.get(p.env).spec)}
+                                    for p in plans})
     for env, err in result.failed.items():
         _stderr(f"error: {env}: {err}")
     if json_:
@@ -463,6 +471,27 @@ def _name_of_file(path: str) -> str:
     return load_spec(path).spec.name
 
 
+def _targets(names: list[str] | None, host: Any, *, pure: bool = False
+             ) -> tuple[Any, list[str]]:
+    """The workspace (None when its specs cannot be read) and the environments named, else
+    every one known. Read-only commands work from the journals when a spec is gone or broken:
+    a bad spec elsewhere must not make `status --check` of what is up fail. The problems are
+    still shown."""
+    from envctl import app as ops
+
+    ws = None
+    try:
+        ws, env_names = _workspace(names, pure=pure)
+    except EnvctlError as exc:
+        for line in (exc.problems if isinstance(exc, SpecError) else [exc]):
+            _stderr(f"warning: {line}")
+        _stderr("warning: specs not read: showing what the journals record")
+        env_names = [n for n in names or [] if not n.endswith((".yaml", ".yml"))]
+    if env_names:
+        _require_known(env_names, host, ws)
+    return ws, env_names or ops.known_environments(ws, host)
+
+
 @app.command()
 def status(
     names: EnvNames = None,
@@ -470,7 +499,10 @@ def status(
     check: Annotated[bool, typer.Option("--check", help="Exit 1 unless every applied resource "
                                                         "is ok (for monitoring).")] = False,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw it every --interval "
-                                                              "seconds until Ctrl-C.")] = False,
+                                                              "seconds until q or Ctrl-C: "
+                                                              "`list`'s table, then each "
+                                                              "environment's detail while "
+                                                              "they fit the terminal.")] = False,
     interval: Annotated[float, typer.Option("--interval", "-n", help="Seconds between redraws "
                                                                      "(--watch).")] = 2.0,
 ) -> None:
@@ -480,7 +512,7 @@ def status(
     Example: envctl status cpu-compute --json
     """
     from envctl import app as ops
-    from envctl.engine.engine import env_state
+    from envctl import listing
     from envctl.host.context import Host
     from envctl.render import render_status
 
@@ -489,28 +521,18 @@ def status(
             raise typer.BadParameter("--watch redraws for a person: not with --json or --check")
         return _watch_status(names, interval)
     host = Host.from_env()
-    ws = None
-    try:
-        ws, env_names = _workspace(names)
-    except EnvctlError as exc:
-        # Status works from the journals when a spec is gone or broken: a bad spec elsewhere
-        # must not make `status --check` of what is up fail. The problems are still shown.
-        for line in (exc.problems if isinstance(exc, SpecError) else [exc]):
-            _stderr(f"warning: {line}")
-        _stderr("warning: specs not read: showing what the journals record")
-        env_names = [n for n in names or [] if not n.endswith((".yaml", ".yml"))]
-    if env_names:
-        _require_known(env_names, host, ws)
-    targets = env_names or ops.known_environments(ws, host)
+    ws, targets = _targets(names, host)
     rows = ops.status_rows(ws, host, targets)
     warnings = ops.status_warnings(ws, host, targets)
     cgroups = ops.cgroup_usage(host, rows)
     isolation = ops.status_isolation(ws, host, list(rows))
     descriptions = ops.status_descriptions(ws, host, list(rows))
+    states = listing.status_states(ws, host, rows)
+    limits = listing.limit_summaries(ws, host, list(rows), states)
     events = _recent_events(host, list(rows))
     if json_:
-        _emit_json([{"env": env, "state": env_state(steps), "up": env_state(steps) != "down",
-                     "description": descriptions.get(env, ""),
+        _emit_json([{"env": env, "state": states[env], "up": states[env] != "down",
+                     "description": descriptions.get(env, ""), "limits": limits.get(env),
                      "isolation": isolation.get(env, {"level": "native"}),
                      "steps": [s.to_json() for s in steps],
                      "warnings": warnings.get(env, []), "cgroup": cgroups.get(env),
@@ -518,11 +540,40 @@ def status(
                     for env, steps in rows.items()])
     else:
         render_status(_console(), rows, warnings, cgroups=cgroups, isolation=isolation,
-                      descriptions=descriptions)
+                      descriptions=descriptions, states=states, limits=limits)
         _render_events(_console(), events)
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):
         raise typer.Exit(1)
+
+
+@app.command("list")
+def list_(names: EnvNames = None, json_: JsonOpt = False) -> None:
+    """One line per environment, as `docker ps` and `incus list` give it: state (up,
+    not-applied, degraded, down), address, published ports, CPUs, memory used / limit, GPUs,
+    jobs running/pending, description. Alias: ps.
+
+    Environments come from the specs and from the journals (one whose spec was deleted but
+    that is still up is listed). Fast and read-only: it reads the journals and each cgroup,
+    never checks every resource as `status` does (see docs/lifecycle.md for what each state
+    means).
+
+    Example: envctl list;  envctl ps --json | jq -r '.[] | select(.state != "up") | .name'
+    """
+    from envctl import listing
+    from envctl.host.context import Host
+    from envctl.render import render_list
+
+    host = Host.from_env()
+    ws, targets = _targets(names, host, pure=True)  # host facts only as rows need them
+    rows = listing.rows(ws, host, targets)
+    if json_:
+        _emit_json([r.to_json() for r in rows])
+    else:
+        render_list(_console(), rows)
+
+
+app.command("ps", hidden=True)(list_)
 
 
 @app.command()
@@ -940,8 +991,10 @@ DEFAULT_CSV_DIR = "/var/log/envctl"  # where the monitor's CSV files go by defau
 @app.command()
 def monitor(
     interval: Annotated[float, typer.Option(
-        "--interval", "-i", help="Seconds between samples (the setup envctl replaces polled "
+        "--interval", "-n", help="Seconds between samples (the setup envctl replaces polled "
         "every 30 s).")] = 30.0,
+    interval_i: Annotated[float | None, typer.Option(
+        "-i", hidden=True, help="The old spelling of -n.")] = None,
     once: Annotated[bool, typer.Option(
         "--once", help="Take one sample (over a 1 s window, for CPU percentages), print the "
         "Prometheus exposition on stdout and exit: a probe that changes nothing (no CSV, no "
@@ -979,6 +1032,7 @@ def monitor(
     from envctl.monitor import daemon
     from envctl.monitor.prom import parse_listen
 
+    interval = interval if interval_i is None else interval_i
     if not interval > 0:
         raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
     addr = None if once else parse_listen(listen)
@@ -1007,16 +1061,27 @@ def top(
 ) -> None:
     """A live view of the environments (CPU, memory, OOM kills, tasks, jobs, service, GPU
     memory, last monitor event), the GPUs (utilisation, memory, temperature, power, holder)
-    and the active jobs, redrawn in place until Ctrl-C. Read-only.
+    and the active jobs, redrawn in place until q or Ctrl-C, fitted to the terminal: a row
+    per environment, then as many GPUs and jobs as the height leaves room for. Read-only.
 
     Example: envctl top -n 5
     """
+    from envctl import listing
     from envctl.host.context import Host
     from envctl.monitor.top import run_top
 
     if not interval > 0:
         raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
-    run_top(Host.from_env(), interval=interval, console=_console())
+    host = Host.from_env()
+    try:
+        ws = _workspace(None, pure=True)[0]
+    except EnvctlError:
+        ws = None  # states from the journals alone (a spec's change is not seen)
+
+    def states(names: list[str]) -> dict[str, str]:  # as `envctl list` says them
+        return {r.name: r.state for r in listing.rows(ws, host, names)}
+
+    run_top(host, interval=interval, console=_console(), states=states)
 
 
 def _recent_events(host: Any, envs: list[str]) -> dict[str, list[dict[str, Any]]]:
@@ -1038,11 +1103,14 @@ def _render_events(console: Any, recent: dict[str, list[dict[str, Any]]]) -> Non
 
 
 def _watch_status(names: list[str] | None, interval: float) -> None:
-    """`status --watch`: the status view, redrawn every `interval` seconds until Ctrl-C."""
+    """`status --watch`: `list`'s table (with `status`'s states), then each environment's
+    `status` for as many as fit the terminal, redrawn every `interval` seconds until q or
+    Ctrl-C."""
     from envctl import app as ops
+    from envctl import listing
     from envctl.host.context import Host
-    from envctl.monitor.top import watch
-    from envctl.render import render_status
+    from envctl.monitor.top import captured, fit, watch
+    from envctl.render import render_list, render_status
 
     if not interval > 0:
         raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
@@ -1056,9 +1124,22 @@ def _watch_status(names: list[str] | None, interval: float) -> None:
             console.print(f"[yellow]! specs not read: {exc}[/]")
         targets = env_names or ops.known_environments(ws, host)
         rows = ops.status_rows(ws, host, targets)
-        render_status(console, rows, ops.status_warnings(ws, host, targets),
-                      cgroups=ops.cgroup_usage(host, rows))
-        _render_events(console, _recent_events(host, targets))
+        states = listing.status_states(ws, host, rows)
+        table = listing.rows(ws, host, list(rows))
+        for r in table:
+            r.state = states.get(r.name, r.state)
+        kw = {"cgroups": ops.cgroup_usage(host, rows), "states": states,
+              "limits": listing.limit_summaries(ws, host, list(rows), states)}
+        warnings, recent = ops.status_warnings(ws, host, targets), _recent_events(host, targets)
+        blocks = [(env, captured(console, lambda c, env=env: (
+            render_status(c, {env: rows[env]}, warnings, **kw),
+            _render_events(c, {env: recent[env]} if env in recent else {}))))
+            for env in rows]
+        head = captured(console, lambda c: render_list(c, table)) + [""]
+        lines = head + [x for _, b in blocks for x in b] if not console.fit_height else fit(
+            head, blocks, console.fit_height, more="… {n} more not shown ({names}): "
+                                                   "`envctl status NAME` shows one")
+        console.file.write("".join(line + "\n" for line in lines))  # already rendered
 
     watch(render, interval=interval, console=_console())
 

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from envctl.engine.engine import Outcome, Step
 
 STYLE = {"+": "green", "~": "yellow", "=": "dim", "-": "red", ".": "dim", "!": "bold red"}
+STATE_COLOUR = {"up": "green", "down": "dim", "degraded": "yellow", "not-applied": "cyan"}
 WORD = {"+": "create", "~": "change", "=": "keep", "-": "remove", ".": "gone", "!": "refuse"}
 
 
@@ -40,9 +41,15 @@ def _resolved(resolved: dict[str, Any]) -> str:
 
 
 def render_plan(console: Console, plans: list[dict[str, Any]], *, down: bool) -> None:
+    from rich.markup import escape
+
     for p in plans:
         head = f"[bold]{p['env']}[/]"
-        if p["resolved"]:
+        if p.get("limits"):  # the spec's limits in its own units, and what it resolved to
+            threads = p["resolved"].get("threads")
+            head += f"  [dim]{escape(p['limits'])}" + (f", {threads} threads" if threads
+                                                      else "") + "[/]"
+        elif p["resolved"]:
             head += f"  [dim]{_resolved(p['resolved'])}[/]"
         console.print(head)
         for w in p["warnings"]:  # `!` marks a refused step; a warning says so
@@ -120,12 +127,14 @@ def render_status(console: Console, rows: dict[str, list[Step]],
                   warnings: dict[str, list[str]] | None = None, *,
                   cgroups: dict[str, dict] | None = None,
                   isolation: dict[str, dict] | None = None,
-                  descriptions: dict[str, str] | None = None) -> None:
+                  descriptions: dict[str, str] | None = None,
+                  states: dict[str, str] | None = None,
+                  limits: dict[str, str] | None = None) -> None:
     if not rows:
         console.print("no environments")
     for env, steps in rows.items():
-        state = env_state(steps)
-        colour = {"up": "green", "down": "dim", "degraded": "yellow"}[state]
+        state = (states or {}).get(env) or env_state(steps)
+        colour = STATE_COLOUR.get(state, "")
         about = (descriptions or {}).get(env, "")
         from rich.markup import escape
 
@@ -135,6 +144,8 @@ def render_status(console: Console, rows: dict[str, list[Step]],
         if sandbox.get("level", "native") != "native":  # native: the default, not shown
             platform = f" ({sandbox['platform']})" if sandbox.get("platform") else ""
             console.print(f"  {'isolation':<12} {sandbox['level']}{platform}")
+        if (limits or {}).get(env):
+            console.print(f"  {'limits':<12} {escape(limits[env])}")
         if (cgroups or {}).get(env):
             console.print(f"  {'cgroup':<12} {_cgroup_line(cgroups[env])}")
         for s in steps:
@@ -169,3 +180,40 @@ def _cgroup_line(info: dict[str, Any]) -> str:
     if st.get("pids_current") is not None:
         parts.append(f"{st['pids_current']} pids")
     return text + (": " + ", ".join(parts) if parts else "")
+
+
+def list_lines(rows: list[Any], *, markup: bool = True) -> list[str]:
+    """`envctl list`'s lines (envctl.listing.Row): a header, then one aligned line per
+    environment (the description last, never padded); rich markup colours the state."""
+    from rich.markup import escape
+
+    from envctl.listing import HEADER
+
+    table = [list(HEADER)] + [r.cells() for r in rows]
+    widths = [max(len(line[c]) for line in table) for c in range(len(HEADER) - 1)]
+    out = []
+    for i, line in enumerate(table):
+        cells = [escape(v.ljust(w)) for v, w in zip(line, widths, strict=False)]
+        if i == 0 and markup:
+            cells = [f"[bold]{c}[/]" for c in cells]
+        elif markup:
+            colour = STATE_COLOUR.get(line[1], "")
+            cells[1] = f"[{colour}]{cells[1]}[/]" if colour else cells[1]
+        out.append(("  ".join(cells + [escape(line[-1])])).rstrip())
+    return out
+
+
+def render_list(console: Console, rows: list[Any]) -> None:
+    if not rows:
+        console.print("no environments")
+        return
+    # One line each, as ps(1) on a terminal: cut at its width (never when piped).
+    cut: dict[str, Any] = {"no_wrap": True, "overflow": "ellipsis"} \
+        if console.is_terminal and not console.soft_wrap else {}
+    for line in list_lines(rows):
+        console.print(line, **cut)
+    from rich.markup import escape
+
+    for r in rows:  # why a row is not plainly up or down, under the table
+        for why in r.reasons:
+            console.print(f"[dim]{escape(r.name)}: {escape(why)}[/]", **cut)

@@ -34,3 +34,13 @@ def test_seccomp_cost_smoke():
     for variant in ("native", "allow-all", "docker", "docker x2"):
         line = next((x for x in res.stdout.splitlines() if x.startswith(f"{variant} ")), None)
         assert line is not None and "ns per call" in line and "min-max" in line, res.stdout
+
+
+def test_list_speed_smoke():
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "list_speed.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    for label in ("--version", "list ", "list --json", "status"):
+        assert any(f"envctl {label}" in x and " ms " in x for x in out.splitlines()), out
+    assert "ratio status/list" in out and "vs target 300 ms" in out, out

@@ -143,7 +143,8 @@ def test_one_tick_heals_a_dead_service_and_logs_it(box, tmp_path):
     assert [(x["env"], x["event"]) for x in lines] == [("box", "drift"), ("box", "healed")]
     assert "service box" in lines[0]["detail"] and "service box" in lines[1]["detail"]
     (env,) = sb.envctl_json("status", "box")
-    assert env["state"] == "up"
+    # Everything applied is there again; the edit is still the operator's to apply.
+    assert env["state"] == "not-applied" and all(s["op"] == "=" for s in env["steps"])
     assert [e["event"] for e in env["events"]] == ["drift", "healed"]
     res = sb.envctl("status", "box")
     assert "monitor events:" in res.stdout and " healed: " in res.stdout

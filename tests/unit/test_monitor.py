@@ -597,10 +597,10 @@ def test_top_draws_environments_gpus_and_jobs(tmp_path, fake_nvml, monkeypatch):
     host = SimpleNamespace(state_dir=fh.state, boot_id=BOOT)
     sampler = fh.sampler(nvml=NvmlSession(fake_nvml))
     run_top(host, interval=2.0, sampler=sampler, console=console, iterations=2,
-            sleep=lambda s: None)
+            sleep=lambda s: None, states=lambda names: {n: "up" for n in names})
     text = out.getvalue()
     env_rows = [line.split() for line in text.splitlines() if line.lstrip().startswith("env")]
-    assert env_rows[-2][:3] == ["env0", "0.0%", "2"] and env_rows[-2][-1] == "healed"
+    assert env_rows[-2][:4] == ["env0", "up", "0.0%", "2"] and env_rows[-2][-1] == "healed"
     assert env_rows[-1][0] == "env1" and "1" in env_rows[-1]  # its running job
     assert "NVIDIA H200" in text and "train" in text and "RUNNING" in text
     assert fake_nvml.calls["shutdown"] == 1  # closed on the way out
