@@ -192,12 +192,12 @@ def test_plan_heads_each_environment_with_its_limits(capsys):
     code, out, err = run(capsys, "plan", "cpu-compute")
     assert code == 0, err
     head = out.splitlines()[0]
-    assert head.startswith("cpu-compute  cpu 1500% of one CPU (15 CPUs) on ")
+    assert head.startswith("cpu-compute  cpu 15 CPUs on ")  # the shipped spec's `cpus: 15`
     assert "memory 70% of host = " in head and "pids 16384, io weight 900" in head
     code, out, _ = run(capsys, "plan", "cpu-compute", "--json")
-    assert json.loads(out)[0]["limits"].startswith("cpu 1500% of one CPU")
+    assert json.loads(out)[0]["limits"].startswith("cpu 15 CPUs on ")
     code, out, _ = run(capsys, "status", "cpu-compute")
-    assert "limits       cpu 1500% of one CPU (15 CPUs)" in out
+    assert "limits       cpu 15 CPUs on " in out
 
 
 def test_the_spec_digest_changes_with_what_the_spec_says_only(tmp_path):
