@@ -117,3 +117,13 @@ def test_a_launch_maps_root_and_the_jobs_own_ids_alone():
     assert gid_map == f"0 {base} 1\n44 44 1\n1000 1000 1\n2000001 2000001 1\n".encode()
     # Root among alice's groups maps to the environment's id, never to the host's gid 0.
     assert id_maps(base, User(1000, 1000, (0, 1000)))[1] == f"0 {base} 1\n1000 1000 1\n".encode()
+
+
+def test_plan_warns_that_an_environment_without_network_is_in_the_hosts():
+    facts = HostFacts(cpus=(0, 1), userns_assigned={"a": 0x70000000},
+                      rootfs={"a": RootfsFacts()})
+    warned = [w for w in plan_env(spec("a"), facts).warnings if "no network: section" in w]
+    assert len(warned) == 1 and "host's network namespace" in warned[0]
+    isolated = spec("a", "rootfs: {binaries: [sh]}\n"
+                    "network: {address: 10.231.0.2, bridge_address: 10.231.0.1/24}\n")
+    assert not [w for w in plan_env(isolated, facts).warnings if "no network" in w]

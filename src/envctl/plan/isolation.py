@@ -27,6 +27,7 @@ RUNSC_PACKAGE = "runsc"
 def plan_isolation(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     rt = spec.runtime
     _plan_userns(spec, facts, plan)
+    _plan_host_network(spec, plan)
     if rt.isolation == "native":
         return
     platform = rt.gvisor.platform
@@ -63,6 +64,17 @@ def plan_isolation(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
             "would see no GPU; use isolation: native"))
 
 
+def _plan_host_network(spec: EnvSpec, plan: Plan) -> None:
+    """An environment without `network:` runs its jobs in the host's network namespace, as
+    `docker run --network host` does: say so, since the partition is then no network
+    boundary at all (docs/security.md)."""
+    if spec.network is None and wants_rootfs(spec):
+        plan.warn("no network: section: this environment's jobs share the host's network "
+                  "namespace (every service on the host's 127.0.0.1, its abstract unix sockets, "
+                  "its ports and interfaces), as `docker run --network host` does; give it a "
+                  "network: section to isolate it")
+
+
 def _plan_userns(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     """Root inside as the host sees it: the block of ids allocated for the environment's user
     namespace (recorded with the claims), or the host's root, which `plan` warns about."""
@@ -82,4 +94,4 @@ def _plan_userns(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     base = facts.userns_assigned.get(spec.name)
     if base is not None:
         plan.resolved["userns"] = (f"root inside is host uid/gid {base} (block {base}-"
-                                   f"{base + USERNS_SIZE - 1}); other users keep their host ids")
+                                   f"{base + USERNS_SIZE - 1}); a job's own user keeps its host ids")

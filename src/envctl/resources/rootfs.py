@@ -772,9 +772,14 @@ def _clear_tmp(env: str, path: str, pfd: int, tmp: str) -> None:
 
 
 def _place_host_file(pfd: int, tmp: str, source: str, src: os.stat_result, dev: int) -> None:
-    """Hard-link `source` as `tmp` when it is on the tree's filesystem, else copy it. A set-id
-    source is always copied: a link would be the host's set-id inode itself."""
-    if src.st_dev == dev and not src.st_mode & SETID:
+    """Hard-link `source` as `tmp` when it is on the tree's filesystem, else copy it. A link is
+    the host's inode itself, so only a file that root alone may change is linked: one owned by
+    another user, or writable by its group or others (a maintainer's /opt tree, a conda or
+    pyenv install, /usr/local of group staff), is copied, or its owner would rewrite what every
+    job of every partition runs; and a set-id source is copied, or the link would be the
+    host's set-id program at a path of envctl's."""
+    if (src.st_dev == dev and not src.st_mode & SETID and src.st_uid == 0
+            and not src.st_mode & 0o022):
         try:
             os.link(source, tmp, dst_dir_fd=pfd, follow_symlinks=True)
             return

@@ -179,12 +179,23 @@ def cgroup_name(env: str, job_id: int) -> str:
 # ---------------------------------------------------------------- ids
 
 
+def _private_dir(d: Path) -> None:
+    """`d` made, or kept, 0700: `<state>/jobs` is root's alone. A job's uid is often one many
+    host processes share (nobody, a service account): were its directory reachable, any of
+    them could rewrite the job's staged program or read its outputs. The job reaches its own
+    directory through /job, a bind that walks no parent; `envctl logs` opens it as root."""
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(d)
+    if st.st_mode & 0o077 and st.st_uid == os.geteuid():  # an older envctl's 0755
+        os.chmod(d, 0o700)
+
+
 @contextlib.contextmanager
 def jobs_lock(state_dir: Path) -> Iterator[None]:
     """Hold `<state>/jobs/.lock` (its own lock, never the global one: `up`/`down` may hold that
     for minutes and a submit must not wait for them). The kernel drops it if we die."""
     d = jobs_dir(state_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    _private_dir(d)
     fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

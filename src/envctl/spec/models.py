@@ -873,7 +873,7 @@ class Runtime(Strict):
     nested_userns: Flag = False
     # Run every native launch in a user namespace of the environment: root inside is an
     # unprivileged host uid of its own (a block allocated per environment, recorded in the
-    # journal); the other users keep their host ids (docs/security.md). false: root inside is
+    # journal); a job's own user keeps its host ids (docs/security.md). false: root inside is
     # the host's root (limited by capabilities and seccomp only); `plan` warns about it.
     userns: Flag = True
 
