@@ -2,7 +2,11 @@
 environment, attached.
 
 stdin, stdout and stderr pass through (a pseudo-terminal, made inside the environment, when
-both stdin and stdout are terminals: the real terminal goes raw, its window size follows);
+both stdin and stdout are terminals: the real terminal goes raw, its window size follows),
+but never the caller's terminal itself: a terminal among them (`envctl exec ENV -- cmd | less`:
+stdin and stderr) is relayed through a pipe, as Docker relays, for whoever holds a terminal's
+descriptor may change its line discipline (TIOCSETD: an operator's session dead after the
+job), its modes and, where its ids are mapped, its owner;
 the signals envctl receives go to the command; envctl's exit code is the command's (128+N for
 signal N). The command runs in its own cgroup `exec-<envctl's pid>` below the environment's
 (cgroupfs driver; a transient scope of the environment's slice with the systemd driver),
@@ -75,15 +79,46 @@ def run(env: str, argv: list[str], *, user: str | None = None, host: Host | None
                     winsize=_winsize(1) if interactive else None,
                     attach=systemd_attach(ctx))
     name = f"exec-{os.getpid()}"
+    relays: list[tuple[int, int]] = []
+    if not interactive:
+        launch.stdio, relays = _relayed_terminals()
     launch.cgroup_dirs = create_cgroup(ctx, name)
     try:
-        return _attached(launch)
+        return _attached(launch, relays)
     finally:
         remove_cgroup(ctx, name)
+        for src, dst in relays:
+            for fd in (src, dst):
+                if fd > 2:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
 
 
-def _attached(launch: Launch) -> int:
-    """Start the launch with the forwarding handlers in place, then wait (or copy the pty)."""
+def _relayed_terminals() -> tuple[tuple[int, int, int], list[tuple[int, int]]]:
+    """The job's stdio: ours, but a pipe in place of each that is a terminal; and the relays
+    (source, destination) this process copies while the job runs: the terminal to the pipe
+    for stdin, the pipe to the terminal for stdout and stderr."""
+    stdio = [0, 1, 2]
+    relays = []
+    for target in (0, 1, 2):
+        try:
+            if not os.isatty(target):
+                continue
+        except OSError:
+            continue  # closed: the launch gives /dev/null
+        r, w = os.pipe2(os.O_CLOEXEC)
+        if target == 0:
+            stdio[0] = r
+            relays.append((0, w))
+        else:
+            stdio[target] = w
+            relays.append((r, target))
+    return (stdio[0], stdio[1], stdio[2]), relays
+
+
+def _attached(launch: Launch, relays: list[tuple[int, int]]) -> int:
+    """Start the launch with the forwarding handlers in place, then wait (or copy the pty, or
+    the relayed terminals)."""
     target: list[Started] = []
 
     def forward(sig: int, frame: object) -> None:
@@ -105,6 +140,8 @@ def _attached(launch: Launch) -> int:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         if started.pty is not None:
             return _copy_pty(started)
+        if relays:
+            return _copy_relays(started, launch.stdio, relays)
         return started.wait()
     finally:
         for sig, handler in old.items():
@@ -159,6 +196,40 @@ def _copy_pty(started: Started) -> int:
     finally:
         termios.tcsetattr(0, termios.TCSADRAIN, saved)
         os.close(started.pty)
+
+
+def _copy_relays(started: Started, stdio: tuple[int, int, int],
+                 relays: list[tuple[int, int]]) -> int:
+    """Copy each relay until the launch ends: the terminal to the job's stdin pipe (closed at
+    the terminal's end of input), the job's output pipes to the terminal (drained once the
+    job is gone: every writer has died with its PID namespace)."""
+    for fd in stdio:  # the job's ends, which the launch holds now
+        if fd > 2:
+            os.close(fd)
+    poller = select.poll()
+    ends = dict(relays)
+    for src in ends:
+        poller.register(src, select.POLLIN)
+    poller.register(started.pidfd, select.POLLIN)
+    while True:
+        try:
+            events = dict(poller.poll())
+        except InterruptedError:
+            continue
+        for src in [fd for fd in ends if fd in events]:
+            if not _pass(src, ends[src]):
+                poller.unregister(src)
+                if src == 0:  # the terminal's end of input: the job's stdin ends too
+                    os.close(ends.pop(0))
+                else:
+                    del ends[src]
+        if started.pidfd in events:
+            break
+    for src, dst in ends.items():
+        if src != 0:
+            while _pass(src, dst):
+                pass  # what the job wrote last
+    return started.wait()
 
 
 def _pass(src: int, dst: int) -> bool:

@@ -297,6 +297,7 @@ class _Init:
         self.started = False
         self.pending: list[int] = []
         self.base: list[str] = []
+        self.relay = 0  # the child copying the sandbox's stdio pipes (_relayed)
 
     def __call__(self, launch: L.Launch, plan: L._Plan, alive_r: int) -> NoReturn:
         L = self.native  # noqa: N806 - envctl.runtime.launch
@@ -344,8 +345,17 @@ class _Init:
             create.append(self.ident)
             stdio = tuple(_usable(fd) for fd in launch.stdio)
             stdio = (stdio[0], *_appending(stdio[1:]))
-            if self._run(create, stdio) != 0:
-                raise OSError(0, "", self._log_error("create"))
+            # The sandbox gets pipes in place of files and terminals: gVisor's Sentry carries
+            # a root job's fchown and fchmod of a donated host descriptor out to the host
+            # inode (the submitter's --output file, the caller's terminal).
+            stdio, self.relay = _relayed(stdio)
+            try:
+                if self._run(create, stdio) != 0:
+                    raise OSError(0, "", self._log_error("create"))
+            finally:
+                for fd, given in zip(stdio, launch.stdio, strict=True):
+                    if fd != given and fd not in launch.stdio:
+                        os.close(fd)  # the sandbox holds the job's ends now
             if console is not None:
                 step = "open a pseudo-terminal"
                 self._pass_console(console, launch, plan)
@@ -424,13 +434,18 @@ class _Init:
             sandbox = int((self.box / "sandbox.pid").read_text().split()[0])
         except (OSError, ValueError, IndexError):
             sandbox = 0
+        relay_done = self.relay == 0
         while True:
             try:
                 pid, status = os.waitpid(-1, 0)
             except ChildProcessError:
                 return signal.SIGKILL  # ECHILD: it was never ours to reap
+            relay_done = relay_done or pid == self.relay
             if pid == sandbox:
                 break
+        if not relay_done:  # what the job wrote last, copied once every writer is gone
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.relay, 0)
         if os.WIFSIGNALED(status):
             return status
         code = os.waitstatus_to_exitcode(status)
@@ -529,6 +544,77 @@ def _usable(fd: int) -> int:
     except OSError:
         return _devnull()
     return fd
+
+
+_MAX_FD = 1 << 20  # above any RLIMIT_NOFILE envctl runs with (closerange stops at the last)
+
+
+def _relayed(stdio: tuple[int, ...]) -> tuple[tuple[int, int, int], int]:
+    """`stdio` with a pipe in place of each descriptor that is not one already (or a socket,
+    or /dev/null), and the pid of the child that copies them (0: none): stdin's source into
+    its pipe, the pipes of stdout and stderr out to their files. The child ends when every
+    copy has (the job's outputs end when the sandbox does); the init waits for it."""
+    import stat
+
+    out = list(stdio)
+    copies: list[tuple[int, int]] = []  # (from, to), the copier's
+    for target, fd in enumerate(stdio):
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or fd == _devnull():
+            continue
+        r, w = os.pipe2(os.O_CLOEXEC)
+        if target == 0:
+            out[0] = r
+            copies.append((fd, w))
+        else:
+            out[target] = w
+            copies.append((r, fd))
+    if not copies:
+        return (out[0], out[1], out[2]), 0
+    pid = os.fork()
+    if pid == 0:
+        try:
+            # Nothing but the copies: the sandbox's ends held here, the job's outputs would
+            # never end; the init's error pipe, the caller would wait for the start forever.
+            low = 0
+            for keep in sorted({fd for pair in copies for fd in pair}):
+                os.closerange(low, keep)
+                low = keep + 1
+            os.closerange(low, _MAX_FD)
+            _copy_all(copies)
+        finally:
+            os._exit(0)
+    for src, dst in copies:  # the copier's pipe ends
+        os.close(dst if src in stdio else src)
+    return (out[0], out[1], out[2]), pid
+
+
+def _copy_all(copies: list[tuple[int, int]]) -> None:
+    """Copy each (from, to) until its source ends; a destination that fails drops its data."""
+    import select
+
+    poller = select.poll()
+    live = dict(copies)
+    for src in live:
+        poller.register(src, select.POLLIN)
+    while live:
+        for src, _ in poller.poll():
+            try:
+                data = os.read(src, 65536)
+            except OSError:
+                data = b""
+            if not data:
+                poller.unregister(src)
+                if live[src] not in (0, 1, 2):
+                    os.close(live[src])  # a stdin pipe: its end of input
+                del live[src]
+                continue
+            view = memoryview(data)
+            while view:
+                try:
+                    view = view[os.write(live[src], view):]
+                except OSError:
+                    break
 
 
 def _appending(fds: tuple[int, ...]) -> tuple[int, ...]:
