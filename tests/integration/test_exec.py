@@ -666,3 +666,32 @@ def test_a_launch_with_a_terminal_that_fails_reports_instead_of_hanging(sandbox,
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("error:") and "the test's step" in res.stdout, res.stdout
     down_box(sb)
+
+
+def test_a_terminal_among_execs_stdio_is_relayed_not_handed_over(sandbox, programs):
+    """`envctl exec ENV -- cmd | grep …`: stdin (and stderr) are the caller's terminal, stdout
+    a pipe. The job gets pipes in their place (what holds a terminal's descriptor may change
+    its line discipline or modes), and what is typed still reaches it, up to the end of
+    input (^D)."""
+    import fcntl
+
+    sb = sandbox
+    up_box(sb, programs)
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            ["nsenter", "-t", str(sb.pid), "-n", "-m", "--", sys.executable, "-m", "envctl",
+             "exec", "box", "--user", "root", "--", "sh", "-c",
+             "[ -t 0 ] && echo stdin-is-a-terminal; [ -t 2 ] && echo stderr-is-a-terminal; "
+             "read line; echo got $line; stty sane 2>/dev/null || echo no-stty; cat"],
+            env=sb.env(), stdin=slave, stdout=subprocess.PIPE, stderr=slave)
+        os.write(master, b"typed words\nrest\n\x04")  # ^D: the terminal's end of input
+        out, _ = proc.communicate(timeout=60)
+        ldisc = struct.unpack("i", fcntl.ioctl(slave, 0x5424, b"\0" * 4))[0]  # TIOCGETD
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert proc.returncode == 0 and out == b"got typed words\nno-stty\nrest\n", out
+    assert ldisc == 0  # N_TTY, as it was
+    assert _exec_cgroups(sb) == []
+    down_box(sb)

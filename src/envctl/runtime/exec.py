@@ -82,6 +82,8 @@ def run(env: str, argv: list[str], *, user: str | None = None, host: Host | None
     relays: list[tuple[int, int]] = []
     if not interactive:
         launch.stdio, relays = _relayed_terminals()
+        launch.keep_out = tuple(fd for pair in relays for fd in pair if fd > 2
+                                and fd not in launch.stdio)
     launch.cgroup_dirs = create_cgroup(ctx, name)
     try:
         return _attached(launch, relays)

@@ -162,6 +162,9 @@ class Launch(Record):
     pty: bool = False  # a new pseudo-terminal inside the environment; master in Started.pty
     winsize: tuple[int, int] | None = None  # (rows, columns) of the pty
     status_fd: int | None = None  # the init writes the job's raw wait status here, "N\n"
+    # The caller's own descriptors that no process of the launch may hold (the other ends of
+    # a relay's pipes: held there, the job's stdin would never end): the launcher closes them.
+    keep_out: tuple[int, ...] = ()
     # Called in the caller with the launcher's pid before the launcher enters anything (the
     # systemd driver's scope: `systemd_attach`); the launcher waits for it.
     attach: Callable[[int], None] | None = None
@@ -869,6 +872,8 @@ def _launcher(launch: Launch, plan: _Plan,
     try:
         if plan.sync_w >= 0:
             os.close(plan.sync_w)  # EOF on sync_r, then, when the caller gives up or dies
+        for fd in launch.keep_out:
+            os.close(fd)
         os.setsid()  # out of the caller's terminal group: signals reach the job once, forwarded
         _check_call(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
         if os.getppid() != plan.parent:
