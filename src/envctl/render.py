@@ -158,8 +158,8 @@ def render_status(console: Console, rows: dict[str, list[Step]],
                               if x)
             console.print(f"  {word:<12} {s.resource.describe()}"
                           + (f"  [dim]({notes})[/]" if notes else ""))
-        for w in (warnings or {}).get(env, []):
-            console.print(f"  [yellow]! {w}[/]")
+        for w in (warnings or {}).get(env, []):  # as plan says them: `!` is a refusal
+            console.print(f"  [yellow]warning: {w}[/]")
 
 
 def _cgroup_line(info: dict[str, Any]) -> str:

@@ -56,9 +56,10 @@ def test_outcomes_and_status():
                      Step("~", Sysctl("a.b", "1"),
                           Check(Status.DRIFTED, (Diff("value", "1", "0"),)))],
             "idle": [Step("+", NetNamespace("idle"), Check.absent(), "not applied")]}
-    out = text_of(render_status, rows)
+    out = text_of(render_status, rows, {"demo": ["careful"]})
     assert "demo  degraded" in out and "drifted      sysctl a.b = 1  (value: 0 -> 1)" in out
     assert "idle  down" in out
+    assert "warning: careful" in out and "! careful" not in out  # as plan: `!` is a refusal
 
 
 def test_the_progress_bar_draws_on_a_terminal_and_nothing_elsewhere():
