@@ -234,13 +234,28 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
     if any(wants_userns(s) for s in specs):
         held = _userns_held(host)
         facts = dataclasses.replace(facts, host_ids=host_id_ranges(), userns_held=held)
-        assigned, refused = assign_userns(specs, facts)
-        facts = dataclasses.replace(facts, userns_assigned=assigned, userns_refused=refused)
+        facts = _assign_userns(specs, facts, held)
     if not gpus:
         return facts
     facts = dataclasses.replace(facts, gpu_held=_gpus_held(host))
     assigned, refused = assign_gpus(gpus, facts)
     return dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused)
+
+
+def _assign_userns(specs: list[EnvSpec], facts: HostFacts, held: dict[str, int]) -> HostFacts:
+    """The user namespace blocks, allocated (plan.userns) and then checked against the name
+    service for the id each environment's root would be (only that id is mapped today): one a
+    directory user or group holds moves the block on, as a local one does."""
+    from envctl.host.idranges import nss_holder
+
+    for _ in range(8):
+        assigned, refused = assign_userns(specs, facts)
+        found = [(base, base + 1, who) for env, base in assigned.items()
+                 if held.get(env) != base and (who := nss_holder(base))]
+        if not found:
+            break
+        facts = dataclasses.replace(facts, host_ids=tuple(sorted((*facts.host_ids, *found))))
+    return dataclasses.replace(facts, userns_assigned=assigned, userns_refused=refused)
 
 
 def _userns_held(host: Host) -> dict[str, int]:

@@ -127,3 +127,34 @@ def test_plan_warns_that_an_environment_without_network_is_in_the_hosts():
     isolated = spec("a", "rootfs: {binaries: [sh]}\n"
                     "network: {address: 10.231.0.2, bridge_address: 10.231.0.1/24}\n")
     assert not [w for w in plan_env(isolated, facts).warnings if "no network" in w]
+
+
+def test_a_block_whose_root_id_the_name_service_knows_moves_on(monkeypatch):
+    """An SSSD/LDAP user is in no /etc/passwd: the id root inside would be is also looked up
+    through NSS, and a block whose first id a directory user or group holds is skipped."""
+    import envctl.host.idranges as idranges
+    from envctl.workspace import _assign_userns
+
+    a = spec("a")
+    first = preferred_block("a") * USERNS_SIZE
+    asked = []
+
+    def nss(n):
+        asked.append(n)
+        return "uid (dave, from the name service)" if n == first else None
+
+    monkeypatch.setattr(idranges, "nss_holder", nss)
+    facts = _assign_userns([a], HostFacts(), {})
+    assert facts.userns_assigned == {"a": first + USERNS_SIZE} and facts.userns_refused == {}
+    assert asked == [first, first + USERNS_SIZE]
+    # One that is up keeps its block, whatever the directory says now (it is never asked).
+    asked.clear()
+    facts = _assign_userns([a], HostFacts(userns_held={"a": first}), {"a": first})
+    assert facts.userns_assigned == {"a": first} and asked == []
+
+
+def test_nss_holder_names_a_known_id_and_none_for_a_free_one():
+    from envctl.host.idranges import nss_holder
+
+    assert nss_holder(0) == "uid 0 (root, from the name service)"
+    assert nss_holder(0x7FFDFFF0) is None  # in envctl's pool: no user on this machine

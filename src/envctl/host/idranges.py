@@ -1,5 +1,7 @@
 """The host's user and group ids in use: every uid of /etc/passwd, gid of /etc/group and range
-of /etc/subuid and /etc/subgid, which no environment's user namespace may overlap.
+of /etc/subuid and /etc/subgid, which no environment's user namespace may overlap; and, for
+the id an environment's root is, the users and groups the name service knows (LDAP, SSSD:
+their ranges may cover envctl's pool, and are not in /etc/passwd).
 
 Read-only; a missing file is an empty one (a host without subordinate ids)."""
 
@@ -34,3 +36,20 @@ def _lines(path: Path) -> list[list[str]]:
         return []
     return [line.split(":") for line in text.splitlines()
             if line.strip() and not line.startswith("#")]
+
+
+def nss_holder(n: int) -> str | None:
+    """Who holds id `n` as the name service (NSS: files, LDAP, SSSD, …) answers: "uid N
+    (name)" or "gid N (name)", or None. One lookup each: a directory-joined host's users are
+    not in /etc/passwd, and its ranges (SSSD's 200000-2000200000) may cover envctl's pool."""
+    import grp
+    import pwd
+
+    try:
+        return f"uid {n} ({pwd.getpwuid(n).pw_name}, from the name service)"
+    except (KeyError, OverflowError):
+        pass
+    try:
+        return f"gid {n} ({grp.getgrgid(n).gr_name}, from the name service)"
+    except (KeyError, OverflowError):
+        return None
