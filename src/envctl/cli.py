@@ -649,20 +649,26 @@ def exec_(
         show_default=False)] = None,
     workdir: Annotated[str, typer.Option(
         "--workdir", "-w", help="Where it starts, inside the environment.")] = "/",
+    interactive: Annotated[bool, typer.Option(
+        "--interactive", "-i", help="Keep stdin attached when it is a terminal and stdout is "
+        "not (as docker exec -i): envctl relays what is typed. Without it the command's stdin "
+        "is then /dev/null.")] = False,
 ) -> None:
     """Run a command inside an environment, attached, and exit with its exit code.
 
     The command gets the environment's network, root filesystem, /dev, variables, CPUs and
     cgroup, new PID/mount/UTS/IPC namespaces and a reduced capability set (see
-    docs/runtime.md). stdin, stdout and stderr pass through (a terminal when both stdin and
-    stdout are one); signals are forwarded; death by signal N exits 128+N; a command not found
-    exits 127.
+    docs/runtime.md). stdin, stdout and stderr pass through (a terminal of its own when both
+    stdin and stdout are one; the caller's terminal is never handed over: relayed, or for
+    stdin /dev/null unless -i); signals are forwarded; death by signal N exits 128+N; a
+    command not found exits 127.
 
     Example: sudo envctl exec cpu-compute -- python3 -c 'import os; print(os.cpu_count())'
     """
     from envctl.runtime.exec import run
 
-    raise typer.Exit(run(env, command, user=user, env_vars=env_vars, workdir=workdir))
+    raise typer.Exit(run(env, command, user=user, env_vars=env_vars, workdir=workdir,
+                         keep_stdin=interactive))
 
 
 # ---------------------------------------------------------------- jobs

@@ -250,11 +250,17 @@ def _assign_userns(specs: list[EnvSpec], facts: HostFacts, held: dict[str, int])
 
     for _ in range(8):
         assigned, refused = assign_userns(specs, facts)
-        found = [(base, base + 1, who) for env, base in assigned.items()
-                 if held.get(env) != base and (who := nss_holder(base))]
+        found = {env: (base, base + 1, who) for env, base in assigned.items()
+                 if held.get(env) != base and (who := nss_holder(base))}
         if not found:
             break
-        facts = dataclasses.replace(facts, host_ids=tuple(sorted((*facts.host_ids, *found))))
+        facts = dataclasses.replace(facts, host_ids=tuple(sorted(
+            (*facts.host_ids, *found.values()))))
+    else:  # still one the name service holds after as many tries: refused, never used
+        for env, (base, _, who) in found.items():
+            del assigned[env]
+            refused[env] = (f"user namespace host id {base} and the blocks after it are held "
+                            f"({who}, …)")
     return dataclasses.replace(facts, userns_assigned=assigned, userns_refused=refused)
 
 

@@ -747,3 +747,30 @@ def test_a_swapped_mount_source_never_binds_another_users_home(sandbox, public_d
         f"root inside wrote bob's {profile} through the swapped mount source (up: "
         f"{res.returncode} {res.stderr.strip()[:200]}; {inside.stdout.strip()})")
     down_box(sb)
+
+
+def test_a_link_to_a_file_that_is_no_longer_roots_alone_is_replaced_by_a_copy(sandbox,
+                                                                            public_dir):
+    """A tree an older envctl built (or a file whose owner changed since): the rootfs holds
+    the host's own inode of a file another user may now write. `status` calls it drifted,
+    and `up` puts a copy in its place, which her later writes do not reach."""
+    sb = sandbox
+    tool = public_dir / "tool"
+    tool.write_text("#!/bin/sh\necho original\n")
+    tool.chmod(0o755)  # root's alone: linked
+    sb.write_spec("box", f"name: box\nkind: cpu\nrootfs:\n  binaries: [sh, \"{tool}\"]\n")
+    res = sb.envctl("up", "box")
+    assert res.returncode == 0, res.stderr
+    placed = next(p for p in (sb.state / "rootfs" / "box").rglob("tool"))
+    assert placed.stat().st_ino == tool.stat().st_ino  # the link
+    os.chown(tool, 1000, 1000)  # alice's now
+    res = sb.envctl("status", "box", "--check")
+    assert res.returncode == 1 and "linked, not root's alone" in res.stdout, res.stdout
+    res = sb.envctl("up", "box")
+    assert res.returncode == 0, res.stderr
+    assert placed.stat().st_ino != tool.stat().st_ino  # a copy
+    subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "sh", "-c",
+                    f"printf '#!/bin/sh\\necho rewritten-by-alice\\n' > {tool}"], check=True)
+    inside = ex(sb, "/" + str(placed.relative_to(sb.state / "rootfs" / "box")))
+    assert inside.stdout.strip() == "original", inside.stdout + inside.stderr
+    down_box(sb, purge=True)

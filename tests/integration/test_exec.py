@@ -670,28 +670,38 @@ def test_a_launch_with_a_terminal_that_fails_reports_instead_of_hanging(sandbox,
 
 def test_a_terminal_among_execs_stdio_is_relayed_not_handed_over(sandbox, programs):
     """`envctl exec ENV -- cmd | grep …`: stdin (and stderr) are the caller's terminal, stdout
-    a pipe. The job gets pipes in their place (what holds a terminal's descriptor may change
-    its line discipline or modes), and what is typed still reaches it, up to the end of
-    input (^D)."""
+    a pipe. The job never gets the terminal (what holds its descriptor may change its line
+    discipline or modes): stderr is relayed through a pipe; stdin is /dev/null, or with -i
+    (as docker exec -i) a relayed pipe that what is typed reaches, up to the end of input."""
     import fcntl
 
     sb = sandbox
     up_box(sb, programs)
-    master, slave = pty.openpty()
-    try:
-        proc = subprocess.Popen(
-            ["nsenter", "-t", str(sb.pid), "-n", "-m", "--", sys.executable, "-m", "envctl",
-             "exec", "box", "--user", "root", "--", "sh", "-c",
-             "[ -t 0 ] && echo stdin-is-a-terminal; [ -t 2 ] && echo stderr-is-a-terminal; "
-             "read line; echo got $line; stty sane 2>/dev/null || echo no-stty; cat"],
-            env=sb.env(), stdin=slave, stdout=subprocess.PIPE, stderr=slave)
-        os.write(master, b"typed words\nrest\n\x04")  # ^D: the terminal's end of input
-        out, _ = proc.communicate(timeout=60)
-        ldisc = struct.unpack("i", fcntl.ioctl(slave, 0x5424, b"\0" * 4))[0]  # TIOCGETD
-    finally:
-        os.close(slave)
-        os.close(master)
-    assert proc.returncode == 0 and out == b"got typed words\nno-stty\nrest\n", out
-    assert ldisc == 0  # N_TTY, as it was
+    script = ("[ -t 0 ] && echo stdin-is-a-terminal; [ -t 2 ] && echo stderr-is-a-terminal; "
+              "read line; echo got $line; stty sane 2>/dev/null || echo no-stty; cat; "
+              "echo to-stderr >&2")
+    for flags, typed, want in (
+            (["-i"], b"typed words\nrest\n\x04", b"got typed words\nno-stty\nrest\n"),
+            ([], b"", b"got\nno-stty\n")):
+        master, slave = pty.openpty()
+        try:
+            proc = subprocess.Popen(
+                ["nsenter", "-t", str(sb.pid), "-n", "-m", "--", sys.executable, "-m",
+                 "envctl", "exec", "box", "--user", "root", *flags, "--", "sh", "-c", script],
+                env=sb.env(), stdin=slave, stdout=subprocess.PIPE, stderr=slave)
+            if typed:
+                os.write(master, typed)  # ^D: the terminal's end of input
+            out, _ = proc.communicate(timeout=60)
+            ldisc = struct.unpack("i", fcntl.ioctl(slave, 0x5424, b"\0" * 4))[0]  # TIOCGETD
+            os.set_blocking(master, False)
+            shown = b""
+            with contextlib.suppress(BlockingIOError):
+                shown = os.read(master, 4096)
+        finally:
+            os.close(slave)
+            os.close(master)
+        assert proc.returncode == 0 and out == want, (flags, out)
+        assert b"to-stderr" in shown, shown  # stderr, relayed to the terminal
+        assert ldisc == 0  # N_TTY, as it was
     assert _exec_cgroups(sb) == []
     down_box(sb)

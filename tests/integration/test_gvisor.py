@@ -258,3 +258,17 @@ def sys_python() -> str:
 
     return sys.executable
 
+
+
+def test_exec_on_a_terminal_gets_a_terminal_of_the_sandboxs_and_ends(box):
+    """Both stdin and stdout a terminal: the job's own pseudo-terminal (runsc's console),
+    what is typed reaches it, and exec ends with it (the stdio relay of file and terminal
+    descriptors is for launches without one)."""
+    from tests.integration.test_exec import _on_a_terminal
+
+    out, code = _on_a_terminal(box, "[ -t 0 ] && echo TTY; echo $TERM; read line; "
+                               "echo got $line; exit 4", typed=b"typed\r")
+    assert code == 4, out
+    text = out.replace(b"\r\n", b"\n")
+    assert b"TTY\n" in text and b"got typed\n" in text, out
+    assert runsc_left(box) == []

@@ -158,3 +158,12 @@ def test_nss_holder_names_a_known_id_and_none_for_a_free_one():
 
     assert nss_holder(0) == "uid 0 (root, from the name service)"
     assert nss_holder(0x7FFDFFF0) is None  # in envctl's pool: no user on this machine
+
+
+def test_a_name_service_holding_every_block_tried_refuses_the_environment(monkeypatch):
+    import envctl.host.idranges as idranges
+    from envctl.workspace import _assign_userns
+
+    monkeypatch.setattr(idranges, "nss_holder", lambda n: f"uid {n} (dir, from the name service)")
+    facts = _assign_userns([spec("a")], HostFacts(), {})
+    assert facts.userns_assigned == {} and "held (uid" in facts.userns_refused["a"]

@@ -211,6 +211,10 @@ class _JobCounts:
         except FileNotFoundError:
             self.known.clear()
             return {}
+        except PermissionError:
+            from envctl.errors import NeedsRootError
+
+            raise NeedsRootError(jb.RECORDS_NEED_ROOT) from None
         listed = set(names)
         for gone in [n for n in self.known if n not in listed]:
             del self.known[gone]

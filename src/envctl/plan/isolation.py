@@ -94,4 +94,5 @@ def _plan_userns(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     base = facts.userns_assigned.get(spec.name)
     if base is not None:
         plan.resolved["userns"] = (f"root inside is host uid/gid {base} (block {base}-"
-                                   f"{base + USERNS_SIZE - 1}); a job's own user keeps its host ids")
+                                   f"{base + USERNS_SIZE - 1}); a job's own user keeps its "
+                                   "host ids")

@@ -652,9 +652,11 @@ def _verdict(want: _Want, have: os.stat_result | None, pfd: int, name: str,
     if src is None:
         return OUTDATED, "source gone"
     if (have.st_dev, have.st_ino) == (src.st_dev, src.st_ino):
-        # The hard link: the source itself; of a set-id source (an older envctl linked it),
-        # to be replaced by a copy without the bits.
-        return None if not src.st_mode & SETID else (MODIFIED, "set-id")
+        # The hard link: the source itself. An older envctl linked set-id sources and files
+        # of other users (or group/world-writable ones): each is replaced by a copy.
+        if src.st_mode & SETID:
+            return MODIFIED, "set-id"
+        return None if _linkable(src) else (MODIFIED, "linked, not root's alone")
     diffs = [what for what, a, b in (
         ("size", have.st_size, src.st_size), ("mtime", have.st_mtime_ns, src.st_mtime_ns),
         ("mode", mode, _placed_mode(src))) if a != b]
@@ -777,18 +779,30 @@ def _place_host_file(pfd: int, tmp: str, source: str, src: os.stat_result, dev: 
     another user, or writable by its group or others (a maintainer's /opt tree, a conda or
     pyenv install, /usr/local of group staff), is copied, or its owner would rewrite what every
     job of every partition runs; and a set-id source is copied, or the link would be the
-    host's set-id program at a path of envctl's."""
-    if (src.st_dev == dev and not src.st_mode & SETID and src.st_uid == 0
-            and not src.st_mode & 0o022):
-        try:
-            os.link(source, tmp, dst_dir_fd=pfd, follow_symlinks=True)
-            return
-        except OSError as exc:
-            # EXDEV: the same filesystem through another mount; EPERM: protected_hardlinks
-            # refuses a non-owner; EMLINK: the inode has all the links it can. A copy does.
-            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-                raise
-    _copy(source, pfd, tmp)
+    host's set-id program at a path of envctl's. The source is opened once and both the
+    verdict and the link or copy are of that descriptor: a file swapped in at the path since
+    `src` was read is judged as itself. (`src`, the stat the check made, is not used.)"""
+    del src
+    sfd = os.open(source, os.O_PATH | os.O_CLOEXEC)
+    try:
+        st = os.fstat(sfd)
+        if st.st_dev == dev and not st.st_mode & SETID and _linkable(st):
+            try:
+                os.link(f"/proc/self/fd/{sfd}", tmp, dst_dir_fd=pfd, follow_symlinks=True)
+                return
+            except OSError as exc:
+                # EXDEV: the same filesystem through another mount; EPERM: protected_hardlinks
+                # refuses a non-owner; EMLINK: the inode has all the links it can. A copy does.
+                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                    raise
+        _copy(f"/proc/self/fd/{sfd}", pfd, tmp)
+    finally:
+        os.close(sfd)
+
+
+def _linkable(src: os.stat_result) -> bool:
+    """Whether a host file may be the tree's own inode: root's, and writable by root alone."""
+    return src.st_uid == 0 and not src.st_mode & 0o022
 
 
 def _copy(source: str, pfd: int, tmp: str) -> None:

@@ -3,10 +3,12 @@ environment, attached.
 
 stdin, stdout and stderr pass through (a pseudo-terminal, made inside the environment, when
 both stdin and stdout are terminals: the real terminal goes raw, its window size follows),
-but never the caller's terminal itself: a terminal among them (`envctl exec ENV -- cmd | less`:
-stdin and stderr) is relayed through a pipe, as Docker relays, for whoever holds a terminal's
-descriptor may change its line discipline (TIOCSETD: an operator's session dead after the
-job), its modes and, where its ids are mapped, its owner;
+but never the caller's terminal itself, for whoever holds a terminal's descriptor may change
+its line discipline (TIOCSETD: an operator's session dead after the job), its modes and, where
+its ids are mapped, its owner: a terminal among them (`envctl exec ENV -- cmd | less`: stdin
+and stderr) is relayed through a pipe, as Docker relays; stdin only with `-i` (else the
+command's stdin is /dev/null, as `docker exec` without -i: a relay reads what is typed
+whether or not the command wants it, which `less` reading the same terminal would miss);
 the signals envctl receives go to the command; envctl's exit code is the command's (128+N for
 signal N). The command runs in its own cgroup `exec-<envctl's pid>` below the environment's
 (cgroupfs driver; a transient scope of the environment's slice with the systemd driver),
@@ -52,10 +54,11 @@ TIOCGWINSZ, TIOCSWINSZ = 0x5413, 0x5414
 
 def run(env: str, argv: list[str], *, user: str | None = None, host: Host | None = None,
         env_vars: list[str] | None = None, workdir: str = "/",
-        environ: Mapping[str, str] = os.environ) -> int:
+        environ: Mapping[str, str] = os.environ, keep_stdin: bool = False) -> int:
     """Run `argv` in environment `env` attached to this process's stdio; its exit code.
     `env_vars` ("KEY=VALUE", as `docker exec -e`) are added to the environment's variables;
-    `workdir` is where it starts, inside the environment.
+    `workdir` is where it starts, inside the environment; `keep_stdin` (-i) relays a
+    terminal's input when stdin is one and stdout is not (else /dev/null).
 
     UsageError (exit 2) when the environment is not up, a variable or the directory is
     malformed, or no user is given where one must be; LaunchError when entering fails
@@ -81,7 +84,7 @@ def run(env: str, argv: list[str], *, user: str | None = None, host: Host | None
     name = f"exec-{os.getpid()}"
     relays: list[tuple[int, int]] = []
     if not interactive:
-        launch.stdio, relays = _relayed_terminals()
+        launch.stdio, relays = _relayed_terminals(keep_stdin)
         launch.keep_out = tuple(fd for pair in relays for fd in pair if fd > 2
                                 and fd not in launch.stdio)
     launch.cgroup_dirs = create_cgroup(ctx, name)
@@ -96,10 +99,12 @@ def run(env: str, argv: list[str], *, user: str | None = None, host: Host | None
                         os.close(fd)
 
 
-def _relayed_terminals() -> tuple[tuple[int, int, int], list[tuple[int, int]]]:
-    """The job's stdio: ours, but a pipe in place of each that is a terminal; and the relays
-    (source, destination) this process copies while the job runs: the terminal to the pipe
-    for stdin, the pipe to the terminal for stdout and stderr."""
+def _relayed_terminals(keep_stdin: bool
+                       ) -> tuple[tuple[int, int, int], list[tuple[int, int]]]:
+    """The job's stdio: ours, but a pipe in place of each that is a terminal (stdin: with
+    `keep_stdin`, else /dev/null); and the relays (source, destination) this process copies
+    while the job runs: the terminal to the pipe for stdin, the pipe to the terminal for
+    stdout and stderr."""
     stdio = [0, 1, 2]
     relays = []
     for target in (0, 1, 2):
@@ -108,8 +113,12 @@ def _relayed_terminals() -> tuple[tuple[int, int, int], list[tuple[int, int]]]:
                 continue
         except OSError:
             continue  # closed: the launch gives /dev/null
+        if target == 0 and not keep_stdin:
+            stdio[0] = -1  # the launch gives the environment's /dev/null for a closed one
+            continue
         r, w = os.pipe2(os.O_CLOEXEC)
         if target == 0:
+            os.set_blocking(w, False)  # a full pipe must never hold up the outputs
             stdio[0] = r
             relays.append((0, w))
         else:
@@ -203,34 +212,68 @@ def _copy_pty(started: Started) -> int:
 def _copy_relays(started: Started, stdio: tuple[int, int, int],
                  relays: list[tuple[int, int]]) -> int:
     """Copy each relay until the launch ends: the terminal to the job's stdin pipe (closed at
-    the terminal's end of input), the job's output pipes to the terminal (drained once the
-    job is gone: every writer has died with its PID namespace)."""
+    the terminal's end of input; not read while the pipe is full, and no more once the job
+    closed its end), the job's output pipes to the terminal, drained without waiting once the
+    job is gone (a descriptor it handed away must not hold envctl)."""
     for fd in stdio:  # the job's ends, which the launch holds now
         if fd > 2:
             os.close(fd)
     poller = select.poll()
-    ends = dict(relays)
-    for src in ends:
+    outputs = {src: dst for src, dst in relays if src != 0}
+    stdin_w = dict(relays).get(0, -1)
+    pending = b""
+    watched = -1  # which stdin end is polled: 0 (the terminal) or stdin_w (room in the pipe)
+    for src in outputs:
         poller.register(src, select.POLLIN)
     poller.register(started.pidfd, select.POLLIN)
+
+    def arm() -> int:
+        """Poll the terminal when nothing waits for the pipe, else the pipe for room."""
+        want = -1 if stdin_w < 0 else (stdin_w if pending else 0)
+        if want != watched:
+            if watched >= 0:
+                poller.unregister(watched)
+            if want >= 0:
+                poller.register(want, select.POLLOUT if want == stdin_w else select.POLLIN)
+        return want
+
+    watched = arm()
     while True:
         try:
             events = dict(poller.poll())
         except InterruptedError:
             continue
-        for src in [fd for fd in ends if fd in events]:
-            if not _pass(src, ends[src]):
+        for src in [fd for fd in outputs if fd in events]:
+            if not _pass(src, outputs[src]):
                 poller.unregister(src)
-                if src == 0:  # the terminal's end of input: the job's stdin ends too
-                    os.close(ends.pop(0))
-                else:
-                    del ends[src]
+                del outputs[src]
+        if watched >= 0 and watched in events:
+            if watched == 0:
+                try:
+                    pending = os.read(0, 65536)
+                except OSError:
+                    pending = b""
+                if not pending:  # the terminal's end of input: the job's stdin ends too
+                    os.close(stdin_w)
+                    stdin_w = -1
+            if pending:
+                try:
+                    pending = pending[os.write(stdin_w, pending):]
+                except BlockingIOError:
+                    pass
+                except OSError:  # EPIPE: the job closed its stdin; read no more of ours
+                    pending = b""
+                    os.close(stdin_w)
+                    stdin_w = -1
+            watched = arm()
         if started.pidfd in events:
             break
-    for src, dst in ends.items():
-        if src != 0:
-            while _pass(src, dst):
-                pass  # what the job wrote last
+    if stdin_w >= 0:
+        os.close(stdin_w)
+    for src, dst in outputs.items():
+        os.set_blocking(src, False)
+        while _pass(src, dst):
+            pass  # what the job wrote last
     return started.wait()
 
 
@@ -274,7 +317,7 @@ def parse_env_vars(items: list[str]) -> dict[str, str]:
 
 def parse_args(args: list[str]) -> tuple[str, list[str], dict[str, Any]] | None:
     """(env, command, run's keywords) of `exec [OPTIONS] ENV [OPTIONS] -- CMD…` as the typer
-    command reads it (--user/-u, --env/-e, --workdir/-w), or None for anything else (help,
+    command reads it (--user/-u, --env/-e, --workdir/-w, -i), or None for anything else (help,
     other options, a missing part): the typer CLI then answers, with its own messages."""
     if not args or args[0] != "exec":
         return None
@@ -298,6 +341,10 @@ def parse_args(args: list[str]) -> tuple[str, list[str], dict[str, Any]] | None:
             else:
                 kw[key] = value
             i += 1 if eq else 2
+            continue
+        if word in ("-i", "--interactive"):
+            kw["keep_stdin"] = True
+            i += 1
             continue
         if word.startswith("-"):
             return None

@@ -348,7 +348,8 @@ class _Init:
             # The sandbox gets pipes in place of files and terminals: gVisor's Sentry carries
             # a root job's fchown and fchmod of a donated host descriptor out to the host
             # inode (the submitter's --output file, the caller's terminal).
-            stdio, self.relay = _relayed(stdio)
+            if not launch.pty:  # with one, the job's stdio is the console, not these
+                stdio, self.relay = _relayed(stdio)
             try:
                 if self._run(create, stdio) != 0:
                     raise OSError(0, "", self._log_error("create"))
@@ -557,18 +558,22 @@ def _relayed(stdio: tuple[int, ...]) -> tuple[tuple[int, int, int], int]:
     import stat
 
     out = list(stdio)
-    copies: list[tuple[int, int]] = []  # (from, to), the copier's
+    copies: list[tuple[int, int, bool]] = []  # (from, to, an output), the copier's
     for target, fd in enumerate(stdio):
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or fd == _devnull():
-            continue
         r, w = os.pipe2(os.O_CLOEXEC)
+        pipefs = os.fstat(r).st_dev  # every anonymous pipe's: a named FIFO is a host inode
+        st = os.fstat(fd)
+        if (stat.S_ISFIFO(st.st_mode) and st.st_dev == pipefs) or stat.S_ISSOCK(st.st_mode) \
+                or fd == _devnull():
+            os.close(r)
+            os.close(w)
+            continue
         if target == 0:
             out[0] = r
-            copies.append((fd, w))
+            copies.append((fd, w, False))
         else:
             out[target] = w
-            copies.append((r, fd))
+            copies.append((r, fd, True))
     if not copies:
         return (out[0], out[1], out[2]), 0
     pid = os.fork()
@@ -577,44 +582,47 @@ def _relayed(stdio: tuple[int, ...]) -> tuple[tuple[int, int, int], int]:
             # Nothing but the copies: the sandbox's ends held here, the job's outputs would
             # never end; the init's error pipe, the caller would wait for the start forever.
             low = 0
-            for keep in sorted({fd for pair in copies for fd in pair}):
+            for keep in sorted({fd for src, dst, _ in copies for fd in (src, dst)}):
                 os.closerange(low, keep)
                 low = keep + 1
             os.closerange(low, _MAX_FD)
             _copy_all(copies)
         finally:
             os._exit(0)
-    for src, dst in copies:  # the copier's pipe ends
-        os.close(dst if src in stdio else src)
+    for src, dst, output in copies:  # the copier's pipe ends
+        os.close(src if output else dst)
     return (out[0], out[1], out[2]), pid
 
 
-def _copy_all(copies: list[tuple[int, int]]) -> None:
-    """Copy each (from, to) until its source ends; a destination that fails drops its data."""
-    import select
+def _copy_all(copies: list[tuple[int, int, bool]]) -> None:
+    """Copy each (from, to, an output), a thread each (a stdin that waits for room must not
+    hold up the outputs), until every output's source has ended: stdin's copy (a terminal or
+    a device may never end) goes with this process."""
+    import threading
 
-    poller = select.poll()
-    live = dict(copies)
-    for src in live:
-        poller.register(src, select.POLLIN)
-    while live:
-        for src, _ in poller.poll():
+    def copy(src: int, dst: int, output: bool) -> None:
+        while True:
             try:
                 data = os.read(src, 65536)
             except OSError:
                 data = b""
-            if not data:
-                poller.unregister(src)
-                if live[src] not in (0, 1, 2):
-                    os.close(live[src])  # a stdin pipe: its end of input
-                del live[src]
-                continue
             view = memoryview(data)
             while view:
                 try:
-                    view = view[os.write(live[src], view):]
+                    view = view[os.write(dst, view):]
                 except OSError:
-                    break
+                    return  # the other side is gone: nothing more to copy
+            if not data:
+                if not output:
+                    os.close(dst)  # stdin's pipe: the job's end of input
+                return
+
+    threads = [(threading.Thread(target=copy, args=c, daemon=True), c[2]) for c in copies]
+    for t, _ in threads:
+        t.start()
+    for t, output in threads:
+        if output:
+            t.join()
 
 
 def _appending(fds: tuple[int, ...]) -> tuple[int, ...]:

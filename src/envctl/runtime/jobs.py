@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from enum import StrEnum
 from pathlib import Path
 
-from envctl.errors import StateCorrupt, UsageError
+from envctl.errors import NeedsRootError, StateCorrupt, UsageError
 from envctl.host.files import atomic_write, read_json, write_json
 from envctl.record import Factory, Record
 
@@ -289,11 +289,17 @@ def all_jobs(state_dir: Path) -> list[Job]:
     return out
 
 
+RECORDS_NEED_ROOT = ("the job records (<state>/jobs) are root's alone: run it with sudo "
+                     "(docs/security.md)")
+
+
 def _record_ids(state_dir: Path) -> list[int]:
     try:
         names = os.listdir(jobs_dir(state_dir))
     except FileNotFoundError:
         return []
+    except PermissionError:
+        raise NeedsRootError(RECORDS_NEED_ROOT) from None
     return [int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()]
 
 

@@ -455,8 +455,8 @@ def _flag_clear(rule: Rule, index: int) -> Rule | None:
         return None if a & GUARDED else rule
     raise InputError(f"seccomp profile: {rule.name}'s flags are compared with an operator "
                      "other than SCMP_CMP_EQ or SCMP_CMP_MASKED_EQ, which cannot be combined "
-                     "with refusing CLONE_NEWUSER and CLONE_NEWNET; set runtime.nested_userns: true or rewrite "
-                     "the rule")
+                     "with refusing CLONE_NEWUSER and CLONE_NEWNET; set runtime.nested_userns: "
+                     "true or rewrite the rule")
 
 
 # ---------------------------------------------------------------- compiling
