@@ -49,12 +49,17 @@ def up(plans: list[Plan], engine: Engine, claims: dict[str, dict]) -> UpResult:
 
 def down(engine: Engine, names: list[str]) -> list[Outcome]:
     with engine.locked():
-        outcomes = engine.down_many(names, locked=True)
-        if engine.host.options.get("purge"):
-            for o in outcomes:
-                if not o.steps and not o.errors:
-                    _purge_data_of_down(engine.host, o)
-        return outcomes
+        return _purged(engine, engine.down_many(names, locked=True))
+
+
+def _purged(engine: Engine, outcomes: list[Outcome]) -> list[Outcome]:
+    """`outcomes`, once `down --purge` has deleted the data of each environment that was not
+    up (`down` and `down --force` alike)."""
+    if engine.host.options.get("purge"):
+        for o in outcomes:
+            if not o.steps and not o.errors:
+                _purge_data_of_down(engine.host, o)
+    return outcomes
 
 
 def _purge_data_of_down(host: Host, outcome: Outcome) -> None:
@@ -144,7 +149,7 @@ def force_down(engine: Engine, names: list[str], plans: dict[str, list]) -> tupl
                 repair.found.setdefault(env, []).append(res.describe())
             journal.save(durable=True)
         ledger.save(durable=True)
-        return engine.down_many(names, locked=True), repair
+        return _purged(engine, engine.down_many(names, locked=True)), repair
 
 
 def _move_aside(path: Path, logs: list[Path]) -> list[str]:

@@ -162,6 +162,13 @@ def test_rootfs_runs_its_binaries_under_pivot_root_and_down_leaves_nothing(sandb
     res = sb.envctl("down", "box", "--purge")
     assert res.returncode == 0 and "data directories deleted" in res.stdout, res.stdout
     assert sb.residue() == {}
+    # ... and `down --force --purge` the same, its spec gone too (nothing found by name).
+    assert sb.envctl("up", "box").returncode == 0
+    assert sb.envctl("down", "box").returncode == 0
+    (sb.config_dir / "box.yaml").unlink()
+    res = sb.envctl("down", "box", "--force", "--purge")
+    assert res.returncode == 0, res.stderr
+    assert sb.residue() == {}
 
 
 def test_re_up_copies_nothing_and_drift_is_reported_then_repaired(sandbox, programs):
