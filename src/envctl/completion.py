@@ -13,9 +13,9 @@ import os
 import re
 from pathlib import Path
 
-# envctl.workspace.config_dir's rule and envctl.host.context's defaults, without their imports
-# (a unit test keeps them in step).
-SYSTEM_CONFIG_DIR = Path("/etc/envctl/environments")
+from envctl.runtime.context import config_dir  # the rule, without the workspace
+
+# envctl.host.context's default, without its imports (a unit test keeps them in step).
 DEFAULT_STATE_DIR = Path("/var/lib/envctl")
 # A spec's top-level `name: X` (quoted or not, a comment after it allowed).
 _NAME_LINE = re.compile(r"""^name:[ \t]*["']?([A-Za-z0-9][A-Za-z0-9_.-]*)["']?[ \t]*(?:#.*)?$""",
@@ -23,17 +23,6 @@ _NAME_LINE = re.compile(r"""^name:[ \t]*["']?([A-Za-z0-9][A-Za-z0-9_.-]*)["']?[ 
 _JOB_RECORD = re.compile(r"([0-9]+)\.json")
 # More than this many specs, journals or records are not read for their names or states.
 MOST = 5000
-
-
-def config_dir(explicit: str | None) -> Path:
-    """--config-dir, else $ENVCTL_CONFIG_DIR, else /etc/envctl/environments, else ./configs."""
-    if explicit:
-        return Path(explicit)
-    if os.environ.get("ENVCTL_CONFIG_DIR"):
-        return Path(os.environ["ENVCTL_CONFIG_DIR"])
-    if SYSTEM_CONFIG_DIR.is_dir() or not Path("configs").is_dir():
-        return SYSTEM_CONFIG_DIR
-    return Path("configs")
 
 
 def state_dir() -> Path:

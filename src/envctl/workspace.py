@@ -26,22 +26,10 @@ from envctl.plan.host import find_host_conflicts
 from envctl.plan.planner import plan_env
 from envctl.plan.rootfs import wants_rootfs
 from envctl.plan.userns import assign_userns, wants_userns
+from envctl.runtime.context import SYSTEM_CONFIG_DIR, config_dir  # noqa: F401 - re-exported
 from envctl.spec.conflicts import find_conflicts
 from envctl.spec.loader import LoadedSpec, read_each, spec_files
 from envctl.spec.models import EnvSpec
-
-SYSTEM_CONFIG_DIR = Path("/etc/envctl/environments")
-
-
-def config_dir(explicit: str | None) -> Path:
-    """--config-dir, else $ENVCTL_CONFIG_DIR, else /etc/envctl/environments, else ./configs."""
-    if explicit:
-        return Path(explicit)
-    if os.environ.get("ENVCTL_CONFIG_DIR"):
-        return Path(os.environ["ENVCTL_CONFIG_DIR"])
-    if SYSTEM_CONFIG_DIR.is_dir() or not Path("configs").is_dir():
-        return SYSTEM_CONFIG_DIR
-    return Path("configs")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.sandbox import stderr_of
+from tests.integration.test_boundary import down_box, ex
 
 pytestmark = pytest.mark.root
 
@@ -176,16 +177,6 @@ def up_box(sb, attack: str, *, extra: str = "") -> Path:
     res = sb.envctl("up", "box")
     assert res.returncode == 0, res.stderr
     return sb.state / "rootfs" / "box"
-
-
-def ex(sb, *argv: str, user: str = "root") -> subprocess.CompletedProcess:
-    return sb.run(sys.executable, "-m", "envctl", "exec", "box", "--user", user, "--", *argv)
-
-
-def down_box(sb, *, purge: bool = False) -> None:
-    res = sb.envctl("down", "box", *(["--purge"] if purge else []))
-    assert res.returncode == 0, res.stderr
-    assert sb.residue() == {}
 
 
 def down_jobs_box(sb) -> None:

@@ -75,7 +75,10 @@ def test_job_ids_newest_first_and_only_active_ones_for_cancel(dirs):
 
 @pytest.mark.parametrize("env", [{}, {"ENVCTL_CONFIG_DIR": "/etc"}, {"ENVCTL_CONFIG_DIR": ""}])
 @pytest.mark.parametrize("with_configs", [True, False])
-def test_the_config_dir_rule_is_workspaces(env, with_configs, tmp_path, monkeypatch):
+def test_the_config_dir_rule_is_the_one_the_workspace_reads(env, with_configs, tmp_path,
+                                                            monkeypatch):
+    from envctl.runtime.context import SYSTEM_CONFIG_DIR
+
     monkeypatch.chdir(tmp_path)
     if with_configs:
         (tmp_path / "configs").mkdir()
@@ -83,9 +86,15 @@ def test_the_config_dir_rule_is_workspaces(env, with_configs, tmp_path, monkeypa
         monkeypatch.setenv(k, v)
     if not env:
         monkeypatch.delenv("ENVCTL_CONFIG_DIR", raising=False)
-    for explicit in (None, "/x"):
-        assert completion.config_dir(explicit) == workspace.config_dir(explicit)
-    assert completion.SYSTEM_CONFIG_DIR == workspace.SYSTEM_CONFIG_DIR
+    assert completion.config_dir is workspace.config_dir  # one rule, not a copy of it
+    assert completion.config_dir("/x") == Path("/x")  # --config-dir first
+    if env.get("ENVCTL_CONFIG_DIR"):
+        want = Path(env["ENVCTL_CONFIG_DIR"])
+    elif SYSTEM_CONFIG_DIR.is_dir() or not with_configs:
+        want = SYSTEM_CONFIG_DIR
+    else:
+        want = Path("configs")
+    assert completion.config_dir(None) == want
 
 
 def complete(words: str, env: dict[str, str], shell: str = "bash") -> subprocess.CompletedProcess:

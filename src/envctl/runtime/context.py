@@ -34,6 +34,19 @@ JOURNAL_VERSION = 1
 _ENV_NAME = re.compile(r"[a-z](?:[a-z0-9-]{0,30}[a-z0-9])?")
 # Where specs are when ENVCTL_CONFIG_DIR does not say (envctl.workspace.config_dir's order).
 SYSTEM_CONFIG_DIR = Path("/etc/envctl/environments")
+
+
+def config_dir(explicit: str | None = None) -> Path:
+    """--config-dir, else $ENVCTL_CONFIG_DIR, else /etc/envctl/environments, else ./configs:
+    the one rule (the workspace, completion and a launch's error path read it, none of them
+    importing the others)."""
+    if explicit:
+        return Path(explicit)
+    if os.environ.get("ENVCTL_CONFIG_DIR"):
+        return Path(os.environ["ENVCTL_CONFIG_DIR"])
+    if SYSTEM_CONFIG_DIR.is_dir() or not Path("configs").is_dir():
+        return SYSTEM_CONFIG_DIR
+    return Path("configs")
 # A spec's top-level `name:` line (the error path of a launch reads specs without YAML).
 _SPEC_NAME = re.compile(r"""^name:[ \t]*["']?([a-z][a-z0-9-]*)["']?[ \t]*(?:#.*)?$""",
                         re.MULTILINE)
@@ -129,10 +142,7 @@ def _not_up(host: Host, env: str) -> UsageError:
     that name exists (or it has a journal); a typo otherwise, with the names that exist. Only
     on this error path are the spec files read (by their `name:` line, without YAML: the
     launch path never imports it)."""
-    where = Path(os.environ.get("ENVCTL_CONFIG_DIR") or "")
-    if not where.parts:
-        where = SYSTEM_CONFIG_DIR if SYSTEM_CONFIG_DIR.is_dir() or not Path(
-            "configs").is_dir() else Path("configs")
+    where = config_dir()
     specs = set()
     try:
         for p in where.iterdir():
