@@ -106,7 +106,6 @@ def test_weight_conversions():
     ({"cpu": {"quota": "0.5%"}}, V1, "1000 µs minimum"),
     ({"memory": {"swap_max": "1G"}}, V1, "set memory.max too"),
     ({"memory": {"max": "1G", "swap_max": "1G"}}, CgroupFacts(swap=False), "swap"),
-    ({"io": {"weight": 100}}, CgroupFacts(io_weight=""), "no proportional IO weight"),
     ({"pids": {"max": 10}}, CgroupFacts(controllers=("cpu", "memory")), "'pids'"),
     ({"cpu": {"dedicated": [1]}}, CgroupFacts(controllers=("cpu",)), "'cpuset'"),
     ({"memory": {"max": "10%", "high": "2G"}}, V2, "above memory.max"),
@@ -118,6 +117,16 @@ def test_values_the_host_cannot_honour(resources, cg, needle):
     with pytest.raises((PlanError, ValidationError)) as exc:
         plan_env(spec(resources), facts(cg))
     assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize("cg", [CgroupFacts(io_weight=""), CgroupFacts(systemd=True,
+                                                                        io_weight="")])
+def test_io_weight_on_a_kernel_without_one_is_a_warning_and_writes_nothing(cg):
+    plan = plan_env(spec({"io": {"weight": 900}}), facts(cg))
+    assert any("io.weight 900 is not applied" in w and "no proportional IO weight" in w
+               for w in plan.warnings)
+    written = str([r for r in plan.resources])
+    assert "io.weight" not in written and "bfq" not in written and "IOWeight" not in written
 
 
 def test_auto_driver_follows_pid1():

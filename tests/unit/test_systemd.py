@@ -120,7 +120,6 @@ def test_v1_host_gets_only_what_systemd_sets_on_v1():
     ({"memory": {"max": "1G", "swap_max": "1G"}}, CgroupFacts(systemd=True, swap=False),
      "does not account swap"),
     ({"cpu": {"quota": "0.5%"}}, SD_V2, "1000 µs minimum"),
-    ({"io": {"weight": 10}}, CgroupFacts(systemd=True, io_weight=""), "no proportional IO"),
     ({"pids": {"max": 10}}, CgroupFacts(systemd=True, controllers=("cpu",)), "'pids'"),
     ({"driver": "systemd"}, CgroupFacts(), "PID 1 here is not systemd"),
 ])

@@ -6,7 +6,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from envctl.plan.builder import Plan
-from envctl.plan.limits import DEFAULT_DEVICES, GPU_DEVICES_KEY, need, page, quota_micros
+from envctl.plan.limits import (
+    DEFAULT_DEVICES,
+    GPU_DEVICES_KEY,
+    NO_IO_WEIGHT,
+    need,
+    page,
+    quota_micros,
+)
 from envctl.resources.cgroup import Cgroup, CgroupDevices, CgroupParent
 from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.units import format_cpu_list, format_size
@@ -157,16 +164,14 @@ def _settings(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, st
             if cg.swap:
                 out.append(("memory", "memory.swap.max", str(sw) if sw is not None else "max"))
 
-    # -- io weight
+    # -- io weight (none to write on a kernel without one: a warning, see NO_IO_WEIGHT)
     weight = res.io.weight
     io_ctrl = "blkio" if v1 else "io"
     if weight is not None:
         if not need(cg, io_ctrl, ("resources", "io", "weight"), "an IO weight", plan):
             ok = False
         elif not cg.io_weight:
-            plan.error(("resources", "io", "weight"), "this kernel offers no proportional IO "
-                       "weight (neither blk-iocost nor the bfq scheduler); remove io.weight")
-            ok = False
+            plan.warn(NO_IO_WEIGHT.format(weight=weight))
         else:
             if cg.io_weight == "blkio.weight":
                 value = blkio_weight(weight)

@@ -6,7 +6,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from envctl.plan.builder import Plan
-from envctl.plan.limits import DEFAULT_DEVICES, GPU_DEVICES_KEY, need, page, quota_micros
+from envctl.plan.limits import (
+    DEFAULT_DEVICES,
+    GPU_DEVICES_KEY,
+    NO_IO_WEIGHT,
+    need,
+    page,
+    quota_micros,
+)
 from envctl.resources.cgroup_systemd import SystemdCharLink, SystemdParentSlice, SystemdSlice
 from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.units import format_cpu_list, format_size
@@ -126,9 +133,7 @@ def properties(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, s
                      "an IO weight", plan):
             ok = False
         elif not cg.io_weight:
-            plan.error(("resources", "io", "weight"), "this kernel offers no proportional IO "
-                       "weight (neither blk-iocost nor the bfq scheduler); remove io.weight")
-            ok = False
+            plan.warn(NO_IO_WEIGHT.format(weight=weight))
         elif cg.io_weight.endswith("bfq.weight") and not cg.bfq_devices:
             plan.warn(f"io.weight {weight} becomes a bfq weight, which acts only on block "
                       "devices using the bfq scheduler, and none does here")

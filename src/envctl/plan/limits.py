@@ -20,6 +20,13 @@ DEFAULT_DEVICES = ("c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm", "c 1:9 rw
 # Where another section (the GPU one) leaves extra device nodes for the allow-list:
 # plan.resolved[GPU_DEVICES_KEY] = ("c 195:0 rwm", "c 195:255 rwm", ...).
 GPU_DEVICES_KEY = "cgroup.devices"
+# io.weight on a kernel with no proportional IO weight at all (no blk-iocost, no bfq: neither
+# io.weight nor *.bfq.weight exists): nothing to write, so the spec is kept valid and says so,
+# as a bfq weight with no bfq device does, and as dedicated CPUs on a host too small to give
+# them do. It takes effect at the next `up` on a kernel that has one.
+NO_IO_WEIGHT = ("io.weight {weight} is not applied: this kernel offers no proportional IO weight "
+                "(neither blk-iocost nor the bfq scheduler), so nothing weighs this "
+                "environment's IO against others'")
 
 
 def quota_micros(cpu: Cpu, plan: Plan) -> int | None:
