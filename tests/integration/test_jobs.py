@@ -364,7 +364,7 @@ def test_options_cpus_env_and_one_output_file(box):
     prog = script(sb, "aff.py", "import os, sys\nprint(sorted(os.sched_getaffinity(0)), "
                   "os.environ['GREETING'])\nprint('to stderr', file=sys.stderr)\n", 0o644)
     out = sb.root / "both.log"
-    j = submit(sb, "--cpus", "0", "--env", "GREETING=hi there", "-o", str(out), "-e",
+    j = submit(sb, "--cpus", "0-0", "--env", "GREETING=hi there", "-o", str(out), "-e",
                str(out), prog)
     assert j["cpus"] == [0] and j["stdout"] == j["stderr"] == str(out)
     rc, _ = wait(sb, j["id"])

@@ -94,6 +94,13 @@ class Job(Record):
     time_limit: int | None = None
     cpus: list[int] = Factory(list)
     gpus: list[str] = Factory(list)
+    # Its slice (envctl.runtime.slices): CPUs and GPUs its own while it is active (asked for
+    # by count), and its own memory.max in bytes (--mem; None: the environment's limit).
+    cpus_exclusive: bool = False
+    gpus_exclusive: bool = False
+    mem_bytes: int | None = None
+    # What submit-job asked for: {"cpus": N or "0-3", "gpus": N or [UUIDs], "mem": bytes}.
+    requested: dict[str, Any] = Factory(dict)
     error: str | None = None  # why it could not be started, or what went wrong around it
     # Where its program came from: {"staged": host path} (copied to /job, as given) or
     # {"rootfs": path inside} (a bare name found in the environment's PATH, run from there).
