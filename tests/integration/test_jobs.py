@@ -173,7 +173,7 @@ def test_exit_codes_signals_and_outputs_land_in_the_record(box):
     assert job_cgroups(sb) == []
     table = sb.envctl("jobs", "--all").stdout.splitlines()
     assert table[0].split() == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT",
-                                "START", "PROGRAM"]
+                                "CPUS", "MEM", "GPUS", "START", "PROGRAM"]
     assert [row.split()[:5] for row in table[1:]] == [
         [str(a["id"]), "first", "box", "root", "COMPLETED"],
         [str(b["id"]), "three.sh", "box", "root", "FAILED"],
