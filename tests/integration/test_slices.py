@@ -11,22 +11,11 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_gpu_env import fake_gpu_host, gpu_host  # noqa: F401 - a fixture
-from tests.integration.test_jobs import SPEC, assert_clean_down, script
+from tests.integration.test_jobs import assert_clean_down, box, script  # noqa: F401 - box
 
 pytestmark = pytest.mark.root
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-@pytest.fixture
-def box(sandbox):
-    """Environment `box`: every CPU of the host, 64M of memory."""
-    sandbox.write_spec("box", SPEC)
-    res = sandbox.envctl("up", "box")
-    assert res.returncode == 0, res.stderr
-    yield sandbox
-    if sandbox.proc.poll() is None:
-        sandbox.envctl("down", "box", "--force")
 
 
 def submit(sb, env: str, *args: str, extra=None):
@@ -57,7 +46,7 @@ def cancel_all(sb, *ids: int, extra=None) -> None:
         assert rec["state"] == "CANCELLED", rec
 
 
-def test_mem_is_the_jobs_own_memory_limit_and_shared_out_of_the_environments(box):
+def test_mem_is_the_jobs_own_memory_limit_and_shared_out_of_the_environments(box):  # noqa: F811
     sb = box
     hold = script(sb, "hold.sh", "#!/bin/sh\nexec sleep 600\n")
     before = sorted(p.name for p in (sb.state / "jobs").glob("*")) \
@@ -94,7 +83,7 @@ def test_mem_is_the_jobs_own_memory_limit_and_shared_out_of_the_environments(box
     assert_clean_down(sb)
 
 
-def test_cpus_by_count_are_the_jobs_alone(box):
+def test_cpus_by_count_are_the_jobs_alone(box):  # noqa: F811
     sb = box
     hold = script(sb, "hold.sh", "#!/bin/sh\nexec sleep 600\n")
     a = started(submit(sb, "box", "--cpus", "1", hold))

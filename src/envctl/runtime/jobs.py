@@ -508,16 +508,9 @@ def table(jobs: list[Job], *, now: float | None = None) -> list[list[str]]:
 
 def format_cpu_list(cpus: list[int]) -> str:
     """The kernel's list syntax ("0-3,8"), '-' for none: the table's CPUS column."""
-    out: list[str] = []
-    nums = sorted(set(cpus))
-    i = 0
-    while i < len(nums):
-        j = i
-        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
-            j += 1
-        out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
-        i = j + 1
-    return ",".join(out) or "-"
+    from envctl.runtime.context import format_cpus  # light: no launch code behind it
+
+    return format_cpus(cpus) or "-"
 
 
 def format_mem(size: int | None) -> str:

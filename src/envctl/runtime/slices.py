@@ -103,34 +103,13 @@ def allocate(pool: Pool, held: list[tuple[int, Slice]], ask: Ask) -> Slice | Sho
     what is missing. Counts take the lowest free CPUs and the first free GPUs. Pure."""
     cpu_owner = {c: jid for jid, s in held if s.cpus_exclusive for c in s.cpus}
     gpu_owner = {g: jid for jid, s in held if s.gpus_exclusive for g in s.gpus}
-    free_cpus = [c for c in pool.cpus if c not in cpu_owner]
-    free_gpus = [g for g in pool.gpus if g not in gpu_owner]
-    if ask.cpus:
-        if ask.cpus > len(free_cpus):
-            return Shortage(f"{ask.cpus} CPU(s) asked, {len(free_cpus)} free"
-                            f"{_held_by(cpu_owner, _cpulist)}")
-        cpus, cpus_ex = tuple(free_cpus[:ask.cpus]), True
-    elif ask.cpu_list is not None:
-        if taken := [c for c in ask.cpu_list if c in cpu_owner]:
-            return Shortage(f"CPU(s) {_cpulist(taken)} asked"
-                            f"{_held_by({c: cpu_owner[c] for c in taken}, _cpulist)}")
-        cpus, cpus_ex = tuple(sorted(ask.cpu_list)), False
-    else:
-        if not free_cpus:
-            return Shortage(f"no CPU free{_held_by(cpu_owner, _cpulist)}")
-        cpus, cpus_ex = tuple(free_cpus), False
-    if ask.gpus:
-        if ask.gpus > len(free_gpus):
-            return Shortage(f"{ask.gpus} GPU(s) asked, {len(free_gpus)} free"
-                            f"{_held_by(gpu_owner, _gpulist)}")
-        gpus, gpus_ex = tuple(free_gpus[:ask.gpus]), True
-    elif ask.gpu_list is not None:
-        if taken_g := [g for g in ask.gpu_list if g in gpu_owner]:
-            return Shortage(f"GPU(s) {_gpulist(taken_g)} asked"
-                            f"{_held_by({g: gpu_owner[g] for g in taken_g}, _gpulist)}")
-        gpus, gpus_ex = tuple(ask.gpu_list), False
-    else:
-        gpus, gpus_ex = tuple(free_gpus), False  # none at all is fine: a CPU job
+    got_cpus = _pick(ask.cpus, ask.cpu_list, pool.cpus, cpu_owner, "CPU", _cpulist)
+    if isinstance(got_cpus, Shortage):
+        return got_cpus
+    got_gpus = _pick(ask.gpus, ask.gpu_list, pool.gpus, gpu_owner, "GPU", _gpulist,
+                     none_ok=True)  # no GPU at all is fine: a CPU job
+    if isinstance(got_gpus, Shortage):
+        return got_gpus
     if ask.mem and pool.mem:
         used = {jid: s.mem for jid, s in held if s.mem}
         left = pool.mem - sum(used.values())
@@ -138,8 +117,27 @@ def allocate(pool: Pool, held: list[tuple[int, Slice]], ask: Ask) -> Slice | Sho
             jobs_ = ", ".join(f"{jid} ({m})" for jid, m in sorted(used.items()))
             return Shortage(f"{ask.mem} bytes of memory asked, {max(left, 0)} of {pool.mem} "
                             f"free (held by job(s) {jobs_})")
-    return Slice(cpus=cpus, cpus_exclusive=cpus_ex, gpus=gpus, gpus_exclusive=gpus_ex,
-                 mem=ask.mem)
+    return Slice(cpus=got_cpus[0], cpus_exclusive=got_cpus[1], gpus=got_gpus[0],
+                 gpus_exclusive=got_gpus[1], mem=ask.mem)
+
+
+def _pick(count: int, listed: tuple | None, pool: tuple, owner: dict, what: str, fmt: object,
+          *, none_ok: bool = False) -> tuple[tuple, bool] | Shortage:
+    """(the CPUs or GPUs a job gets, exclusive) for a count, a list or neither, or what is
+    missing; `owner`: what other jobs hold exclusively -> the holder's id."""
+    free = [x for x in pool if x not in owner]
+    if count:
+        if count > len(free):
+            return Shortage(f"{count} {what}(s) asked, {len(free)} free{_held_by(owner, fmt)}")
+        return tuple(free[:count]), True
+    if listed is not None:
+        if taken := [x for x in listed if x in owner]:
+            return Shortage(f"{what}(s) {fmt(taken)} asked"  # type: ignore[operator]
+                            f"{_held_by({x: owner[x] for x in taken}, fmt)}")
+        return tuple(sorted(listed) if what == "CPU" else listed), False
+    if not free and not none_ok:
+        return Shortage(f"no {what} free{_held_by(owner, fmt)}")
+    return tuple(free), False
 
 
 def _cpulist(cpus: object) -> str:
