@@ -694,12 +694,17 @@ def submit_job(
         "1h30m, 2d or [D-]HH:MM:SS (SIGTERM, SIGKILL 10 s later; state TIMEOUT).",
         show_default=False)] = None,
     cpus: Annotated[str | None, typer.Option(
-        "--cpus", help="Run on these CPUs (a list such as 2-3,6), a subset of the "
-        "environment's. Default: all of its CPUs.", show_default=False)] = None,
+        "--cpus", help="N (a count): N of the environment's CPUs, the job's alone, chosen by "
+        "envctl; or a list such as 2-3,6 (0-0 for CPU 0), shared. Default: every CPU of the "
+        "environment that no job holds alone.", show_default=False)] = None,
     gpus: Annotated[str | None, typer.Option(
-        "--gpus", help="Use these of the environment's GPUs (UUIDs, or indices as `envctl "
-        "gpus` numbers them), comma-separated: CUDA_VISIBLE_DEVICES.",
+        "--gpus", help="N (a count): N of the environment's GPUs, the job's alone; or a list "
+        "of UUIDs or indices as `envctl gpus` numbers them (0, for GPU 0), shared. The job "
+        "can open only its GPUs' nodes (CUDA_VISIBLE_DEVICES names them).",
         show_default=False)] = None,
+    mem: Annotated[str | None, typer.Option(
+        "--mem", help="Its own memory limit (512M, 16G): memory.max of its cgroup, taken "
+        "from the environment's memory limit while it runs.", show_default=False)] = None,
     env_vars: Annotated[list[str] | None, typer.Option(
         "--env", help="KEY=VALUE for the job, over the environment's variables (repeatable).",
         show_default=False)] = None,
@@ -732,7 +737,8 @@ def submit_job(
 
     raise typer.Exit(submit(env, exe, list(args or []), name=name, time_limit=time_limit,
                             cpus=cpus, gpus=gpus, env_vars=env_vars, workdir=workdir,
-                            output=output, error=error, user=user, wait=wait, json_=json_))
+                            output=output, error=error, user=user, wait=wait, json_=json_,
+                            mem=mem))
 
 
 # submit-job's options that take a value (envctl.runtime.submit.VALUE_OPTIONS, which its fast

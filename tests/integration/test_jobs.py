@@ -173,7 +173,7 @@ def test_exit_codes_signals_and_outputs_land_in_the_record(box):
     assert job_cgroups(sb) == []
     table = sb.envctl("jobs", "--all").stdout.splitlines()
     assert table[0].split() == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT",
-                                "START", "PROGRAM"]
+                                "CPUS", "MEM", "GPUS", "START", "PROGRAM"]
     assert [row.split()[:5] for row in table[1:]] == [
         [str(a["id"]), "first", "box", "root", "COMPLETED"],
         [str(b["id"]), "three.sh", "box", "root", "FAILED"],
@@ -364,7 +364,7 @@ def test_options_cpus_env_and_one_output_file(box):
     prog = script(sb, "aff.py", "import os, sys\nprint(sorted(os.sched_getaffinity(0)), "
                   "os.environ['GREETING'])\nprint('to stderr', file=sys.stderr)\n", 0o644)
     out = sb.root / "both.log"
-    j = submit(sb, "--cpus", "0", "--env", "GREETING=hi there", "-o", str(out), "-e",
+    j = submit(sb, "--cpus", "0-0", "--env", "GREETING=hi there", "-o", str(out), "-e",
                str(out), prog)
     assert j["cpus"] == [0] and j["stdout"] == j["stderr"] == str(out)
     rc, _ = wait(sb, j["id"])

@@ -359,4 +359,4 @@ def test_jobs_of_an_unknown_environment_is_a_typo(capsys):
     assert code == 2 and "no environment 'cpu-compte'" in err and "cpu-compute" in err
     code, out, _ = run(capsys, "jobs", "cpu-compute")  # a spec, no jobs: an empty table
     assert code == 0 and out.split() == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED",
-                                         "EXIT", "START", "PROGRAM"]
+                                         "EXIT", "CPUS", "MEM", "GPUS", "START", "PROGRAM"]

@@ -220,8 +220,8 @@ def test_format_elapsed_and_exit():
 def test_table_rows():
     rows = jobs.table([job(4, State.RUNNING, name="bench", user="alice", start_time=100.0)],
                       now=190.0)
-    assert rows[0] == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "START",
-                       "PROGRAM"]
+    assert rows[0] == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "CPUS", "MEM",
+                       "GPUS", "START", "PROGRAM"]
     assert rows[1][:7] == ["4", "bench", "box", "alice", "RUNNING", "1:30", "-"]
 
 
@@ -279,7 +279,8 @@ def test_submit_options_of_the_fast_path_match_the_command():
     ["submit-job", "box", "./x", "--", "-a"], ["submit-job", "box", "./x", "--", "--"],
     ["submit-job", "box", "--", "./x", "--", "-a"], ["submit-job", "-J", "n", "box", "./x", "--"],
     ["submit-job", "box", "-t", "5m", "--env", "A=1", "--env=B=2", "-W", "./x", "$(id)", ";"],
-    ["submit-job", "--json", "-u", "root", "box", "-o", "/o", "./x", "-o", "/p"]])
+    ["submit-job", "--json", "-u", "root", "box", "-o", "/o", "./x", "-o", "/p"],
+    ["submit-job", "--cpus", "2", "--mem=1G", "--gpus", "0,", "box", "./x", "--mem", "2G"]])
 def test_the_fast_path_and_the_typer_command_submit_the_same(monkeypatch, argv):
     """Both parsers on the same command line end in the same `submit` call."""
     from envctl import cli
@@ -298,7 +299,7 @@ def test_the_fast_path_and_the_typer_command_submit_the_same(monkeypatch, argv):
     fast = submit_mod.parse_args(list(argv))
     defaults = {"name": None, "time_limit": None, "cpus": None, "gpus": None, "env_vars": None,
                 "workdir": "/", "output": None, "error": None, "user": None, "wait": False,
-                "json_": False}
+                "json_": False, "mem": None}
     assert calls == [{**defaults, **fast}]
 
 
@@ -308,11 +309,11 @@ def test_submit_fast_parser_reads_what_typer_reads():
     from envctl.runtime.submit import parse_args, submit
 
     every = ["submit-job", "-J", "n", "--time-limit=5m", "--cpus", "0", "--gpus", "0",
-             "--env", "A=1", "--env=B=2", "-D", "/tmp", "-o", "/o", "--error", "/e", "-u",
-             "root", "-W", "--json", "box", "./x", "--name", "-y", "--", "$(id)"]
+             "--mem", "1G", "--env", "A=1", "--env=B=2", "-D", "/tmp", "-o", "/o", "--error",
+             "/e", "-u", "root", "-W", "--json", "box", "./x", "--name", "-y", "--", "$(id)"]
     got = parse_args(every)
     assert got == {"env": "box", "exe": "./x", "args": ["--name", "-y", "--", "$(id)"],
-                   "name": "n", "time_limit": "5m", "cpus": "0", "gpus": "0",
+                   "name": "n", "time_limit": "5m", "cpus": "0", "gpus": "0", "mem": "1G",
                    "env_vars": ["A=1", "B=2"], "workdir": "/tmp", "output": "/o",
                    "error": "/e", "user": "root", "wait": True, "json_": True}
     inspect.signature(submit).bind(**got)  # every keyword is one `submit` takes
@@ -583,3 +584,11 @@ def test_the_record_says_where_the_program_came_from():
     assert [r[-1] for r in jobs.table([staged, ran, old], now=0)[1:]] == [
         "staged:/home/a/bench", "rootfs:/usr/bin/sleep", "-"]
     assert ran.to_json()["program"] == {"rootfs": "/usr/bin/sleep"}
+
+
+def test_table_shows_the_slice():
+    rows = jobs.table([job(4, State.RUNNING, cpus=[0, 1, 2, 5], mem_bytes=3 << 29,
+                           gpus=["GPU-a"]), job(5, State.RUNNING)], now=190.0)
+    assert rows[1][7:10] == ["0-2,5", "1.5G", "1"]
+    assert rows[2][7:10] == ["-", "-", "-"]
+    assert jobs.format_mem(64 << 20) == "64M" and jobs.format_mem(None) == "-"

@@ -96,3 +96,16 @@ def test_a_missing_busctl_is_an_error_at_once(tmp_path):
     with pytest.raises(ScopeError, match="no-such-busctl"):
         begin_scope("envctl-box.slice", "envctl.slice/envctl-box.slice", 42, "x.scope",
                     busctl=[str(tmp_path / "no-such-busctl")])
+
+
+def test_scope_properties_are_added_to_the_call():
+    """A job's --mem reaches its scope as MemoryMax= (the systemd driver), counted in the
+    property array's length."""
+    from envctl.host.scope import _call
+
+    plain = _call(("busctl",), "envctl-box.slice", "envctl-box-42.scope", 42)
+    assert plain[plain.index("fail") + 1] == "3" and plain[-1] == "0"
+    argv = _call(("busctl",), "envctl-box.slice", "envctl-box-42.scope", 42,
+                 (("MemoryMax", "t", "1073741824"),))
+    assert argv[argv.index("fail") + 1] == "4"
+    assert argv[-5:] == ["inactive-or-failed", "MemoryMax", "t", "1073741824", "0"]

@@ -102,6 +102,9 @@ class EnvContext(Record, frozen=True):
     # The host uid and gid its root is (the first of its block of user namespace ids, the
     # journal's claims); 0: no user namespace (runtime.userns: false, or isolation: gvisor).
     userns: int = 0
+    # Its cgroup's device allow-list as `up` wrote it (the cgroup-devices step's rules, majors
+    # possibly named: envctl.host.devices.resolve_rules); (): none recorded.
+    device_rules: tuple[str, ...] = ()
 
     @classmethod
     def load(cls, host: Host, env: str) -> EnvContext:
@@ -134,7 +137,8 @@ class EnvContext(Record, frozen=True):
                    platform=sandbox.get("platform", ""),
                    seccomp=str(claims.get("seccomp") or "default"),
                    nested_userns=bool(claims.get("nested_userns")), memory_max=memory_max,
-                   userns=int((claims.get("userns") or {}).get("base") or 0))
+                   userns=int((claims.get("userns") or {}).get("base") or 0),
+                   device_rules=tuple((found.get("cgroup-devices") or {}).get("rules") or ()))
 
 
 def _not_up(host: Host, env: str) -> UsageError:

@@ -94,6 +94,13 @@ class Job(Record):
     time_limit: int | None = None
     cpus: list[int] = Factory(list)
     gpus: list[str] = Factory(list)
+    # Its slice (envctl.runtime.slices): CPUs and GPUs its own while it is active (asked for
+    # by count), and its own memory.max in bytes (--mem; None: the environment's limit).
+    cpus_exclusive: bool = False
+    gpus_exclusive: bool = False
+    mem_bytes: int | None = None
+    # What submit-job asked for: {"cpus": N or "0-3", "gpus": N or [UUIDs], "mem": bytes}.
+    requested: dict[str, Any] = Factory(dict)
     error: str | None = None  # why it could not be started, or what went wrong around it
     # Where its program came from: {"staged": host path} (copied to /job, as given) or
     # {"rootfs": path inside} (a bare name found in the environment's PATH, run from there).
@@ -487,14 +494,34 @@ def format_exit(job: Job) -> str:
 def table(jobs: list[Job], *, now: float | None = None) -> list[list[str]]:
     """Rows of the `envctl jobs` table, header first."""
     now = time.time() if now is None else now
-    rows = [["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "START", "PROGRAM"]]
+    rows = [["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "CPUS", "MEM", "GPUS",
+             "START", "PROGRAM"]]
     for j in jobs:
         start = (time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(j.start_time))
                  if j.start_time is not None else "-")
         rows.append([str(j.id), j.name or "-", j.env, j.user or str(j.uid), str(j.state),
-                     format_elapsed(j.elapsed(now)), format_exit(j), start,
+                     format_elapsed(j.elapsed(now)), format_exit(j), format_cpu_list(j.cpus),
+                     format_mem(j.mem_bytes), str(len(j.gpus)) if j.gpus else "-", start,
                      format_program(j)])
     return rows
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    """The kernel's list syntax ("0-3,8"), '-' for none: the table's CPUS column."""
+    from envctl.runtime.context import format_cpus  # light: no launch code behind it
+
+    return format_cpus(cpus) or "-"
+
+
+def format_mem(size: int | None) -> str:
+    """A job's own memory limit in binary units (64M, 1.5G), '-' for none: the MEM column."""
+    if not size:
+        return "-"
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if size >= 1 << shift:
+            value = size / (1 << shift)
+            return f"{value:.0f}{unit}" if value.is_integer() else f"{value:.1f}{unit}"
+    return str(size)
 
 
 def format_program(job: Job) -> str:

@@ -405,12 +405,15 @@ def _delegate(env_dir: Path) -> None:
         _write(env_dir / "cgroup.subtree_control", " ".join(f"+{c}" for c in want))
 
 
-def create_cgroup(ctx: EnvContext, name: str, *, cpus: tuple[int, ...] | None = None
-                  ) -> list[Path]:
+def create_cgroup(ctx: EnvContext, name: str, *, cpus: tuple[int, ...] | None = None,
+                  mem: int = 0, devices: tuple[str, ...] | None = None) -> list[Path]:
     """Make the launch's cgroup `<env>/<name>` (cgroupfs driver) in each hierarchy of the
     environment's cgroup and return its directories (Launch.cgroup_dirs). A v1 cpuset child
     starts empty and takes no task: it gets `cpus` (default: the environment's cpuset) and the
-    environment's memory nodes. With the systemd driver, or no cgroup: [] (systemd_attach)."""
+    environment's memory nodes. `mem` (bytes; 0: none) is its own memory.max
+    (memory.limit_in_bytes on v1); `devices` its own device allow-list (numbered rules; v1:
+    devices.deny a, then one devices.allow each; None: the environment's applies), written
+    before any task joins it. With the systemd driver, or no cgroup: [] (systemd_attach)."""
     if ctx.cgroup is None:
         # Never outside the environment's limits: a launch without a cgroup would run in the
         # caller's.
@@ -418,6 +421,7 @@ def create_cgroup(ctx: EnvContext, name: str, *, cpus: tuple[int, ...] | None = 
                         f"{ctx.env}` makes it")
     dirs = cgroup_dirs(ctx, name)
     made: list[Path] = []
+    mem_set = devices_set = False
     try:
         for d in dirs:
             if ctx.cgroup.version == 2:
@@ -438,6 +442,23 @@ def create_cgroup(ctx: EnvContext, name: str, *, cpus: tuple[int, ...] | None = 
                        else cpuset.read_text().strip())
             elif cpus and (d / "cpuset.cpus").exists():
                 _write(d / "cpuset.cpus", format_cpus(cpus))  # v2, when delegated
+            for limit in ("memory.max", "memory.limit_in_bytes"):
+                if mem and (d / limit).exists():
+                    _write(d / limit, str(mem))
+                    mem_set = True
+            if devices is not None and (d / "devices.deny").exists():
+                # Deny all, then allow: at no moment more than both lists (no task is in it).
+                _write(d / "devices.deny", "a")
+                for rule in devices:
+                    _write(d / "devices.allow", rule)
+                devices_set = True
+        cgroupfs = ctx.cgroup.driver == "cgroupfs"
+        if cgroupfs and mem and not mem_set:
+            raise HostError(f"create cgroup '{ctx.env}/{name}': no memory controller in the "
+                            f"environment's cgroup to give it its own memory limit")
+        if cgroupfs and devices is not None and not devices_set:
+            raise HostError(f"create cgroup '{ctx.env}/{name}': no devices controller in the "
+                            "environment's cgroup to give it its own device allow-list")
     except OSError as exc:
         _rmdirs(made)
         raise HostError(f"create cgroup '{ctx.env}/{name}': {exc.filename}: "
@@ -500,10 +521,11 @@ def _env_slice(ctx: EnvContext) -> tuple[str, str] | None:
     return env_slice(ctx.env, parent), slice_cgroup(ctx.env, parent)
 
 
-def systemd_attach(ctx: EnvContext) -> Callable[[int], None] | None:
+def systemd_attach(ctx: EnvContext, *, mem: int = 0) -> Callable[[int], None] | None:
     """For the systemd driver: Launch.attach putting the launcher into a transient scope of
     the environment's slice (systemd owns that tree: envctl writes none of it); the scope
-    goes when its processes have. None for the cgroupfs driver."""
+    goes when its processes have. `mem` (bytes; 0: none) is the scope's MemoryMax= (systemd
+    writes memory.max, or memory.limit_in_bytes on v1). None for the cgroupfs driver."""
     where = _env_slice(ctx)
     if where is None:
         return None
@@ -514,7 +536,8 @@ def systemd_attach(ctx: EnvContext) -> Callable[[int], None] | None:
 
     def attach(pid: int) -> None:
         try:
-            attach_scope(unit, cgroup, pid, v1_mounts=v1)
+            attach_scope(unit, cgroup, pid, v1_mounts=v1,
+                         properties=(("MemoryMax", "t", str(mem)),) if mem else ())
         except ScopeError as exc:
             raise HostError(f"attach to slice '{unit}': {exc}") from None
     return attach

@@ -18,7 +18,8 @@ from envctl.errors import NeedsRootError
 
 # submit-job's options: those that take a value (-> its keyword), and the flags.
 VALUE_OPTIONS = {"--name": "name", "-J": "name", "--time-limit": "time_limit",
-                 "-t": "time_limit", "--cpus": "cpus", "--gpus": "gpus", "--env": "env",
+                 "-t": "time_limit", "--cpus": "cpus", "--gpus": "gpus", "--mem": "mem",
+                 "--env": "env",
                  "--workdir": "workdir", "-D": "workdir", "--output": "output", "-o": "output",
                  "--error": "error", "-e": "error", "--user": "user", "-u": "user"}
 FLAGS = {"--wait": "wait", "-W": "wait", "--json": "json"}
@@ -28,7 +29,7 @@ def submit(env: str, exe: str, args: list[str], *, name: str | None = None,
            time_limit: str | None = None, cpus: str | None = None, gpus: str | None = None,
            env_vars: list[str] | None = None, workdir: str = "/", output: str | None = None,
            error: str | None = None, user: str | None = None, wait: bool = False,
-           json_: bool = False) -> int:
+           json_: bool = False, mem: str | None = None) -> int:
     """Submit the job, print its id (or its record with `json_`) and return the exit code:
     0, 1 when it did not start, the job's own code with `wait`. Raises EnvctlError for bad
     input (nothing changed) and a host that refuses."""
@@ -41,7 +42,7 @@ def submit(env: str, exe: str, args: list[str], *, name: str | None = None,
     ctx = EnvContext.load(host, env)
     req = sv.make_request(host, ctx, exe, list(args), name=name, user=user, cpus=cpus,
                           gpus=gpus, env=env_vars, workdir=workdir, output=output, error=error,
-                          time_limit=time_limit)
+                          time_limit=time_limit, mem=mem)
     if os.geteuid() != 0:
         raise NeedsRootError("envctl submit-job enters the environment's namespaces and "
                              "cgroup and needs root: run it with sudo")

@@ -79,6 +79,12 @@ class Request(Record):
     user_name: str = ""
     cpus: tuple[int, ...] | None = None  # None: the environment's
     gpus: tuple[str, ...] | None = None  # UUIDs; None: the environment's
+    # Counts (--cpus N, --gpus N: exclusive, chosen by envctl.runtime.slices) and --mem bytes.
+    cpu_count: int = 0
+    gpu_count: int = 0
+    mem: int = 0
+    # The job cgroup's own device allow-list (its GPUs' nodes only); None: the environment's.
+    devices: tuple[str, ...] | None = None
     env: dict[str, str] = Factory(dict)
     workdir: str = "/"
     output: Path | None = None
@@ -372,28 +378,48 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
     argv, staged = check_request(ctx, req)
     assert req.user is not None
     uid, gid = req.user.uid, req.user.gid
+    from envctl.runtime import slices
+
+    ask = slices.Ask(cpus=req.cpu_count, cpu_list=req.cpus, gpus=req.gpu_count,
+                     gpu_list=req.gpus, mem=req.mem)
+    pool = slices.Pool(cpus=tuple(ctx.cpus), gpus=tuple(ctx.gpus), mem=ctx.memory_max)
+    slices.check_ask(pool, ask, ctx.env)
     with jobs.jobs_lock(host.state_dir):
         jobs.prune(host.state_dir)
+        # The slice is chosen and recorded under the lock: two submits never take the same.
+        got, held, listed = _take_slice(host, ctx, pool, ask)
         jid = jobs._allocate_locked(host.state_dir)
-    jdir = jobs.job_dir(host.state_dir, jid)
-    stdout = req.output or jdir / "stdout"
-    stderr = req.error or jdir / "stderr"
-    cgroup = None
-    if ctx.cgroup is not None and ctx.cgroup.driver == "cgroupfs":
-        # The adapter's parent, without importing the adapter (the host facts: ~12 ms).
-        cgroup = {"parent": ctx.cgroup.parent_name, "name": jobs.cgroup_name(ctx.env, jid)}
-    job = Job(id=jid, env=ctx.env, argv=argv, name=req.name or req.exe.name,
-              user=req.user_name, uid=uid, gid=gid, groups=list(req.user.groups),
-              submitter=_submitter_ids(req),
-              submit_time=submit_time, boot_id=host.boot_id, stdout=str(stdout),
-              stderr=str(stderr), workdir=req.workdir, time_limit=req.time_limit,
-              cpus=sorted(req.cpus if req.cpus is not None else ctx.cpus),
-              gpus=list(req.gpus if req.gpus is not None else ctx.gpus), cgroup=cgroup,
-              program={"rootfs": req.program} if req.program else
-              {"staged": os.path.abspath(req.exe)})
+        jdir = jobs.job_dir(host.state_dir, jid)
+        stdout = req.output or jdir / "stdout"
+        stderr = req.error or jdir / "stderr"
+        cgroup = None
+        if ctx.cgroup is not None and ctx.cgroup.driver == "cgroupfs":
+            # The adapter's parent, without importing the adapter (the host facts: ~12 ms).
+            cgroup = {"parent": ctx.cgroup.parent_name, "name": jobs.cgroup_name(ctx.env, jid)}
+        job = Job(id=jid, env=ctx.env, argv=argv, name=req.name or req.exe.name,
+                  user=req.user_name, uid=uid, gid=gid, groups=list(req.user.groups),
+                  submitter=_submitter_ids(req),
+                  submit_time=submit_time, boot_id=host.boot_id, stdout=str(stdout),
+                  stderr=str(stderr), workdir=req.workdir, time_limit=req.time_limit,
+                  cpus=list(got.cpus), gpus=list(got.gpus), cpus_exclusive=got.cpus_exclusive,
+                  gpus_exclusive=got.gpus_exclusive, mem_bytes=got.mem or None,
+                  requested=_requested(req), cgroup=cgroup,
+                  program={"rootfs": req.program} if req.program else
+                  {"staged": os.path.abspath(req.exe)})
+        if got.holds:
+            # Held from now on: the record, with this process as its supervisor until the
+            # supervisor's own first write (a submit that dies meanwhile shows it LOST,
+            # which frees it), and its id in the holders' index.
+            job.supervisor = jobs.identity()
+            jobs.write(host.state_dir, job)
+        keep = [j.id for j in held] + ([jid] if got.holds else [])
+        if sorted(keep) != sorted(listed):
+            slices.write_index(host.state_dir, keep)
     fds: list[int] = []
     jfd = -1
     try:
+        if tuple(got.gpus) != tuple(ctx.gpus):
+            req = req.replace(devices=_job_devices(host, ctx, tuple(got.gpus)))
         jfd = _make_job_dir(host.state_dir, jid)
         owner = _host_ids(ctx, uid, gid)
         if not req.program:
@@ -408,13 +434,16 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
             fds.append(err_fd)
         # The user's only once everything in it is made: nothing of theirs can be in the way.
         os.fchown(jfd, *owner)
-    except (OSError, InputError) as exc:
+    except (OSError, EnvctlError) as exc:
         for fd in fds:
             os.close(fd)
         import shutil  # here, not at the top: it imports bz2 and lzma (~3 ms of a submit)
 
         shutil.rmtree(jdir, ignore_errors=True)
-        if isinstance(exc, InputError):
+        if got.holds:  # no job: what it held is free again
+            with contextlib.suppress(FileNotFoundError):
+                jobs.record_path(host.state_dir, jid).unlink()
+        if isinstance(exc, EnvctlError):
             raise
         raise HostError(f"submit job {jid}: {exc.filename or jdir}: {exc.strerror}") from exc
     finally:
@@ -433,6 +462,65 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
                         error=f"the supervisor died before it started the job ({text})")
         jobs.write(host.state_dir, final, durable=True)
     return final or job
+
+
+def _take_slice(host: Host, ctx: EnvContext, pool: Any, ask: Any) -> tuple[Any, list, list]:
+    """The slice `ask` gets now, the index's active holders and the ids it listed; HostError
+    (exit 1) naming what is missing and who holds it. Call under the jobs lock."""
+    from envctl.runtime import slices
+
+    held, listed = slices.holders(host.state_dir, host.boot_id)
+    got = slices.allocate(pool, [(j.id, slices.slice_of(j)) for j in held if j.env == ctx.env],
+                          ask)
+    if isinstance(got, slices.Shortage):
+        raise HostError(f"submit-job: environment '{ctx.env}' cannot give the job its slice "
+                        f"now: {got.reason}")
+    return got, held, listed
+
+
+def _requested(req: Request) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if req.cpu_count or req.cpus is not None:
+        out["cpus"] = req.cpu_count or _cpulist(req.cpus)
+    if req.gpu_count or req.gpus is not None:
+        out["gpus"] = req.gpu_count or list(req.gpus or ())
+    if req.mem:
+        out["mem"] = req.mem
+    return out
+
+
+def _job_devices(host: Host, ctx: EnvContext, gpus: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The device allow-list of a job holding `gpus` of the environment's GPUs (see
+    slices.job_device_rules); None when the environment has no list of its own."""
+    from envctl.host.devices import resolve_rules
+    from envctl.host.gpus import read_proc_gpus
+    from envctl.runtime import slices
+
+    if not ctx.device_rules:
+        return None
+    found, _ = read_proc_gpus(host.gpu_root)
+    minors = {g.uuid: g.minor for g in found if g.uuid in ctx.gpus}
+    if missing := [u for u in ctx.gpus if u not in minors]:
+        raise HostError(f"submit-job: GPU {', '.join(missing)} of environment '{ctx.env}' is "
+                        f"not in {host.gpu_root / 'proc/driver/nvidia/gpus'}: its node is "
+                        "unknown, so the job's GPUs cannot be kept apart")
+    try:
+        rules = slices.job_device_rules(resolve_rules(ctx.device_rules, host.gpu_root / "proc"),
+                                        minors, gpus)
+    except ValueError as exc:
+        raise HostError(f"submit-job: {exc}: a job's GPUs cannot be kept apart from the "
+                        "others'") from None
+    if rules is not None and ctx.cgroup is not None and ctx.cgroup.driver == "systemd":
+        raise HostError(f"submit-job: environment '{ctx.env}' uses the systemd cgroup driver, "
+                        "where envctl does not yet narrow a job's devices: give the job every "
+                        "GPU of the environment (no --gpus)")
+    if rules is not None and ctx.cgroup is not None and ctx.cgroup.version == 2:
+        # A child cannot attach its own device program below the environment's, which is
+        # attached without BPF_F_ALLOW_MULTI (cgroup v2 refuses it with EPERM).
+        raise HostError(f"submit-job: environment '{ctx.env}' is on cgroup v2, where envctl "
+                        "does not yet narrow a job's devices: give the job every GPU of the "
+                        "environment (no --gpus), or run on cgroup v1")
+    return rules
 
 
 def _host_ids(ctx: EnvContext, uid: int, gid: int) -> tuple[int, int]:
@@ -610,7 +698,8 @@ class _Supervisor:
         try:
             # Out of the submitter's cgroup, beside the launch (systemd driver; see there).
             scoped = supervisor_scope(self.ctx, f"job{self.job.id}-supervisor")
-            dirs = create_cgroup(self.ctx, self.cg_name, cpus=tuple(self.job.cpus))
+            dirs = create_cgroup(self.ctx, self.cg_name, cpus=tuple(self.job.cpus),
+                                 mem=self.job.mem_bytes or 0, devices=self.req.devices)
             if self.ctx.cgroup is not None and self.ctx.cgroup.driver == "cgroupfs":
                 self.cg_dirs = dirs
             if self.cancel_requested:  # cancelled while PENDING: never started
@@ -623,7 +712,7 @@ class _Supervisor:
                 cwd=self.job.workdir, cpus=tuple(self.job.cpus), cgroup_dirs=dirs,
                 binds=[Bind(str(jobs.job_dir(self.host.state_dir, self.job.id)), "/job", True)],
                 stdio=(self.devnull, self.out_fd, self.err_fd), status_fd=status_w,
-                attach=systemd_attach(self.ctx))
+                attach=systemd_attach(self.ctx, mem=self.job.mem_bytes or 0))
             try:
                 started = start(launch)
             finally:
@@ -778,11 +867,11 @@ class _Supervisor:
         from envctl.runtime.launch import job_environ
 
         extra = {}
-        if self.req.gpus is not None:
-            # The job's GPUs, as CUDA and the NVIDIA runtime read them. The environment's
-            # device nodes all stay: a subset is a choice within the partition, not isolation.
+        if self.req.gpus is not None or tuple(self.job.gpus) != tuple(self.ctx.gpus):
+            # The job's GPUs, as CUDA and the NVIDIA runtime read them; its cgroup's device
+            # list (req.devices) has only their nodes.
             extra["CUDA_VISIBLE_DEVICES"] = extra["NVIDIA_VISIBLE_DEVICES"] = (
-                ",".join(self.req.gpus) or "void")
+                ",".join(self.job.gpus) or "void")
         extra.update(self.req.env)
         extra.update({"ENVCTL_JOB_ID": str(self.job.id), "ENVCTL_JOB_NAME": self.job.name})
         return job_environ(self.ctx, self.req.user, extra)
@@ -948,7 +1037,7 @@ def make_request(host: Host, ctx: EnvContext, exe: str, args: list[str], *,
                  name: str | None = None, user: str | None = None, cpus: str | None = None,
                  gpus: str | None = None, env: list[str] | None = None, workdir: str = "/",
                  output: str | None = None, error: str | None = None,
-                 time_limit: str | None = None,
+                 time_limit: str | None = None, mem: str | None = None,
                  environ: dict[str, str] | os._Environ[str] = os.environ) -> Request:
     """A Request from `submit-job`'s options as typed; InputError/UsageError (exit 2) for a
     bad one. The user rule is exec's (`launch.resolve_user`): the user behind sudo by
@@ -984,13 +1073,42 @@ def make_request(host: Host, ctx: EnvContext, exe: str, args: list[str], *,
     return Request(
         exe=Path(exe), program=program, args=list(args), name=name or "", user=who,
         user_name=_user_name(user, who.uid, ctx, environ),
-        cpus=jobs.parse_cpus(cpus, "--cpus") if cpus is not None else None,
-        gpus=resolve_gpus(host, ctx, gpus) if gpus is not None else None,
+        cpus=jobs.parse_cpus(cpus, "--cpus") if cpus is not None and not cpus.isdigit()
+        else None,
+        gpus=resolve_gpus(host, ctx, gpus) if gpus is not None and not gpus.isdigit() else None,
+        cpu_count=_count(cpus, "--cpus", "a CPU list such as 0-0 for CPU 0"),
+        gpu_count=_count(gpus, "--gpus", "an index with a comma (0,) for GPU 0"),
+        mem=_mem(mem),
         env=variables, workdir=workdir,
         output=Path(os.path.abspath(output)) if output else None,
         error=Path(os.path.abspath(error)) if error else None,
         time_limit=jobs.parse_duration(time_limit) if time_limit is not None else None,
         submitter=submitter(environ))
+
+
+def _count(text: str | None, opt: str, single: str) -> int:
+    """A plain integer of --cpus/--gpus: a count (0 when it is a list or not given)."""
+    if text is None or not text.isdigit():
+        return 0
+    if int(text) < 1:
+        raise UsageError(f"{opt} {text}: a count is 1 or more (a plain number is a count; "
+                         f"for one of them give {single})")
+    return int(text)
+
+
+def _mem(text: str | None) -> int:
+    """--mem as bytes (512M, 16G, 1.5G: the spec's sizes); 0 when not given."""
+    if text is None:
+        return 0
+    from envctl.spec.units import parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise UsageError(f"--mem '{text}': {exc}") from None
+    if size < 1 << 20:
+        raise UsageError(f"--mem '{text}': at least 1M (a job needs some memory to start)")
+    return size
 
 
 def _user_name(spec: str | None, uid: int, ctx: EnvContext,
