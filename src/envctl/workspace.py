@@ -17,6 +17,7 @@ from envctl.facts import HostFacts
 from envctl.host.context import Host
 from envctl.host.facts import gather
 from envctl.host.idranges import host_id_ranges
+from envctl.plan.access import access_names
 from envctl.plan.builder import Plan, PlanError
 from envctl.plan.claims import held_conflicts, spec_claims
 from envctl.plan.gpus import assign_gpus
@@ -177,7 +178,9 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
                    modules=frozenset(modules), kmod=host.kmod if modules else None,
                    cpufreq=any(s.host.governor for s in specs), rootfs=rootfs,
                    gpu_root=host.gpu_root if gpus else None,
-                   groups=frozenset(s.gpus.group for s in gpus),
+                   groups=frozenset({s.gpus.group for s in gpus}
+                                    | {g for s in specs for g in access_names(s, "groups")}),
+                   users=frozenset(u for s in specs for u in access_names(s, "users")),
                    state_dir=host.state_dir,
                    runsc=any(s.runtime.isolation == "gvisor" for s in specs))
     if any(wants_userns(s) for s in specs):

@@ -319,3 +319,54 @@ def test_access_imports_nothing_heavy():
                          check=False, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- the host knows the names
+
+
+HOST_SPEC = """\
+name: team
+kind: cpu
+access:
+  submit: {users: [daemon, envctl-no-such-user], groups: [sys]}
+  operate:
+    groups: [envctl-no-such-group, adm]
+"""
+
+
+def test_the_planner_refuses_names_the_host_lacks_at_their_place():
+    from envctl.facts import HostFacts
+    from envctl.plan.builder import PlanError
+    from envctl.plan.planner import plan_env
+
+    spec = parse_spec(HOST_SPEC, "team.yaml").spec
+    facts = HostFacts(users={"daemon": DAEMON}, groups={"sys": SYS, "adm": ADM})
+    with pytest.raises(PlanError) as exc:
+        plan_env(spec, facts)
+    assert [loc for loc, _ in exc.value.issues] == [
+        ("access", "submit", "users", 1), ("access", "operate", "groups", 0)]
+    facts = HostFacts(users={"daemon": DAEMON, "envctl-no-such-user": 5000},
+                      groups={"sys": SYS, "adm": ADM, "envctl-no-such-group": 5000})
+    plan_env(spec, facts)  # every name known: nothing refused (and nothing made for access)
+
+
+def test_validate_host_names_unknown_users_and_groups_plain_validate_does_not(capsys, tmp_path,
+                                                                             monkeypatch):
+    from tests.unit.test_cli import run
+
+    monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("ENVCTL_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("ENVCTL_CONFIG_DIR", str(tmp_path / "specs"))
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "team.yaml").write_text(HOST_SPEC)
+    code, out, _ = run(capsys, "validate", str(tmp_path / "specs"))
+    assert code == 0 and out.startswith("ok: team"), out
+    code, _, err = run(capsys, "validate", "--host", str(tmp_path / "specs"))
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and lines == [
+        f"error: {tmp_path}/specs/team.yaml:4:28: access.submit.users[1]: no user "
+        "'envctl-no-such-user' on this host (its passwd and name service): create it or "
+        "remove it from the list",
+        f"error: {tmp_path}/specs/team.yaml:6:14: access.operate.groups[0]: no group "
+        "'envctl-no-such-group' on this host (its group database and name service): create "
+        "it or remove it from the list"], err
