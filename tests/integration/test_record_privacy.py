@@ -15,32 +15,12 @@ import sys
 import pytest
 
 from tests.integration.test_jobs import script, wait
-from tests.integration.test_paths_security import pub  # noqa: F401,F811 - a fixture
+from tests.integration.test_paths_security import box, pub  # noqa: F401,F811 - fixtures
 
 pytestmark = pytest.mark.root
 
 NOBODY, DAEMON = 65534, 1
 AS_NOBODY = {"SUDO_UID": str(NOBODY), "SUDO_GID": str(NOBODY), "SUDO_USER": "nobody"}
-
-SPEC = """
-name: box
-kind: cpu
-rootfs:
-  binaries: [sh, echo]
-resources:
-  memory: {max: 64M}
-"""
-
-
-@pytest.fixture
-def box(sandbox):
-    sandbox.write_spec("box", SPEC)
-    res = sandbox.envctl("up", "box")
-    assert res.returncode == 0, res.stderr
-    yield sandbox
-    if sandbox.proc.poll() is None:
-        sandbox.envctl("down", "box", "--force")
-
 
 def as_user(uid: int, fn) -> int:
     """Run `fn()` in a child that is `uid` (its gid the same, no supplementary group, no
@@ -106,7 +86,7 @@ def test_records_and_outputs_are_their_owners_alone(box, pub):  # noqa: F811
 
 @pytest.mark.parametrize("argv", [["jobs"], ["jobs", "--all", "--json"], ["logs", "1"],
                                   ["wait", "1"]])
-def test_a_plain_user_reading_records_gets_one_line(box, argv, tmp_path):
+def test_a_plain_user_reading_records_gets_one_line(box, argv, tmp_path):  # noqa: F811
     """In-process, as nobody (what a plain user runs without the daemon): exit 1 and one
     line saying the records are root's, whether the jobs directory or a record refuses."""
     prog = script(box, "hello.sh", "#!/bin/sh\necho hi\n")

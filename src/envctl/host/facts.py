@@ -127,20 +127,20 @@ def _read_runsc() -> RunscFacts:
 def read_groups(names: frozenset[str]) -> dict[str, int]:
     import grp
 
-    out = {}
-    for name in names:
-        with contextlib.suppress(KeyError):  # no such group: the planner says so
-            out[name] = grp.getgrnam(name).gr_gid
-    return out
+    return _ids(names, grp.getgrnam, "gr_gid")
 
 
 def read_users(names: frozenset[str]) -> dict[str, int]:
     import pwd
 
+    return _ids(names, pwd.getpwnam, "pw_uid")
+
+
+def _ids(names: frozenset[str], lookup: object, field: str) -> dict[str, int]:
     out = {}
     for name in names:
-        with contextlib.suppress(KeyError):  # no such user: the planner says so
-            out[name] = pwd.getpwnam(name).pw_uid
+        with contextlib.suppress(KeyError):  # no such user or group: the planner says so
+            out[name] = getattr(lookup(name), field)
     return out
 
 
