@@ -127,10 +127,20 @@ def _read_runsc() -> RunscFacts:
 def read_groups(names: frozenset[str]) -> dict[str, int]:
     import grp
 
+    return _ids(names, grp.getgrnam, "gr_gid")
+
+
+def read_users(names: frozenset[str]) -> dict[str, int]:
+    import pwd
+
+    return _ids(names, pwd.getpwnam, "pw_uid")
+
+
+def _ids(names: frozenset[str], lookup: object, field: str) -> dict[str, int]:
     out = {}
     for name in names:
-        with contextlib.suppress(KeyError):  # no such group: the planner says so
-            out[name] = grp.getgrnam(name).gr_gid
+        with contextlib.suppress(KeyError):  # no such user or group: the planner says so
+            out[name] = getattr(lookup(name), field)
     return out
 
 
@@ -139,6 +149,7 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
            kmod: KernelModules | None = None, cpufreq: bool = False,
            rootfs: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] | None = None,
            gpu_root: Path | None = None, groups: frozenset[str] = frozenset(),
+           users: frozenset[str] = frozenset(),
            state_dir: Path = Path("/var/lib/envctl"), runsc: bool = False) -> HostFacts:
     """Read the facts once; cheap enough (a handful of small files) for every command.
     Modules (through `kmod`), cpufreq, rootfs closures (`rootfs`: env -> binaries, libraries,
@@ -149,6 +160,7 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
         rootfs=read_rootfs(rootfs or {}),
         gpu=read_gpus(gpu_root) if gpu_root is not None else GpuHostFacts(),
         groups=read_groups(groups),
+        users=read_users(users),
         resolv_conf=(_read(Path("/etc/resolv.conf")) or "") if rootfs else "",
         state_dir=str(state_dir),
         cpus=cpus,

@@ -67,9 +67,9 @@ def sync_dir(path: Path) -> None:
         os.close(dfd)
 
 
-def write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
+def write_json(path: Path, obj: Any, *, durable: bool = True, mode: int = 0o644) -> None:
     atomic_write(path, (json.dumps(obj, separators=(",", ":"), sort_keys=True) + "\n").encode(),
-                 durable=durable)
+                 mode=mode, durable=durable)
 
 
 def read_json(path: Path) -> Any | None:

@@ -3,12 +3,22 @@ listing, the LOST view of a record whose supervisor is gone, and retention of fi
 
 Layout:
 
+    <state>/jobs/             root's, 0700
     <state>/jobs/.lock        flock'd while an id is allocated and while records are pruned
     <state>/jobs/.next        the next id (ids are never reused, even after pruning)
-    <state>/jobs/<id>.json    the record, replaced atomically by whoever owns it
-    <state>/jobs/<id>.cancel  a cancel request (grace seconds), read by the supervisor
+    <state>/jobs/<id>.json    the record, replaced atomically by whoever owns it (root's, 0600)
+    <state>/jobs/<id>.cancel  a cancel request (grace seconds), read by the supervisor (0600)
     <state>/jobs/<id>/        the staged executable (bound read-only at /job inside the
-                              environment) and the default stdout / stderr files
+                              environment) and the default stdout / stderr files: the job's
+                              user's, 0700 (outputs 0600)
+
+Who may read what: root alone reads the records, directly or for others through the daemon
+(envctl.runtime.access decides). A record stays root's, never its job user's: a file's owner
+may chmod and (in a directory it can write) replace it, and root processes trust a record's
+fields (the supervisor's pid, the cgroup, the output paths). The jobs directory is 0700, not
+0711: nobody but root needs to walk it (a job reaches its own directory through the /job
+bind, and its user through the daemon's `logs`), and 0711 would let any host user probe which
+ids exist and open a job directory by its number.
 
 One writer per record at a time: the job's supervisor from its first write to its last;
 after that nobody, except that `cancel` of a LOST job (whose supervisor is gone) finalizes it.
@@ -203,7 +213,10 @@ def jobs_lock(state_dir: Path) -> Iterator[None]:
     for minutes and a submit must not wait for them). The kernel drops it if we die."""
     d = jobs_dir(state_dir)
     _private_dir(d)
-    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except PermissionError:
+        raise NeedsRootError(RECORDS_NEED_ROOT) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -230,7 +243,7 @@ def _allocate_locked(state_dir: Path) -> int:
         raise StateCorrupt(counter, f"not a job counter: {text[:40]!r}") from None
     # The rename makes a crash leave the old or the new value; fsync is skipped because a
     # machine crash also kills every job, and then restarting above the records is enough.
-    atomic_write(counter, f"{nxt + 1}\n".encode(), durable=False)
+    atomic_write(counter, f"{nxt + 1}\n".encode(), mode=RECORD_MODE, durable=False)
     return nxt
 
 
@@ -246,13 +259,21 @@ def _ids_on_disk(state_dir: Path) -> list[int]:
 
 # ---------------------------------------------------------------- records
 
+# Records, cancel requests and the id counter: root's alone (see the module's docstring).
+RECORD_MODE = 0o600
+
 
 def write(state_dir: Path, job: Job, *, durable: bool = False) -> None:
     """Replace the record atomically: readers see the old or the new one, never half.
 
     `durable` (fsync) is for the final record only: it is history that must outlive a power
     cut; the earlier ones describe processes that would not survive one either."""
-    write_json(record_path(state_dir, job.id), job.to_json(), durable=durable)
+    write_json(record_path(state_dir, job.id), job.to_json(), durable=durable, mode=RECORD_MODE)
+
+
+def write_cancel(state_dir: Path, job_id: int, request: dict[str, Any]) -> None:
+    """Write the cancel request of `job_id` (root's, 0600, as its record)."""
+    write_json(cancel_path(state_dir, job_id), request, durable=False, mode=RECORD_MODE)
 
 
 def read(state_dir: Path, job_id: int) -> Job | None:
@@ -262,6 +283,8 @@ def read(state_dir: Path, job_id: int) -> Job | None:
         raw = read_json(path)
     except ValueError as exc:
         raise StateCorrupt(path, f"not JSON: {exc}") from None
+    except PermissionError:
+        raise NeedsRootError(RECORDS_NEED_ROOT) from None
     except OSError as exc:
         raise StateCorrupt(path, exc.strerror or str(exc)) from None
     return None if raw is None else Job.from_json(raw, path)
