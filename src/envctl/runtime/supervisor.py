@@ -926,10 +926,8 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
     if pidfd is None:
         return _finalize_lost(host, job)
     try:
-        from envctl.host.files import write_json
-
-        write_json(jobs.cancel_path(host.state_dir, job.id),
-                   {"grace": grace, "time": time.time(), "by": os.getuid()}, durable=False)
+        jobs.write_cancel(host.state_dir, job.id,
+                          {"grace": grace, "time": time.time(), "by": os.getuid()})
         with contextlib.suppress(ProcessLookupError):  # ended meanwhile: its record says how
             signal.pidfd_send_signal(pidfd, signal.SIGUSR1)
         if wait:
