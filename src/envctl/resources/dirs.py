@@ -154,11 +154,44 @@ class Directory(Resource):
         if self.base != "host":
             self._apply_beneath(host)
             return
+        self._apply_host(p)
+
+    def _apply_host(self, p: Path) -> None:
+        """An operator's host path (an absolute data source): the part that exists resolved
+        through root-controlled directories only (safepath.resolve_root_controlled), the rest
+        made one component at a time under that descriptor, through no symlink: a link planted
+        in a directory a user writes never makes envctl create or chmod anything elsewhere."""
+        from envctl.host.safepath import (
+            NotRootControlled,
+            fd_path,
+            makedirs_beneath,
+            resolve_root_controlled,
+        )
+
         try:
-            p.mkdir(parents=True, exist_ok=True, mode=self.mode)
-            if stat.S_IMODE(p.stat().st_mode) != self.mode:
-                os.chmod(p, self.mode)  # mkdir's mode is filtered by the umask
-        except FileExistsError as exc:
+            top, missing = resolve_root_controlled(str(p))
+            try:
+                if missing:
+                    fd, _ = makedirs_beneath(top, "/".join(missing), self.mode, symlinks=False)
+                else:
+                    fd = os.dup(top)
+            finally:
+                os.close(top)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISDIR(st.st_mode):
+                    raise FileExistsError(errno.EEXIST, "exists", str(p))
+                if stat.S_IMODE(st.st_mode) != self.mode:
+                    os.chmod(fd_path(fd), self.mode)  # mkdir's mode is filtered by the umask
+            finally:
+                os.close(fd)
+        except NotRootControlled as exc:
+            raise HostError(f"create directory '{p}': {exc.strerror}, which envctl does not go "
+                            "through as root; refusing") from exc
+        except Escape as exc:
+            raise HostError(f"create directory '{p}': a symlink appeared on the way; "
+                            "refusing") from exc
+        except (FileExistsError, NotADirectoryError) as exc:
             raise HostError(f"create directory '{p}': exists and is not a directory") from exc
         except OSError as exc:
             raise HostError(f"create directory '{p}': {exc.strerror}") from exc
