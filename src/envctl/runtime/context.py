@@ -102,6 +102,9 @@ class EnvContext(Record, frozen=True):
     # The host uid and gid its root is (the first of its block of user namespace ids, the
     # journal's claims); 0: no user namespace (runtime.userns: false, or isolation: gvisor).
     userns: int = 0
+    # How many host ids from `userns` on are the environment's (its block, the journal's
+    # claims): none of them may be a job's own user or group.
+    userns_size: int = 0
 
     @classmethod
     def load(cls, host: Host, env: str) -> EnvContext:
@@ -134,7 +137,8 @@ class EnvContext(Record, frozen=True):
                    platform=sandbox.get("platform", ""),
                    seccomp=str(claims.get("seccomp") or "default"),
                    nested_userns=bool(claims.get("nested_userns")), memory_max=memory_max,
-                   userns=int((claims.get("userns") or {}).get("base") or 0))
+                   userns=int((claims.get("userns") or {}).get("base") or 0),
+                   userns_size=int((claims.get("userns") or {}).get("size") or 1))
 
 
 def _not_up(host: Host, env: str) -> UsageError:

@@ -237,11 +237,35 @@ def resolve_user(spec: str | None, ctx: EnvContext,
         if uid.isdigit() and int(uid) != 0:
             gid = environ.get("SUDO_GID", "")
             primary = int(gid) if gid.isdigit() else int(uid)
-            return User(int(uid), primary,
-                        tuple(g for g in ctx.device_gids if g != primary))
+            return _outside_userns_block(
+                User(int(uid), primary, tuple(g for g in ctx.device_gids if g != primary)),
+                None, ctx)
         raise UsageError("envctl runs nothing as root unless asked: give --user USER (a name "
                          "or uid; --user root to run as root); run through sudo, the user "
                          "behind sudo is the default")
+    return _outside_userns_block(_user_from(spec, ctx), spec, ctx)
+
+
+def _outside_userns_block(user: User, spec: str | None, ctx: EnvContext) -> User:
+    """`user`, unless one of its ids is in the environment's own block of host ids: the
+    first is root inside (a job of that uid would map one host id twice, which the kernel
+    refuses only at launch), the rest are reserved to the environment (UsageError)."""
+    if not ctx.userns:
+        return user
+    first, last = ctx.userns, ctx.userns + max(ctx.userns_size, 1) - 1
+    ids = [("uid", user.uid), ("gid", user.gid), *(("group", g) for g in user.groups)]
+    for what, i in ids:
+        if first <= i <= last:
+            who = f"--user {spec!r}" if spec is not None else f"the sudo user ({user.uid})"
+            raise UsageError(
+                f"{who}: {what} {i} is one of the host ids of environment '{ctx.env}''s user "
+                f"namespace ({first}-{last}; {first} is its root): give --user root for root "
+                "inside, or a user and groups outside that range")
+    return user
+
+
+def _user_from(spec: str, ctx: EnvContext) -> User:
+    """The User `--user spec` names (see resolve_user)."""
     name, _, group = spec.partition(":")
     if not name:
         raise UsageError(f"--user {spec!r}: give a user name or uid")
