@@ -181,3 +181,32 @@ def test_the_bind_source_and_a_missing_source_refuse_a_chain_swapped_after_plan(
     ok = SharedDirectory("host", str(pub / "made" / "deep").lstrip("/"), 0o755, keep=True)
     ok.apply(host, ok.snapshot(host))
     assert (pub / "made" / "deep").is_dir()
+
+
+def test_a_host_data_directory_envctl_made_is_purged_after_a_second_up(sandbox, pub):
+    """up (makes /srv/data/new), down (keeps it), up (finds it: envctl's, by its record),
+    down --purge: deleted with what the job wrote and the parents made for it. One that was
+    there before envctl survives the same sequence."""
+    sb = sandbox
+    made = pub / "srv" / "new"
+    theirs = pub / "theirs"
+    theirs.mkdir()
+    (theirs / "keep").write_text("theirs\n")
+    for source in (made, theirs):
+        sb.write_spec("opp", spec(str(source), create=True))
+        res = sb.envctl("up", "opp")
+        assert res.returncode == 0, res.stderr
+        assert source.is_dir()
+        res = sb.envctl("exec", "opp", "--user", "root", "--", "sh", "-c", "echo ok")
+        assert res.returncode == 0, res.stderr
+        res = sb.envctl("down", "opp")
+        assert res.returncode == 0, res.stderr
+        assert source.is_dir()
+        (source / "written").write_text("by a job\n")
+        res = sb.envctl("up", "opp")
+        assert res.returncode == 0, res.stderr
+        res = sb.envctl("down", "opp", "--purge")
+        assert res.returncode == 0, res.stderr
+        assert sb.residue() == {}, sb.residue()
+    assert not (pub / "srv").exists(), "the data directory envctl made was kept by --purge"
+    assert (theirs / "keep").read_text() == "theirs\n" and (theirs / "written").exists()

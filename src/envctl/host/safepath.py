@@ -127,11 +127,13 @@ def _changeable(d: os.stat_result, entry: os.stat_result | None) -> str:
     """Why a non-root user could change what name `entry` of directory `d` refers to ("" when
     only root can): `d` owned by someone else, or writable by group or others. A sticky
     directory (/tmp) writable by all is fine above an entry that root owns: only root may
-    rename or delete it there."""
-    if d.st_uid != 0:
+    rename or delete it there. A caller that is not root trusts its own uid as well: what it
+    could change, it could do itself."""
+    trusted = {0, os.geteuid()}
+    if d.st_uid not in trusted:
         return f"is owned by uid {d.st_uid}, not root"
     if d.st_mode & 0o022:
-        if d.st_mode & stat.S_ISVTX and entry is not None and entry.st_uid == 0:
+        if d.st_mode & stat.S_ISVTX and entry is not None and entry.st_uid in trusted:
             return ""
         who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
                            if d.st_mode & bit)
