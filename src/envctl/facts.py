@@ -173,6 +173,10 @@ class HostFacts:
     groups: dict[str, int] = field(default_factory=dict)
     # Login names the specs ask about (access:) -> uid (a name missing here does not exist).
     users: dict[str, int] = field(default_factory=dict)
+    # Environment -> (spec location, why) for each operator path of its spec (a data mount's
+    # absolute source, rootfs.path, a rootfs file's source, the CUDA toolkit) that goes
+    # through a directory or symlink someone other than root could change.
+    unsafe_paths: dict[str, tuple[tuple[tuple, str], ...]] = field(default_factory=dict)
     # The host's /etc/resolv.conf, which environments' rootfs get a copy of.
     resolv_conf: str = ""
     # Where envctl keeps state on this host (ENVCTL_STATE_DIR), for resources that need

@@ -182,7 +182,8 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
                                     | {g for s in specs for g in access_names(s, "groups")}),
                    users=frozenset(u for s in specs for u in access_names(s, "users")),
                    state_dir=host.state_dir,
-                   runsc=any(s.runtime.isolation == "gvisor" for s in specs))
+                   runsc=any(s.runtime.isolation == "gvisor" for s in specs),
+                   operator_paths={s.name: _operator_paths(s) for s in specs if wants_rootfs(s)})
     if any(wants_userns(s) for s in specs):
         held = _userns_held(host)
         facts = dataclasses.replace(facts, host_ids=host_id_ranges(), userns_held=held)
@@ -192,6 +193,21 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
     facts = dataclasses.replace(facts, gpu_held=_gpus_held(host))
     assigned, refused = assign_gpus(gpus, facts)
     return dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused)
+
+
+def _operator_paths(spec: EnvSpec) -> list[tuple[tuple, str]]:
+    """The host paths a spec names that envctl opens, binds or creates as root, with their
+    locations in the spec: each must be reached through root-controlled directories only."""
+    paths: list[tuple[tuple, str]] = [(("mounts", i, "source"), m.source)
+                                      for i, m in enumerate(spec.mounts)
+                                      if m.source.startswith("/")]
+    paths += [(("rootfs", "files", i, "source"), f.source)
+              for i, f in enumerate(spec.rootfs.files) if f.source]
+    if spec.rootfs.path:
+        paths.append((("rootfs", "path"), spec.rootfs.path))
+    if spec.gpus.wanted and spec.gpus.toolkit:
+        paths.append((("gpus", "toolkit"), spec.gpus.toolkit))
+    return paths
 
 
 def _assign_userns(specs: list[EnvSpec], facts: HostFacts, held: dict[str, int]) -> HostFacts:

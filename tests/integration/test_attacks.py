@@ -680,8 +680,14 @@ def test_a_swapped_rootfs_source_never_links_a_host_secret_in(sandbox, public_di
     os.chown(conf, 1000, 1000)
     sb.write_spec("box", "name: box\nkind: cpu\nrootfs:\n  binaries: [sh, cat, setpriv, ls]\n"
                   f"  files: [{{path: /etc/app.conf, source: \"{conf}\"}}]\n")
+    # A source in a directory alice can change is refused outright (safepath's
+    # root-controlled chain); the attack needs the directory handed to her after an up.
+    res = sb.envctl("up", "box")
+    assert res.returncode == 2 and f"{tools} is owned by uid 1000" in res.stderr, res.stderr
+    os.chown(tools, 0, 0)
     res = sb.envctl("up", "box")
     assert res.returncode == 0, res.stderr
+    os.chown(tools, 1000, 1000)
     subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "sh", "-c",
                     f"rm {conf} && ln -s {secret} {conf}"], check=True)
     # The operator's next up, or no operator at all: the monitor's heal (its default) repairs
@@ -726,8 +732,14 @@ def test_a_swapped_mount_source_never_binds_another_users_home(sandbox, public_d
     profile.chmod(0o644)
     sb.write_spec("box", "name: box\nkind: cpu\nrootfs:\n  binaries: [sh, echo]\n"
                   f"mounts:\n  - {{source: \"{data}\", target: /srv}}\n")
+    # A source in a directory alice can change is refused outright (safepath's
+    # root-controlled chain); the attack needs the directory handed to her after an up.
+    res = sb.envctl("up", "box")
+    assert res.returncode == 2 and f"{team} is owned by uid 1000" in res.stderr, res.stderr
+    os.chown(team, 0, 0)
     res = sb.envctl("up", "box")
     assert res.returncode == 0, res.stderr
+    os.chown(team, 1000, 1000)
     res = sb.envctl("down", "box")
     assert res.returncode == 0, res.stderr
     subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "sh", "-c",

@@ -82,11 +82,45 @@ def test_a_host_data_directory_envctl_made_survives_down(host, tmp_path):
     assert made.is_dir()
     engine.down("demo")
     assert made.is_dir()
-    # A directory that existed before envctl is left as found, purge or not.
+    # The next `up` knows it as envctl's (recorded in the state directory, with its inode):
+    # `down --purge` deletes it, contents and the parents made for it included.
+    (made / "result").write_text("1\n")
+    engine.up("demo", [src])
+    out = engine.down("demo")
+    notes = [s.note for s in out.steps]
+    assert out.errors == [] and made.is_dir()
+    assert notes == ["kept: a data directory (down --purge deletes it)"], notes
     engine.up("demo", [src])
     purge(host)
     out = engine.down("demo")
-    assert out.errors == [] and made.is_dir()
+    assert out.errors == [] and not (tmp_path / "srv").exists()
+    assert not (host.state_dir / "host-dirs.json").exists()
+
+
+def test_a_host_directory_that_was_there_first_is_kept_by_purge(host, tmp_path):
+    engine = Engine(host)
+    there = tmp_path / "srv" / "in"
+    there.mkdir(parents=True)
+    (there / "theirs").write_text("1\n")
+    src = SharedDirectory("host", str(there).lstrip("/"), 0o755, keep=True)
+    for _ in range(2):
+        engine.up("demo", [src])
+        purge(host)
+        out = engine.down("demo")
+        host.options.pop("purge")
+        assert out.errors == [] and (there / "theirs").read_text() == "1\n"
+    # One envctl made, then replaced by another directory at the same path: not envctl's.
+    made = tmp_path / "made"
+    src = SharedDirectory("host", str(made).lstrip("/"), 0o755, keep=True)
+    engine.up("demo", [src])
+    engine.down("demo")
+    made.rename(tmp_path / "moved")
+    made.mkdir()
+    (made / "theirs").write_text("2\n")
+    engine.up("demo", [src])
+    purge(host)
+    out = engine.down("demo")
+    assert out.errors == [] and (made / "theirs").read_text() == "2\n"
 
 
 def test_down_purge_of_an_environment_that_is_not_up_deletes_its_data(host):

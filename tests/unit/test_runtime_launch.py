@@ -235,6 +235,29 @@ def test_users(rootfs):
         rl.User(1000, 44, (107,))
 
 
+def test_users_in_the_environments_own_id_block_are_refused_at_request_time(rootfs):
+    base = 0x7000_0000
+    ctx = ctx_of(rootfs, userns=base, userns_size=65536)
+    for spec, what in ((str(base), f"uid {base}"), (f"{base + 9}", f"uid {base + 9}"),
+                       (f"1000:{base}", f"gid {base}"), (f"root:{base + 65535}",
+                                                         f"gid {base + 65535}")):
+        with pytest.raises(UsageError, match=f"--user '{spec}': {what} is one of the host ids "
+                                             f"of environment 'box''s user namespace "
+                                             f"\\({base}-{base + 65535}; {base} is its root\\)"):
+            rl.resolve_user(spec, ctx, {})
+    with pytest.raises(UsageError, match=f"the sudo user \\({base}\\): uid {base}"):
+        rl.resolve_user(None, ctx, {"SUDO_UID": str(base)})
+    # Just outside the block, root inside, and any id without a user namespace: accepted.
+    assert rl.resolve_user(str(base + 65536), ctx, {}).uid == base + 65536
+    assert rl.resolve_user(str(base - 1), ctx, {}).uid == base - 1
+    assert rl.resolve_user("root", ctx, {}) == rl.User(0, 0, ())
+    assert rl.resolve_user(str(base), ctx_of(rootfs), {}).uid == base
+    # A GPU node's group inside the block (a host that put one there) is refused as well.
+    with pytest.raises(UsageError, match=f"group {base + 1} is one of"):
+        rl.resolve_user("alice", ctx_of(rootfs, userns=base, userns_size=65536,
+                                        device_gids=(base + 1,)), {})
+
+
 def test_job_environ(rootfs):
     ctx = ctx_of(rootfs, environ={"PATH": "/bin", "FOO": "1"})
     assert rl.job_environ(ctx, rl.User(0, 0)) == {"PATH": "/bin", "FOO": "1", "HOME": "/root"}

@@ -110,6 +110,11 @@ def test_a_launch_maps_root_and_the_jobs_own_ids_alone():
     base = 0x7000000A
     # Root: 0 alone, to the environment's own host id; no host id is reachable from inside.
     assert id_maps(base, User(0, 0, (0,))) == (f"0 {base} 1\n".encode(),) * 2
+    # Its supplementary groups (a GPU node's video, /etc/group memberships) are held as
+    # unmapped host gids, never mapped: root inside could chgrp a set-gid file to them.
+    assert id_maps(base, User(0, 0, (44, 2000001))) == (f"0 {base} 1\n".encode(),) * 2
+    # An explicit primary group (--user root:44) is its identity: mapped.
+    assert id_maps(base, User(0, 44, (45,)))[1] == f"0 {base} 1\n44 44 1\n".encode()
     # alice keeps her ids and groups (video for a GPU node, a large LDAP gid too), and
     # nobody else's: root inside her launch cannot become or chown to another host user.
     uid_map, gid_map = id_maps(base, User(1000, 1000, (1000, 44, 2000001)))

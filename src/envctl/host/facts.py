@@ -144,13 +144,28 @@ def _ids(names: frozenset[str], lookup: object, field: str) -> dict[str, int]:
     return out
 
 
+def read_unsafe_paths(paths: dict[str, list[tuple[tuple, str]]]
+                      ) -> dict[str, tuple[tuple[tuple, str], ...]]:
+    """Environment -> (location, why) for each of its operator paths that root must not go
+    through (safepath.root_controlled_problem); environments with none are left out."""
+    from envctl.host.safepath import root_controlled_problem
+
+    out = {}
+    for env, items in paths.items():
+        found = tuple((loc, why) for loc, path in items if (why := root_controlled_problem(path)))
+        if found:
+            out[env] = found
+    return out
+
+
 def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
            sysctls: frozenset[str] = frozenset(), modules: frozenset[str] = frozenset(),
            kmod: KernelModules | None = None, cpufreq: bool = False,
            rootfs: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] | None = None,
            gpu_root: Path | None = None, groups: frozenset[str] = frozenset(),
            users: frozenset[str] = frozenset(),
-           state_dir: Path = Path("/var/lib/envctl"), runsc: bool = False) -> HostFacts:
+           state_dir: Path = Path("/var/lib/envctl"), runsc: bool = False,
+           operator_paths: dict[str, list[tuple[tuple, str]]] | None = None) -> HostFacts:
     """Read the facts once; cheap enough (a handful of small files) for every command.
     Modules (through `kmod`), cpufreq, rootfs closures (`rootfs`: env -> binaries, libraries,
     python) and GPUs (under `gpu_root`) are read only when a spec asks about them."""
@@ -161,6 +176,7 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
         gpu=read_gpus(gpu_root) if gpu_root is not None else GpuHostFacts(),
         groups=read_groups(groups),
         users=read_users(users),
+        unsafe_paths=read_unsafe_paths(operator_paths or {}),
         resolv_conf=(_read(Path("/etc/resolv.conf")) or "") if rootfs else "",
         state_dir=str(state_dir),
         cpus=cpus,

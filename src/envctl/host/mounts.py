@@ -533,10 +533,12 @@ def open_mountpoint(root: str, target: str, *, file: bool = False) -> MountPoint
 def open_source(path: str, *, file: bool = False, beneath: str = "") -> int:
     """An O_PATH descriptor of a bind's source, in this namespace; the kind must match the
     mount point's. An operator's source (an absolute path of the spec) is followed through
-    symlinks, as the operator wrote it. A data directory under envctl's state directory
-    (`beneath`: <state>/data/ENV) is bound read-write into the environment, so a job may have
-    put a symlink anywhere in it: it is opened beneath that directory through no symlink at
-    all (safepath.Escape otherwise), and the bind is made from this descriptor."""
+    symlinks only where every directory on the way is root's and not writable by others
+    (safepath.open_root_controlled; NotRootControlled otherwise). A data directory under
+    envctl's state directory (`beneath`: <state>/data/ENV) is bound read-write into the
+    environment, so a job may have put a symlink anywhere in it: it is opened beneath that
+    directory through no symlink at all (safepath.Escape otherwise), and the bind is made
+    from this descriptor."""
     if beneath:
         from envctl.host.safepath import open_beneath
 
@@ -550,7 +552,11 @@ def open_source(path: str, *, file: bool = False, beneath: str = "") -> int:
         finally:
             os.close(base)
     else:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC | (0 if file else os.O_DIRECTORY))
+        from envctl.host.safepath import open_root_controlled
+
+        # Followed only through symlinks root alone could have made (safepath): one in a
+        # directory a user or a partition writes would send the bind anywhere on the host.
+        fd = open_root_controlled(path, directory=None if file else True)
     if file and stat.S_ISDIR(os.stat(fd_path(fd)).st_mode):
         os.close(fd)
         raise IsADirectoryError(errno.EISDIR, "is a directory", path)

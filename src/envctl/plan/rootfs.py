@@ -69,6 +69,8 @@ def plan_rootfs(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     from envctl.resources.mounts import EnvDev, Mount, MountNamespace, MountNamespaceDir
     from envctl.resources.rootfs import RootfsTree
     found = facts.rootfs.get(spec.name, RootfsFacts())
+    for loc, why in facts.unsafe_paths.get(spec.name, ()):
+        plan.error(loc, why)
     for item, why in found.missing:
         plan.error(_missing_at(spec, item), f"{item}: {why}")
     root = rootfs_path(spec, facts)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +80,10 @@ class Directory(Resource):
             # In envctl's own directories a symlink is somebody's doing (a job writes into
             # its data directories): never followed, never adopted.
             return {"existed": False, "made": [], "symlink": True}
+        if memo["existed"] and self.base == "host" and (made := _recorded(host, p)) is not None:
+            # Made by an earlier `up` and kept by a plain `down` (a data directory): still
+            # envctl's, so that `down --purge` deletes it.
+            return {"existed": False, "made": made, "recorded": True}
         if memo["existed"]:
             st = p.stat()
             memo["mode"] = stat.S_IMODE(st.st_mode)  # apply may change it: given back
@@ -154,11 +158,46 @@ class Directory(Resource):
         if self.base != "host":
             self._apply_beneath(host)
             return
+        self._apply_host(p)
+        if self.keep and not memo.get("existed") and not memo.get("recorded"):
+            _record(host, p, memo.get("made", []))
+
+    def _apply_host(self, p: Path) -> None:
+        """An operator's host path (an absolute data source): the part that exists resolved
+        through root-controlled directories only (safepath.resolve_root_controlled), the rest
+        made one component at a time under that descriptor, through no symlink: a link planted
+        in a directory a user writes never makes envctl create or chmod anything elsewhere."""
+        from envctl.host.safepath import (
+            NotRootControlled,
+            fd_path,
+            makedirs_beneath,
+            resolve_root_controlled,
+        )
+
         try:
-            p.mkdir(parents=True, exist_ok=True, mode=self.mode)
-            if stat.S_IMODE(p.stat().st_mode) != self.mode:
-                os.chmod(p, self.mode)  # mkdir's mode is filtered by the umask
-        except FileExistsError as exc:
+            top, missing = resolve_root_controlled(str(p))
+            try:
+                if missing:
+                    fd, _ = makedirs_beneath(top, "/".join(missing), self.mode, symlinks=False)
+                else:
+                    fd = os.dup(top)
+            finally:
+                os.close(top)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISDIR(st.st_mode):
+                    raise FileExistsError(errno.EEXIST, "exists", str(p))
+                if stat.S_IMODE(st.st_mode) != self.mode:
+                    os.chmod(fd_path(fd), self.mode)  # mkdir's mode is filtered by the umask
+            finally:
+                os.close(fd)
+        except NotRootControlled as exc:
+            raise HostError(f"create directory '{p}': {exc.strerror}, which envctl does not go "
+                            "through as root; refusing") from exc
+        except Escape as exc:
+            raise HostError(f"create directory '{p}': a symlink appeared on the way; "
+                            "refusing") from exc
+        except (FileExistsError, NotADirectoryError) as exc:
             raise HostError(f"create directory '{p}': exists and is not a directory") from exc
         except OSError as exc:
             raise HostError(f"create directory '{p}': {exc.strerror}") from exc
@@ -246,16 +285,18 @@ class Directory(Resource):
             return
         try:
             if self.base == "host":
-                if self.keep and not host.options.get("purge"):
-                    os.rmdir(p)
-                else:
-                    shutil.rmtree(p)
+                if memo.get("recorded") and _recorded(host, p) is None:
+                    return  # replaced since the record was made: not the directory envctl made
+                _remove_host(p, contents=not (self.keep and not host.options.get("purge")))
+                _forget(host, p)
             else:
                 # In envctl's own directories: through descriptors, never through a symlink.
                 _remove_beneath(host.base(self.base), self.path,
                                 contents=not (self.keep and not host.options.get("purge")))
         except FileNotFoundError:
-            pass  # already gone
+            if self.base == "host":
+                _forget(host, p)
+            # already gone
         except Escape as exc:
             raise HostError(f"remove directory '{p}': {self._where()} goes through a symlink, "
                             "which envctl does not follow; refusing") from exc
@@ -341,6 +382,84 @@ class BaseDirectory(Resource):
                 continue  # already gone
             except OSError:
                 break  # not empty: somebody else's files are in it, so it stays
+
+
+# Host directories envctl made for data mounts (absolute sources) and a plain `down` kept:
+# path -> the device and inode it made, and the parents made with it. Kept in the state
+# directory, which outlives the journals, so that the next `up` knows them as envctl's.
+HOST_DIRS = "host-dirs.json"
+
+
+def _records(host: Host) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads((host.state_dir / HOST_DIRS).read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_records(host: Host, data: dict[str, Any]) -> None:
+    import json
+
+    from envctl.host.files import atomic_write
+
+    path = host.state_dir / HOST_DIRS
+    if not data:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    host.state_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(data, indent=1, sort_keys=True).encode(), mode=0o600)
+
+
+def _recorded(host: Host, p: Path) -> list[str] | None:
+    """The parents made with host directory `p` when envctl made it and it is still that
+    directory (same device and inode, not a symlink); None otherwise."""
+    rec = _records(host).get(str(p))
+    if not isinstance(rec, dict):
+        return None
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or [st.st_dev, st.st_ino] != rec.get("inode"):
+        return None
+    made = rec.get("made")
+    return [str(m) for m in made] if isinstance(made, list) else [str(p)]
+
+
+def _record(host: Host, p: Path, made: list[str]) -> None:
+    st = os.lstat(p)
+    data = _records(host)
+    data[str(p)] = {"inode": [st.st_dev, st.st_ino], "made": made or [str(p)]}
+    _write_records(host, data)
+
+
+def _forget(host: Host, p: Path) -> None:
+    data = _records(host)
+    if data.pop(str(p), None) is not None:
+        _write_records(host, data)
+
+
+def _remove_host(p: Path, *, contents: bool) -> None:
+    """Delete host directory `p` (with what is in it when `contents`, else only when
+    empty): its parent resolved through root-controlled directories only, every entry below
+    through descriptors, never following a symlink (a job wrote in there). A symlink or file
+    where the directory was is somebody else's: left alone."""
+    from envctl.host.safepath import opened, resolve_root_controlled
+
+    pfd, missing = resolve_root_controlled(str(p.parent))
+    with opened(pfd):
+        if missing:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(p))
+        st = os.stat(p.name, dir_fd=pfd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            return
+        if contents:
+            _empty_at(pfd, p.name, st)
+        os.rmdir(p.name, dir_fd=pfd)
 
 
 def _remove_beneath(base: Path, path: str, *, contents: bool = True) -> None:

@@ -311,6 +311,11 @@ class Mount(Resource):
         try:
             return m.open_source(self.source, file=self.file, beneath=self.beneath)
         except OSError as exc:
+            from envctl.host.safepath import NotRootControlled
+
+            if isinstance(exc, NotRootControlled):
+                raise self._fail(f"source {self.source}: {exc.strerror}, which envctl does "
+                                 "not go through as root; refusing") from exc
             raise self._fail(f"source {self.source}: "
                              f"{os.strerror(exc.errno) if exc.errno else exc}") from exc
 

@@ -618,10 +618,13 @@ def _source_stat(want: _Want) -> os.stat_result | None:
     """The host file a `file` entry is made from, as it is now (None: gone, not regular)."""
     if want.kind != "file":
         return None
+    from envctl.host.safepath import open_root_controlled, opened
+
     try:
-        st = os.stat(want.source)
+        with opened(open_root_controlled(want.source, directory=False)) as fd:
+            st = os.fstat(fd)
     except OSError:
-        return None
+        return None  # gone, or reached only through what another user controls
     return st if stat.S_ISREG(st.st_mode) else None
 
 
@@ -699,6 +702,11 @@ def _ensure(tree: _Tree, env: str, path: str, want: _Want) -> None:
     src = None
     if want.kind == "file":
         src = _source_stat(want)
+        from envctl.host.safepath import root_controlled_problem
+
+        problem = root_controlled_problem(want.source) if src is None else ""
+        if problem:
+            raise HostError(f"rootfs {env}: {path}: the source {problem}")
         if src is None:
             raise HostError(f"rootfs {env}: {path}: the source {want.source} is gone or not a "
                             f"regular file")
@@ -783,7 +791,11 @@ def _place_host_file(pfd: int, tmp: str, source: str, src: os.stat_result, dev: 
     verdict and the link or copy are of that descriptor: a file swapped in at the path since
     `src` was read is judged as itself. (`src`, the stat the check made, is not used.)"""
     del src
-    sfd = os.open(source, os.O_PATH | os.O_CLOEXEC)
+    from envctl.host.safepath import open_root_controlled
+
+    # Through no symlink a user could have planted on the way (a file of rootfs.files named
+    # below a user's directory could otherwise be swapped for a link to /etc/shadow).
+    sfd = open_root_controlled(source, directory=False)
     try:
         st = os.fstat(sfd)
         if st.st_dev == dev and not st.st_mode & SETID and _linkable(st):

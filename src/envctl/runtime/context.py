@@ -105,6 +105,9 @@ class EnvContext(Record, frozen=True):
     # Its cgroup's device allow-list as `up` wrote it (the cgroup-devices step's rules, majors
     # possibly named: envctl.host.devices.resolve_rules); (): none recorded.
     device_rules: tuple[str, ...] = ()
+    # How many host ids from `userns` on are the environment's (its block, the journal's
+    # claims): none of them may be a job's own user or group.
+    userns_size: int = 0
 
     @classmethod
     def load(cls, host: Host, env: str) -> EnvContext:
@@ -138,7 +141,8 @@ class EnvContext(Record, frozen=True):
                    seccomp=str(claims.get("seccomp") or "default"),
                    nested_userns=bool(claims.get("nested_userns")), memory_max=memory_max,
                    userns=int((claims.get("userns") or {}).get("base") or 0),
-                   device_rules=tuple((found.get("cgroup-devices") or {}).get("rules") or ()))
+                   device_rules=tuple((found.get("cgroup-devices") or {}).get("rules") or ()),
+                   userns_size=int((claims.get("userns") or {}).get("size") or 1))
 
 
 def _not_up(host: Host, env: str) -> UsageError:

@@ -237,11 +237,35 @@ def resolve_user(spec: str | None, ctx: EnvContext,
         if uid.isdigit() and int(uid) != 0:
             gid = environ.get("SUDO_GID", "")
             primary = int(gid) if gid.isdigit() else int(uid)
-            return User(int(uid), primary,
-                        tuple(g for g in ctx.device_gids if g != primary))
+            return _outside_userns_block(
+                User(int(uid), primary, tuple(g for g in ctx.device_gids if g != primary)),
+                None, ctx)
         raise UsageError("envctl runs nothing as root unless asked: give --user USER (a name "
                          "or uid; --user root to run as root); run through sudo, the user "
                          "behind sudo is the default")
+    return _outside_userns_block(_user_from(spec, ctx), spec, ctx)
+
+
+def _outside_userns_block(user: User, spec: str | None, ctx: EnvContext) -> User:
+    """`user`, unless one of its ids is in the environment's own block of host ids: the
+    first is root inside (a job of that uid would map one host id twice, which the kernel
+    refuses only at launch), the rest are reserved to the environment (UsageError)."""
+    if not ctx.userns:
+        return user
+    first, last = ctx.userns, ctx.userns + max(ctx.userns_size, 1) - 1
+    ids = [("uid", user.uid), ("gid", user.gid), *(("group", g) for g in user.groups)]
+    for what, i in ids:
+        if first <= i <= last:
+            who = f"--user {spec!r}" if spec is not None else f"the sudo user ({user.uid})"
+            raise UsageError(
+                f"{who}: {what} {i} is one of the host ids of environment '{ctx.env}''s user "
+                f"namespace ({first}-{last}; {first} is its root): give --user root for root "
+                "inside, or a user and groups outside that range")
+    return user
+
+
+def _user_from(spec: str, ctx: EnvContext) -> User:
+    """The User `--user spec` names (see resolve_user)."""
     name, _, group = spec.partition(":")
     if not name:
         raise UsageError(f"--user {spec!r}: give a user name or uid")
@@ -704,7 +728,7 @@ def _check(launch: Launch) -> dict:
     if outside or not cpus:
         raise UsageError(f"CPUs {outside or '(none)'}: the environment '{ctx.env}' runs on "
                          f"CPUs {','.join(map(str, ctx.cpus))}")
-    if ctx.userns and len({launch.user.gid, *launch.user.groups} - {0}) >= USERNS_MAP_LINES:
+    if ctx.userns and len(mapped_gids(launch.user) - {0}) >= USERNS_MAP_LINES:
         raise UsageError(f"user {launch.user.uid}: {len(launch.user.groups)} groups; a user "
                          f"namespace of '{ctx.env}' maps at most {USERNS_MAP_LINES - 1}")
     for b in launch.binds:
@@ -1188,7 +1212,18 @@ def id_maps(base: int, user: User) -> tuple[bytes, bytes]:
     def lines(ids: set[int]) -> bytes:
         return "".join(f"{i} {base if i == 0 else i} 1\n" for i in sorted(ids | {0})).encode()
 
-    return lines({user.uid}), lines({user.gid, *user.groups})
+    return lines({user.uid}), lines(mapped_gids(user))
+
+
+def mapped_gids(user: User) -> set[int]:
+    """The gids a launch's user namespace maps besides 0: a user's own primary and
+    supplementary groups are its identity (alice's results are alice's groups' on the host).
+    A root job's supplementary groups (its GPU nodes' group, /etc/group memberships) are not
+    mapped: it holds them as host gids set before the unshare (_job), unmapped inside (shown
+    as the overflow gid), which opens the nodes, while root inside, owner of every file it
+    makes, could otherwise chgrp one to a host group and make it set-gid: a host user who ran
+    it would be in that group."""
+    return {user.gid} if user.uid == 0 else {user.gid, *user.groups}
 
 
 def _write_id_maps(pid: int, base: int, user: User) -> None:
@@ -1280,6 +1315,10 @@ def _job(launch: Launch, plan: _Plan, slave: int) -> NoReturn:
             # could exhaust root's inotify instances). The real and saved uids stay 0, so the
             # permitted set stays: the effective set is taken back for the unshare (hosts that
             # allow new user namespaces to CAP_SYS_ADMIN alone).
+            if launch.user.uid == 0:
+                # A root job's supplementary groups, as host gids the namespace leaves
+                # unmapped (see mapped_gids): set while still host root, kept by the unshare.
+                os.setgroups(list(launch.user.groups))
             os.setresuid(-1, plan.userns, -1)
             _raise_effective()
             _check_call(libc.unshare(CLONE_NEWUSER))
@@ -1294,7 +1333,8 @@ def _job(launch: Launch, plan: _Plan, slave: int) -> NoReturn:
         _check_call(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0))
         step = "set user"
         user = launch.user
-        os.setgroups(list(user.groups))
+        if not (plan.userns and user.uid == 0):
+            os.setgroups(list(user.groups))  # a root job in a user namespace has set them
         os.setgid(user.gid)
         os.setuid(user.uid)  # from root to another uid: permitted and effective sets cleared
         step = "new session keyring"
