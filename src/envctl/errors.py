@@ -87,6 +87,11 @@ class NeedsRootError(EnvctlError):
     """The command changes the host and was not run as root."""
 
 
+class AccessDenied(EnvctlError):
+    """The caller may not do this to this environment or job (the spec's `access:`); nothing
+    was changed. One line naming who, what and who may (envctl.runtime.access)."""
+
+
 class LockTimeout(EnvctlError):
     """Another envctl holds the global lock for longer than we were asked to wait."""
 

@@ -171,6 +171,8 @@ class HostFacts:
     userns_refused: dict[str, str] = field(default_factory=dict)
     # Group names the specs ask about -> gid (a name missing here does not exist).
     groups: dict[str, int] = field(default_factory=dict)
+    # Login names the specs ask about (access:) -> uid (a name missing here does not exist).
+    users: dict[str, int] = field(default_factory=dict)
     # The host's /etc/resolv.conf, which environments' rootfs get a copy of.
     resolv_conf: str = ""
     # Where envctl keeps state on this host (ENVCTL_STATE_DIR), for resources that need

@@ -7,8 +7,6 @@ from the journal alone and never imports pydantic, YAML or the planner.
 from __future__ import annotations
 
 import dataclasses
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from envctl.facts import HostFacts
 from envctl.host.context import Host
 from envctl.host.facts import gather
 from envctl.host.idranges import host_id_ranges
+from envctl.plan.access import access_names
 from envctl.plan.builder import Plan, PlanError
 from envctl.plan.claims import held_conflicts, spec_claims
 from envctl.plan.gpus import assign_gpus
@@ -28,7 +27,7 @@ from envctl.plan.rootfs import wants_rootfs
 from envctl.plan.userns import assign_userns, wants_userns
 from envctl.runtime.context import SYSTEM_CONFIG_DIR, config_dir  # noqa: F401 - re-exported
 from envctl.spec.conflicts import find_conflicts
-from envctl.spec.loader import LoadedSpec, read_each, spec_files
+from envctl.spec.loader import LoadedSpec, read_each, spec_files, unsafe_spec_paths
 from envctl.spec.models import EnvSpec
 
 
@@ -167,43 +166,6 @@ def _held(host: Host, specs: set[str]) -> dict[str, tuple[str, dict]]:
     return out
 
 
-def unsafe_spec_paths(paths: list[Path]) -> list[Problem]:
-    """Spec files, their directory and its ancestors that someone other than root could
-    change: not owned by root, or writable by group or others (a world-writable directory with
-    the sticky bit, such as /tmp, is fine above a root-owned entry: nobody else can replace
-    it). Checked only when running as root, which is when it matters."""
-    if os.geteuid() != 0:
-        return []
-    problems: list[Problem] = []
-    seen: set[Path] = set()
-    for path in paths:
-        p = path.absolute()
-        chain = [p, *p.parents]
-        for i, q in enumerate(chain):
-            if q in seen:
-                break
-            seen.add(q)
-            try:
-                st = os.stat(q)
-            except OSError:
-                continue
-            sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
-            why = ""
-            if st.st_uid != 0:
-                why = f"is owned by uid {st.st_uid}, not root"
-            elif st.st_mode & 0o022 and not (sticky_dir and i > 0):
-                who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
-                                   if st.st_mode & bit)
-                why = f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
-            if why:
-                problems.append(Problem(str(path), None, None, "", (
-                    f"{q} {why}: envctl reads host settings (sysctls, kernel modules) from "
-                    "specs as root, so only root may be able to change them; "
-                    f"chown root and chmod go-w {q}")))
-                break
-    return problems
-
-
 def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
     """Host facts, reading the optional ones (sysctls, modules, cpufreq, rootfs closures,
     GPUs) only as specs ask, with the GPUs each spec gets resolved for all of them together."""
@@ -216,7 +178,9 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
                    modules=frozenset(modules), kmod=host.kmod if modules else None,
                    cpufreq=any(s.host.governor for s in specs), rootfs=rootfs,
                    gpu_root=host.gpu_root if gpus else None,
-                   groups=frozenset(s.gpus.group for s in gpus),
+                   groups=frozenset({s.gpus.group for s in gpus}
+                                    | {g for s in specs for g in access_names(s, "groups")}),
+                   users=frozenset(u for s in specs for u in access_names(s, "users")),
                    state_dir=host.state_dir,
                    runsc=any(s.runtime.isolation == "gvisor" for s in specs))
     if any(wants_userns(s) for s in specs):

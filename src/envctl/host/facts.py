@@ -134,11 +134,22 @@ def read_groups(names: frozenset[str]) -> dict[str, int]:
     return out
 
 
+def read_users(names: frozenset[str]) -> dict[str, int]:
+    import pwd
+
+    out = {}
+    for name in names:
+        with contextlib.suppress(KeyError):  # no such user: the planner says so
+            out[name] = pwd.getpwnam(name).pw_uid
+    return out
+
+
 def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
            sysctls: frozenset[str] = frozenset(), modules: frozenset[str] = frozenset(),
            kmod: KernelModules | None = None, cpufreq: bool = False,
            rootfs: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] | None = None,
            gpu_root: Path | None = None, groups: frozenset[str] = frozenset(),
+           users: frozenset[str] = frozenset(),
            state_dir: Path = Path("/var/lib/envctl"), runsc: bool = False) -> HostFacts:
     """Read the facts once; cheap enough (a handful of small files) for every command.
     Modules (through `kmod`), cpufreq, rootfs closures (`rootfs`: env -> binaries, libraries,
@@ -149,6 +160,7 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
         rootfs=read_rootfs(rootfs or {}),
         gpu=read_gpus(gpu_root) if gpu_root is not None else GpuHostFacts(),
         groups=read_groups(groups),
+        users=read_users(users),
         resolv_conf=(_read(Path("/etc/resolv.conf")) or "") if rootfs else "",
         state_dir=str(state_dir),
         cpus=cpus,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from envctl.plan import base, cgroup, gpus, host, isolation, network, rootfs
+from envctl.plan import access, base, cgroup, gpus, host, isolation, network, rootfs
 from envctl.plan.builder import Plan
 from envctl.resources.service import Service
 
@@ -34,9 +34,11 @@ def plan_service(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
              ("service",))
 
 
-# isolation before cgroup: the kvm platform adds a device rule.
-SECTIONS = (base.plan_dirs, host.plan_host, gpus.plan_gpus, isolation.plan_isolation,
-            network.plan_network, rootfs.plan_rootfs, cgroup.plan_cgroup, plan_service)
+# isolation before cgroup: the kvm platform adds a device rule. access makes nothing: it only
+# checks that the users and groups named exist here.
+SECTIONS = (access.plan_access, base.plan_dirs, host.plan_host, gpus.plan_gpus,
+            isolation.plan_isolation, network.plan_network, rootfs.plan_rootfs,
+            cgroup.plan_cgroup, plan_service)
 
 
 def plan_env(spec: EnvSpec, facts: HostFacts) -> Plan:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -394,6 +395,43 @@ def load_spec(path: str | os.PathLike[str]) -> LoadedSpec:
 def spec_files(directory: str | os.PathLike[str]) -> list[Path]:
     d = Path(directory)
     return sorted(p for p in d.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
+def unsafe_spec_paths(paths: list[Path]) -> list[Problem]:
+    """Spec files, their directory and its ancestors that someone other than root could
+    change: not owned by root, or writable by group or others (a world-writable directory with
+    the sticky bit, such as /tmp, is fine above a root-owned entry: nobody else can replace
+    it). Checked only when running as root, which is when it matters."""
+    if os.geteuid() != 0:
+        return []
+    problems: list[Problem] = []
+    seen: set[Path] = set()
+    for path in paths:
+        p = path.absolute()
+        chain = [p, *p.parents]
+        for i, q in enumerate(chain):
+            if q in seen:
+                break
+            seen.add(q)
+            try:
+                st = os.stat(q)
+            except OSError:
+                continue
+            sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+            why = ""
+            if st.st_uid != 0:
+                why = f"is owned by uid {st.st_uid}, not root"
+            elif st.st_mode & 0o022 and not (sticky_dir and i > 0):
+                who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
+                                   if st.st_mode & bit)
+                why = f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+            if why:
+                problems.append(Problem(str(path), None, None, "", (
+                    f"{q} {why}: envctl reads host settings (sysctls, kernel modules) from "
+                    "specs as root, so only root may be able to change them; "
+                    f"chown root and chmod go-w {q}")))
+                break
+    return problems
 
 
 @dataclass

@@ -896,6 +896,63 @@ class Runtime(Strict):
         return self
 
 
+# ---------------------------------------------------------------- access
+
+
+def _account_name(what: str) -> BeforeValidator:
+    """A login or group name as the host's databases spell it: POSIX's portable characters
+    (letters, digits, '.', '_', '-', not starting with '-' or a digit; a trailing '$' for
+    Samba's machine accounts), 1-32 of them. Numeric ids are refused: an id outlives the
+    account it was given to (a uid reused after userdel would inherit the grant), and a
+    reviewer of the spec reads names."""
+    pattern = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")
+
+    def check(v: Any) -> Any:
+        numbered = (isinstance(v, int) and not isinstance(v, bool)) or (
+            isinstance(v, str) and v.isdigit())
+        if numbered:
+            raise ValueError(f"a {what} is named, not numbered: give the {what} name the "
+                             f"host's {'passwd' if what == 'user' else 'group'} database has "
+                             f"for {_shown(v)}")
+        if not isinstance(v, str) or not pattern.fullmatch(v):
+            raise ValueError(f"a {what} name is 1-32 letters, digits, '.', '_' and '-' (not "
+                             f"starting with a digit, '-' or '.'), not {_shown(v)}")
+        return v
+
+    return BeforeValidator(check)
+
+
+UserName = Annotated[str, _account_name("user")]
+AccountGroup = Annotated[str, _account_name("group")]
+
+
+class Grant(Strict):
+    """Who one entry of `access:` names: host users (login names) and host groups."""
+
+    users: tuple[UserName, ...] = ()
+    groups: tuple[AccountGroup, ...] = ()
+
+    @field_validator("users")
+    @classmethod
+    def _users_once(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return _unique(v, "user")
+
+    @field_validator("groups")
+    @classmethod
+    def _groups_once(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return _unique(v, "group")
+
+
+class Access(Strict):
+    """Who may use the environment besides envctl's admins (root, the `envctl` group):
+    `submit` may submit jobs, exec and list jobs (and read, cancel and wait for their own);
+    `operate` may also bring it up and down, see its status and handle all its jobs
+    (envctl.runtime.access). Without an `access:` section only admins may use it."""
+
+    submit: Grant = Grant()
+    operate: Grant = Grant()
+
+
 # ---------------------------------------------------------------- the environment
 
 
@@ -911,6 +968,7 @@ class EnvSpec(Strict):
     host: HostTuning = HostTuning()
     service: Service | None = None
     runtime: Runtime = Runtime()
+    access: Access | None = None
 
     # Cross-field rules as field validators (fields validate in the order above, and
     # info.data holds those before that passed): each is reported at the field it is about,
