@@ -67,13 +67,27 @@ def send_frame(sock: socket.socket, obj: dict, fds: list[int] | tuple[int, ...] 
         sock.sendall(data)
 
 
+def recv_fds(sock: socket.socket, bufsize: int, maxfds: int = MAX_FDS
+             ) -> tuple[bytes, list[int], int]:
+    """recvmsg: (data, descriptors, msg flags), every descriptor close-on-exec. (Python's own
+    socket.recv_fds drops its `flags` argument, MSG_CMSG_CLOEXEC included.)"""
+    import array
+
+    data, ancdata, flags, _ = sock.recvmsg(bufsize, socket.CMSG_SPACE(maxfds * 4),
+                                           MSG_CMSG_CLOEXEC)
+    fds = array.array("i")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), flags
+
+
 def recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
     """`n` bytes (blocking), the descriptors that came with them appended to `fds`;
     ConnectionError at EOF before that."""
     buf = bytearray()
     while len(buf) < n:
-        data, got, flags, _ = socket.recv_fds(sock, min(n - len(buf), 1 << 20), MAX_FDS,
-                                              MSG_CMSG_CLOEXEC)
+        data, got, _ = recv_fds(sock, min(n - len(buf), 1 << 20))
         fds.extend(got)
         if not data:
             raise ConnectionError("the other end closed the connection")

@@ -204,8 +204,7 @@ class Daemon:
 
     def read(self, conn: Conn) -> None:
         try:
-            data, fds, flags, _ = socket.recv_fds(conn.sock, 65536, proto.MAX_FDS,
-                                                  proto.MSG_CMSG_CLOEXEC)
+            data, fds, flags = proto.recv_fds(conn.sock, 65536)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -239,6 +238,8 @@ class Daemon:
             finally:
                 for fd in fds:
                     os.close(fd)
+            for fd in reply.pop("_fds", []):  # the inline ones pass none
+                os.close(fd)
             self.answer(conn, reply)
         elif op in handlers.FORKED:
             conn.request = request
