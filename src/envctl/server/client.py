@@ -207,6 +207,7 @@ def follow(client: Client, fd: int, job: Job, write: Callable[[bytes], None], *,
            recheck: float = 1.0) -> None:
     """Copy the output `fd` from its start, then as it grows, until the job ended: woken by
     inotify when the file changes and by the daemon's answer to a `wait` for the job."""
+    import contextlib
     import select
     import threading
 
@@ -244,10 +245,8 @@ def follow(client: Client, fd: int, job: Job, write: Callable[[bytes], None], *,
                 return
             for got, _ in poller.poll(recheck * 1000):
                 if got == ino:
-                    try:
+                    with contextlib.suppress(BlockingIOError):
                         os.read(ino, 4096)
-                    except BlockingIOError:
-                        pass
     finally:
         os.close(fd)
         os.close(r)

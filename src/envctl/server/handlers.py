@@ -214,8 +214,9 @@ def logs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
     """A read-only descriptor of the job's stdout (or stderr), opened as jobs.open_output
     opens it (never by name as root: with the job user's rights, O_NOFOLLOW, or beneath
     the jobs directory with no symlink), passed back."""
-    from envctl.errors import HostError
     from pathlib import Path
+
+    from envctl.errors import HostError
 
     ids = _ids(req)
     if len(ids) != 1:
