@@ -799,15 +799,21 @@ def jobs_(
 
     Example: envctl jobs cpu-compute --all
     """
-    from envctl.host.context import Host
     from envctl.runtime import jobs as jb
+    from envctl.server import client
 
-    host = Host.from_env()
-    listed = jb.listing(host.state_dir, host.boot_id, env=env, finished=all_)
-    if env is not None and not listed and not jb.listing(host.state_dir, host.boot_id,
-                                                         env=env, finished=True):
-        # No job of it, ever: a name that is neither a spec nor up is a typo (exit 2).
-        _require_known([env], host)
+    daemon = client.route()
+    if daemon is not None:
+        listed = client.jobs(daemon, env, all_)
+    else:
+        from envctl.host.context import Host
+
+        host = Host.from_env()
+        listed = jb.listing(host.state_dir, host.boot_id, env=env, finished=all_)
+        if env is not None and not listed and not jb.listing(host.state_dir, host.boot_id,
+                                                             env=env, finished=True):
+            # No job of it, ever: a name that is neither a spec nor up is a typo (exit 2).
+            _require_known([env], host)
     if json_:
         _emit_json([j.to_json() for j in listed])
         return
@@ -833,16 +839,31 @@ def logs(
     from envctl.errors import HostError
     from envctl.host.context import Host
     from envctl.runtime import jobs as jb
+    from envctl.server import client
 
-    host = Host.from_env()
-    record = jb.get(host.state_dir, job)
-    path = Path(record.stderr if stderr_ else record.stdout)
     out = sys.stdout.buffer
 
     def write(chunk: bytes) -> None:
         out.write(chunk)
         out.flush()
 
+    daemon = client.route()
+    if daemon is not None:  # the daemon opens it as the job's user may, and passes it
+        fd, record = client.logs(daemon, job, stderr_)
+        try:
+            if follow:
+                client.follow(daemon, fd, record, write)
+            else:
+                import shutil
+
+                with open(fd, "rb") as f:
+                    shutil.copyfileobj(f, out)
+        except OSError as exc:
+            raise HostError(f"logs of job {record.id}: {exc.strerror}") from exc
+        return
+    host = Host.from_env()
+    record = jb.get(host.state_dir, job)
+    path = Path(record.stderr if stderr_ else record.stdout)
     try:
         if follow:
             jb.follow(host.state_dir, record, path, write, boot_id=host.boot_id)
@@ -872,19 +893,22 @@ def cancel(
     Example: sudo envctl cancel 7 8
     """
     from envctl.errors import NeedsRootError
-    from envctl.host.context import Host
-    from envctl.runtime import jobs as jb
-    from envctl.runtime import supervisor as sv
+    from envctl.server import client
 
-    host = Host.from_env()
-    before = [jb.get(host.state_dir, j) for j in job_ids]  # every id known, or nothing done
-    if os.geteuid() != 0 and any(j.active for j in before):
-        raise NeedsRootError("envctl cancel signals the job's supervisor and needs root: run "
-                             "it with sudo")
-    for j in before:  # all asked at once, then each waited for
-        if j.active:
-            sv.cancel(host, j.id, grace=grace, wait=False)
-    after = [sv.cancel(host, j.id, grace=grace) if j.active else j for j in before]
+    daemon = client.route()
+    if daemon is not None:
+        before, after = client.cancel(daemon, job_ids, grace)
+    else:
+        from envctl.host.context import Host
+        from envctl.runtime import jobs as jb
+        from envctl.runtime import supervisor as sv
+
+        host = Host.from_env()
+        before = [jb.get(host.state_dir, j) for j in job_ids]  # every id known, or nothing
+        if os.geteuid() != 0 and any(j.active for j in before):
+            raise NeedsRootError("envctl cancel signals the job's supervisor and needs root: "
+                                 "run it with sudo")
+        after = sv.cancel_jobs(host, before, grace=grace)
     if json_:
         _emit_json([j.to_json() for j in after])
         return
@@ -905,19 +929,41 @@ def wait_(
 
     Example: envctl wait 7 8 && echo all done
     """
-    from envctl.host.context import Host
     from envctl.runtime import jobs as jb
-    from envctl.runtime import supervisor as sv
+    from envctl.server import client
 
-    host = Host.from_env()
-    ids = [jb.get(host.state_dir, j).id for j in job_ids]
-    done = sv.wait(host, ids)
+    daemon = client.route()
+    if daemon is not None:
+        done = client.wait(daemon, job_ids)
+    else:
+        from envctl.host.context import Host
+        from envctl.runtime import supervisor as sv
+
+        host = Host.from_env()
+        ids = [jb.get(host.state_dir, j).id for j in job_ids]
+        done = sv.wait(host, ids)
     if json_:
         _emit_json([j.to_json() for j in done])
     else:
         for j in done:
             print(f"{j.id} {j.state} {jb.format_exit(j)}")
     raise typer.Exit(next((j.exit_status() for j in done if j.exit_status()), 0))
+
+
+@app.command()
+def daemon() -> None:
+    """Run the envctl daemon in the foreground (as root; logs to stderr): plain users submit,
+    list, cancel, wait for and read their jobs through its socket.
+
+    The socket is $ENVCTL_SOCKET, else /run/envctl/envctl.sock (or the one systemd passes:
+    envctl-daemon.socket, which `envctl install-units` installs). Each request is decided by
+    who the kernel says the caller is and the spec's `access:`; jobs outlive the daemon.
+
+    Example: sudo envctl daemon
+    """
+    from envctl.server.server import main as serve
+
+    raise typer.Exit(serve())
 
 
 # ---------------------------------------------------------------- entry point

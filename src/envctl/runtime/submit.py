@@ -33,20 +33,18 @@ def submit(env: str, exe: str, args: list[str], *, name: str | None = None,
     """Submit the job, print its id (or its record with `json_`) and return the exit code:
     0, 1 when it did not start, the job's own code with `wait`. Raises EnvctlError for bad
     input (nothing changed) and a host that refuses."""
-    from envctl.host.context import Host
-    from envctl.runtime import supervisor as sv
-    from envctl.runtime.context import EnvContext
     from envctl.runtime.jobs import State, format_exit
+    from envctl.server import client as cl
 
-    host = Host.from_env()
-    ctx = EnvContext.load(host, env)
-    req = sv.make_request(host, ctx, exe, list(args), name=name, user=user, cpus=cpus,
-                          gpus=gpus, env=env_vars, workdir=workdir, output=output, error=error,
-                          time_limit=time_limit, mem=mem)
-    if os.geteuid() != 0:
-        raise NeedsRootError("envctl submit-job enters the environment's namespaces and "
-                             "cgroup and needs root: run it with sudo")
-    job = sv.submit(host, ctx, req)
+    daemon = cl.route()
+    if daemon is not None:
+        job = cl.submit(daemon, env, exe, list(args), name=name, time_limit=time_limit,
+                        cpus=cpus, gpus=gpus, env_vars=env_vars, workdir=workdir,
+                        output=output, error=error, user=user, mem=mem)
+    else:
+        job = _submit_here(env, exe, args, name=name, time_limit=time_limit, cpus=cpus,
+                           gpus=gpus, env_vars=env_vars, workdir=workdir, output=output,
+                           error=error, user=user, mem=mem)
     if job.state is State.FAILED and job.start_time is None:
         _show(job, json_)
         print(f"error: job {job.id} did not start: {job.error}", file=sys.stderr)
@@ -56,12 +54,37 @@ def submit(env: str, exe: str, args: list[str], *, name: str | None = None,
         return 0
     if not json_:
         print(job.id, flush=True)
-    job = sv.wait(host, [job.id])[0]
+    if daemon is not None:
+        job = cl.wait(daemon, [job.id])[0]
+    else:
+        from envctl.host.context import Host
+        from envctl.runtime import supervisor as sv
+
+        job = sv.wait(Host.from_env(), [job.id])[0]
     if json_:
         _show(job, json_)
     else:
         print(f"job {job.id} {job.state} (exit {format_exit(job)})", file=sys.stderr)
     return job.exit_status()
+
+
+def _submit_here(env: str, exe: str, args: list[str], **options: object) -> object:
+    """The job submitted by this process itself (root, no daemon)."""
+    from envctl.host.context import Host
+    from envctl.runtime import supervisor as sv
+    from envctl.runtime.context import EnvContext
+
+    host = Host.from_env()
+    ctx = EnvContext.load(host, env)
+    req = sv.make_request(host, ctx, exe, list(args), name=options["name"],
+                          user=options["user"], cpus=options["cpus"], gpus=options["gpus"],
+                          env=options["env_vars"], workdir=options["workdir"],
+                          output=options["output"], error=options["error"],
+                          time_limit=options["time_limit"], mem=options["mem"])
+    if os.geteuid() != 0:
+        raise NeedsRootError("envctl submit-job enters the environment's namespaces and "
+                             "cgroup and needs root: run it with sudo")
+    return sv.submit(host, ctx, req)
 
 
 def _show(job: object, json_: bool) -> None:

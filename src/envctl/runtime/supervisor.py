@@ -93,6 +93,11 @@ class Request(Record):
     # Who submits it: the user behind sudo (asuser.submitter); None: this process (root run
     # directly, or a test). The program is read with this user's rights, never root's.
     submitter: Creds | None = None
+    # Descriptors the submitter opened itself (the daemon's client, over SCM_RIGHTS): used
+    # instead of opening `exe`, `output`, `error` by path (those then only name them).
+    program_fd: int | None = None
+    output_fd: int | None = None
+    error_fd: int | None = None
 
 
 # ---------------------------------------------------------------- checking a request
@@ -165,9 +170,33 @@ def _check_options(ctx: EnvContext, req: Request) -> None:
     if not req.workdir.startswith("/"):
         raise InputError(f"submit-job --workdir '{req.workdir}': an absolute path inside the "
                          "environment")
-    for opt, path in (("--output", req.output), ("--error", req.error)):
-        if path is not None:
+    for opt, path, fd in (("--output", req.output, req.output_fd),
+                          ("--error", req.error, req.error_fd)):
+        if fd is not None:
+            _check_given_output(opt, path, fd)
+        elif path is not None:
             _check_output(opt, path, _output_creds(req))
+
+
+def _check_given_output(opt: str, path: Path | None, fd: int) -> None:
+    """An output the submitter opened itself: a regular file open for writing."""
+    try:
+        st = os.fstat(fd)
+        mode = fcntl_flags(fd) & os.O_ACCMODE
+    except OSError as exc:
+        raise InputError(f"submit-job {opt} {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"submit-job {opt} {path}: not a regular file (a device, FIFO or "
+                         "socket is refused)")
+    if mode not in (os.O_WRONLY, os.O_RDWR):
+        raise InputError(f"submit-job {opt} {path}: the descriptor passed is not open for "
+                         "writing")
+
+
+def fcntl_flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 
 def _output_creds(req: Request) -> tuple | None:
@@ -195,7 +224,14 @@ def _open_program(req: Request) -> int:
 
     exe = req.exe
     try:
-        fd = open_as(req.submitter, exe, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        if req.program_fd is not None:  # opened by the submitter itself (the daemon's client)
+            fd = os.dup(req.program_fd)
+            if fcntl_flags(fd) & (os.O_PATH | os.O_ACCMODE) not in (os.O_RDONLY, os.O_RDWR):
+                os.close(fd)
+                raise InputError(f"submit-job: {exe}: the descriptor passed is not open for "
+                                 "reading")
+        else:
+            fd = open_as(req.submitter, exe, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as exc:
         why = exc.strerror
         if req.submitter is not None and isinstance(exc, PermissionError):
@@ -425,11 +461,11 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
         if not req.program:
             _stage(req, jfd, staged, *owner)
         out_fd = _open_output(stdout, owner if req.output is None else _output_creds(req),
-                              jfd if req.output is None else None)
+                              jfd if req.output is None else None, given=req.output_fd)
         fds.append(out_fd)
         err_fd = (out_fd if _same_file(stdout, stderr) else
                   _open_output(stderr, owner if req.error is None else _output_creds(req),
-                               jfd if req.error is None else None))
+                               jfd if req.error is None else None, given=req.error_fd))
         if err_fd != out_fd:
             fds.append(err_fd)
         # The user's only once everything in it is made: nothing of theirs can be in the way.
@@ -557,8 +593,9 @@ def _stage(req: Request, jfd: int, staged: str, uid: int, gid: int) -> None:
         fd_out = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600, dir_fd=jfd)
         try:
-            while os.sendfile(fd_out, fd_in, None, 1 << 30):
-                pass
+            at = 0  # by offset: a descriptor the client passed shares its file position
+            while sent := os.sendfile(fd_out, fd_in, at, 1 << 30):
+                at += sent
             os.fchown(fd_out, uid, gid)
             os.fchmod(fd_out, os.fstat(fd_in).st_mode & 0o777)
         except OSError as exc:  # sendfile's errors name no file: the copy's source is it
@@ -569,7 +606,8 @@ def _stage(req: Request, jfd: int, staged: str, uid: int, gid: int) -> None:
         os.close(fd_in)
 
 
-def _open_output(path: Path, user: Creds | tuple | None, jfd: int | None) -> int:
+def _open_output(path: Path, user: Creds | tuple | None, jfd: int | None, *,
+                 given: int | None = None) -> int:
     """Open (truncate, as Slurm's default) an output file for the job. A default one, in the
     job's new directory, is made there through its descriptor, 0600 and `user`'s. Any
     other is opened with `user`'s rights (see _output_creds), so that a file that user cannot
@@ -578,6 +616,17 @@ def _open_output(path: Path, user: Creds | tuple | None, jfd: int | None) -> int
     is known to be a file) before anything is truncated."""
     from envctl.host.asuser import open_as
 
+    if given is not None:  # opened by the submitter itself: checked in _check_given_output
+        fd = os.dup(given)
+        try:
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl_flags(fd) | os.O_APPEND)
+            os.ftruncate(fd, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
     if jfd is not None:  # a default output, `path` in the job's directory `jfd`
         fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                      | os.O_APPEND | os.O_CLOEXEC, 0o600, dir_fd=jfd)
@@ -948,6 +997,15 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
     return final
 
 
+def cancel_jobs(host: Host, before: list[Job], *, grace: float = jobs.KILL_GRACE) -> list[Job]:
+    """`envctl cancel` of these records: every active one asked at once, then each waited
+    for; the records after, in the same order (a finished one as it was)."""
+    for j in before:
+        if j.active:
+            cancel(host, j.id, grace=grace, wait=False)
+    return [cancel(host, j.id, grace=grace) if j.active else j for j in before]
+
+
 def _pin_supervisor(job: Job, boot_id: str) -> int | None:
     """A pidfd of the job's supervisor when it is the recorded process, else None."""
     if not jobs.supervisor_alive(job, boot_id):
@@ -1036,10 +1094,12 @@ def make_request(host: Host, ctx: EnvContext, exe: str, args: list[str], *,
                  gpus: str | None = None, env: list[str] | None = None, workdir: str = "/",
                  output: str | None = None, error: str | None = None,
                  time_limit: str | None = None, mem: str | None = None,
-                 environ: dict[str, str] | os._Environ[str] = os.environ) -> Request:
+                 environ: dict[str, str] | os._Environ[str] = os.environ,
+                 here: bool | None = None) -> Request:
     """A Request from `submit-job`'s options as typed; InputError/UsageError (exit 2) for a
     bad one. The user rule is exec's (`launch.resolve_user`): the user behind sudo by
-    default, root only when asked for."""
+    default, root only when asked for. `here`: whether `exe` is a file of the submitter's
+    (the daemon's client looked, and passes it opened); None: look here."""
     from envctl.host.asuser import submitter
     from envctl.runtime.launch import resolve_user
 
@@ -1051,7 +1111,9 @@ def make_request(host: Host, ctx: EnvContext, exe: str, args: list[str], *,
             raise UsageError(f"--env {item!r}: give KEY=VALUE")
         variables[key] = value
     program = ""
-    if "/" not in exe and not os.path.lexists(exe):
+    if here is None:
+        here = "/" in exe or os.path.lexists(exe)
+    if not here:
         # A bare name that is no file here: the environment's own program, found in the PATH
         # the job will have, as srun and `docker run` find one. A path, or a file of that
         # name here, is this host's and is staged.

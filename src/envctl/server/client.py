@@ -1,0 +1,255 @@
+"""The CLI's side of the daemon: whether to go through it (`route`), one request per
+connection (`Client.call`), and the commands' requests (submit, jobs, cancel, wait, logs).
+
+Kept light (no typer, no pydantic, no launch code): `submit-job` as a client is a latency
+target. The program and the output files a user names are opened here, by the user's own
+process, and passed as descriptors: the daemon never opens a user's path."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+from envctl.errors import EnvctlError, InputError
+from envctl.server import protocol as proto
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from envctl.runtime.jobs import Job
+
+
+class DaemonDown(EnvctlError):
+    """No daemon answers on the socket, and this user cannot run the command in-process."""
+
+
+class Refused(EnvctlError):
+    """The daemon answered with an error: its line and exit code."""
+
+    def __init__(self, text: str, code: int):
+        super().__init__(text)
+        self.exit_code = code if code in (1, 2) else 1
+
+
+def _connect(path: str) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
+            return None  # no socket, or a stale one: nobody answers
+        if exc.errno == errno.EACCES:
+            raise DaemonDown(f"envctl: cannot reach the envctl daemon at {path}: "
+                             f"{exc.strerror}") from None
+        raise
+    _, uid, _, _ = proto.peer_credentials(sock)
+    if uid != 0:  # not root's: whoever made it could take the descriptors we pass
+        sock.close()
+        raise DaemonDown(f"envctl: the process on {path} is not root's (uid {uid}): not an "
+                         "envctl daemon; refusing to talk to it")
+    return sock
+
+
+class Client:
+    """Requests to the daemon at `path`; `first` is a connection already made."""
+
+    def __init__(self, path: str, first: socket.socket | None = None):
+        self.path = path
+        self.first = first
+
+    def open(self) -> socket.socket:
+        sock, self.first = self.first, None
+        if sock is None:
+            sock = _connect(self.path)
+            if sock is None:
+                raise DaemonDown(not_running(self.path))
+        return sock
+
+    def call(self, op: str, fds: list[int] | tuple[int, ...] = (), **fields: object
+             ) -> tuple[dict, list[int]]:
+        """Send one request, return the reply's fields and descriptors; Refused for an
+        error reply."""
+        sock = self.open()
+        try:
+            proto.send_frame(sock, {"v": proto.VERSION, "op": op, **fields}, fds)
+            try:
+                reply, got = proto.recv_frame(sock)
+            except ConnectionError:
+                raise DaemonDown(f"envctl: the envctl daemon closed the connection during "
+                                 f"'{op}' (it stopped, or was restarted): see its log") from None
+        finally:
+            sock.close()
+        if not reply.get("ok"):
+            for fd in got:
+                os.close(fd)
+            raise Refused(str(reply.get("error") or "refused"), int(reply.get("exit") or 1))
+        return reply, got
+
+
+def not_running(path: str) -> str:
+    return (f"envctl: the envctl daemon is not running (no socket at {path}): start it with "
+            "'systemctl start envctl-daemon.socket' (or run 'envctl daemon' as root)")
+
+
+def route(environ: dict[str, str] | os._Environ[str] = os.environ) -> Client | None:
+    """A Client when the daemon answers; None when it does not and this process is root (it
+    runs the command in-process: boot, recovery, tests); DaemonDown for anyone else."""
+    path = proto.socket_path(environ)
+    sock = _connect(path)
+    if sock is not None:
+        return Client(path, sock)
+    if os.geteuid() == 0:
+        return None
+    raise DaemonDown(not_running(path))
+
+
+# ---------------------------------------------------------------- the commands
+
+
+def _job(raw: dict) -> Job:
+    from pathlib import Path
+
+    from envctl.runtime.jobs import Job
+
+    return Job.from_json(raw, Path("<daemon>"))
+
+
+def submit(client: Client, env: str, exe: str, args: list[str], *, name: str | None = None,
+           time_limit: str | None = None, cpus: str | None = None, gpus: str | None = None,
+           env_vars: list[str] | None = None, workdir: str = "/", output: str | None = None,
+           error: str | None = None, user: str | None = None, mem: str | None = None) -> Job:
+    """Submit through the daemon; the record it answers with. A user's program and output
+    files are opened here as that user and passed; root passes paths (and who is behind its
+    sudo), which the daemon opens as in-process envctl does."""
+    here = "/" in exe or os.path.lexists(exe)
+    fields: dict[str, object] = {
+        "env": env, "exe": os.path.abspath(exe) if here else exe, "args": list(args),
+        "name": name, "time_limit": time_limit, "cpus": cpus, "gpus": gpus, "mem": mem,
+        "env_vars": list(env_vars or []), "workdir": workdir, "user": user, "here": here,
+        "output": os.path.abspath(output) if output else None,
+        "error": os.path.abspath(error) if error else None}
+    fds: list[int] = []
+    try:
+        if os.geteuid() == 0:
+            fields["sudo"] = {k: os.environ[k] for k in ("SUDO_UID", "SUDO_GID", "SUDO_USER")
+                              if k in os.environ}
+        else:
+            if here:
+                fields["program_fd"] = _pass(fds, _open_program(exe))
+            if output:
+                fields["output_fd"] = _pass(fds, _open_output("--output", output))
+            if error:
+                same = output and os.path.abspath(output) == os.path.abspath(error)
+                fields["error_fd"] = (fields["output_fd"] if same else
+                                      _pass(fds, _open_output("--error", error)))
+        reply, _ = client.call("submit", fds, **fields)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return _job(reply["job"])
+
+
+def _pass(fds: list[int], fd: int) -> int:
+    fds.append(fd)
+    return len(fds) - 1
+
+
+def _open_program(exe: str) -> int:
+    try:
+        return os.open(exe, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InputError(f"submit-job: {exe}: {exc.strerror}") from None
+
+
+def _open_output(opt: str, path: str) -> int:
+    """The output as this user opens it: created if need be, never through a symlink, not
+    truncated here (the daemon truncates it once it knows it is a regular file)."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+                       | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InputError(f"submit-job {opt} {path}: is a symlink, which envctl does not "
+                             "follow for an output; name the file itself") from None
+        raise InputError(f"submit-job {opt} {path}: {exc.strerror}") from None
+
+
+def jobs(client: Client, env: str | None, all_: bool) -> list[Job]:
+    reply, _ = client.call("jobs", env=env, all=all_)
+    return [_job(j) for j in reply["jobs"]]
+
+
+def cancel(client: Client, ids: list[str], grace: float) -> tuple[list[Job], list[Job]]:
+    reply, _ = client.call("cancel", ids=list(ids), grace=grace)
+    return [_job(j) for j in reply["before"]], [_job(j) for j in reply["after"]]
+
+
+def wait(client: Client, ids: list[str] | list[int]) -> list[Job]:
+    reply, _ = client.call("wait", ids=list(ids))
+    return [_job(j) for j in reply["jobs"]]
+
+
+def logs(client: Client, job_id: str, stderr: bool) -> tuple[int, Job]:
+    """A read-only descriptor of the job's output, opened by the daemon as the job's user
+    may, and the job's record."""
+    reply, fds = client.call("logs", ids=[job_id], stderr=stderr)
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise Refused("the envctl daemon sent no output descriptor", 1)
+    return fds[0], _job(reply["job"])
+
+
+def follow(client: Client, fd: int, job: Job, write: Callable[[bytes], None], *,
+           recheck: float = 1.0) -> None:
+    """Copy the output `fd` from its start, then as it grows, until the job ended: woken by
+    inotify when the file changes and by the daemon's answer to a `wait` for the job."""
+    import contextlib
+    import select
+    import threading
+
+    from envctl.host.libc import libc
+    from envctl.runtime.jobs import IN_CLOSE_WRITE, IN_MODIFY
+
+    ended = threading.Event()
+    r, w = os.pipe2(os.O_CLOEXEC)
+
+    def waiter() -> None:
+        try:
+            wait(client, [job.id])
+        except EnvctlError:
+            pass
+        finally:
+            os.write(w, b"x")  # before `ended`: the loop closes `w` once it sees that
+            ended.set()
+
+    ino = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        poller = select.poll()
+        poller.register(r, select.POLLIN)
+        if ino >= 0 and libc.inotify_add_watch(
+                ino, os.fsencode(f"/proc/self/fd/{fd}"), IN_MODIFY | IN_CLOSE_WRITE) >= 0:
+            poller.register(ino, select.POLLIN)
+        if job.active:
+            threading.Thread(target=waiter, daemon=True).start()
+        else:
+            ended.set()
+        while True:
+            done = ended.is_set()
+            while chunk := os.read(fd, 65536):
+                write(chunk)
+            if done:
+                return
+            for got, _ in poller.poll(recheck * 1000):
+                if got == ino:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(ino, 4096)
+    finally:
+        os.close(fd)
+        os.close(r)
+        os.close(w)
+        if ino >= 0:
+            os.close(ino)

@@ -1,0 +1,235 @@
+"""What each request of the daemon does: the access check (envctl.runtime.access), then the same
+functions the CLI calls in-process (supervisor.make_request/submit/cancel_jobs/wait,
+jobs.listing/open_output). Each handler takes the caller (as the kernel names it), the request
+and the descriptors that came with it, and returns the reply's fields and descriptors."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+
+from envctl.errors import UsageError
+from envctl.runtime import access
+from envctl.runtime import jobs as jb
+from envctl.runtime.access import Caller
+from envctl.server.protocol import ProtocolError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+# squeue's view of somebody else's job: who, where, what state, how long; not its argv,
+# program, outputs or environment.
+PUBLIC_FIELDS = ("id", "env", "name", "user", "uid", "state", "submit_time", "start_time",
+                 "end_time", "time_limit", "cpus", "gpus", "exit_code", "signal")
+
+
+# ---------------------------------------------------------------- reading a request
+
+
+def _get(req: dict, key: str, kind: type | tuple, default: Any = None, *,
+         required: bool = False) -> Any:
+    if key not in req or req[key] is None:
+        if required:
+            raise ProtocolError(f"request field '{key}' is missing")
+        return default
+    value = req[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float)):
+        raise ProtocolError(f"request field '{key}': wrong type")
+    return value
+
+
+def _strs(req: dict, key: str) -> list[str]:
+    value = _get(req, key, list, [])
+    if not all(isinstance(v, str) for v in value):
+        raise ProtocolError(f"request field '{key}': a list of strings")
+    return value
+
+
+def _fd(req: dict, key: str, fds: list[int]) -> int | None:
+    index = _get(req, key, int)
+    if index is None:
+        return None
+    if not 0 <= index < len(fds):
+        raise ProtocolError(f"request field '{key}': no descriptor {index} came with it")
+    return fds[index]
+
+
+def _ids(req: dict) -> list[int]:
+    ids = _get(req, "ids", list, required=True)
+    if not ids or not all(isinstance(i, (int, str)) and not isinstance(i, bool) for i in ids):
+        raise ProtocolError("request field 'ids': a list of job ids")
+    return [jb.parse_id(i) for i in ids]
+
+
+def _host():
+    from envctl.host.context import Host
+
+    return Host.from_env()
+
+
+class _Lists:
+    """Each environment's access list, read once per request."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def __call__(self, env: str) -> Any:
+        if env not in self.seen:
+            self.seen[env] = access.load_access(env)
+        return self.seen[env]
+
+
+# ---------------------------------------------------------------- cheap ones (inline)
+
+
+def ping(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
+    from envctl import __version__
+
+    return {"version": __version__, "pid": os.getpid(), "uid": caller.uid,
+            "admin": access.is_admin(caller)}, []
+
+
+def list_jobs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
+    """`envctl jobs`: everyone's jobs, as squeue shows them; the whole record of those the
+    caller may see (its own, its environments' as an operator, all for an admin)."""
+    env = _get(req, "env", str)
+    host = _host()
+    listed = jb.listing(host.state_dir, host.boot_id, env=env,
+                        finished=bool(_get(req, "all", bool, False)))
+    lists = _Lists()
+    admin = access.is_admin(caller)
+    out = []
+    for job in listed:
+        full = job.to_json()
+        if admin or access.job_owner(job) == caller.uid or access.may_see_job(
+                job, lists(job.env), caller):
+            out.append(full)
+        else:
+            out.append({k: full[k] for k in PUBLIC_FIELDS if k in full} | {"argv": []})
+    return {"jobs": out}, []
+
+
+# ---------------------------------------------------------------- in a child each
+
+
+def submit(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
+    """`submit-job`: the caller's job, run as the caller unless an admin says otherwise."""
+    from envctl.host.asuser import Creds
+    from envctl.runtime import supervisor as sv
+    from envctl.runtime.context import EnvContext
+
+    env = _get(req, "env", str, required=True)
+    exe = _get(req, "exe", str, required=True)
+    user = _get(req, "user", str)
+    program_fd = _fd(req, "program_fd", fds)
+    output_fd, error_fd = _fd(req, "output_fd", fds), _fd(req, "error_fd", fds)
+    output, error = _get(req, "output", str), _get(req, "error", str)
+    for name, path in (("exe", exe if program_fd is None and "/" in exe else None),
+                       ("output", output if output_fd is None else None),
+                       ("error", error if error_fd is None else None)):
+        if path is not None and caller.uid != 0:
+            # The daemon never opens a path a user names: the client opens it and passes it.
+            raise ProtocolError(f"request field '{name}': a path without its descriptor")
+        if path is not None and not path.startswith("/"):
+            raise ProtocolError(f"request field '{name}': an absolute path")
+    access.check_user_option(caller, user)
+    access.check_submit(env, access.load_access(env), caller)
+    host = _host()
+    ctx = EnvContext.load(host, env)
+    environ = _run_as(caller, req)
+    here = True if program_fd is not None else (
+        _get(req, "here", bool, False) if caller.uid == 0 else False)
+    request = sv.make_request(
+        host, ctx, exe, _strs(req, "args"), name=_get(req, "name", str), user=user,
+        cpus=_get(req, "cpus", str), gpus=_get(req, "gpus", str),
+        env=_strs(req, "env_vars"), workdir=_get(req, "workdir", str, "/"), output=output,
+        error=error, time_limit=_get(req, "time_limit", str), mem=_get(req, "mem", str),
+        environ=environ, here=here)
+    assert request.user is not None
+    access.check_run_as(caller, request.user.uid, request.user.gid)
+    changes: dict[str, Any] = {"program_fd": program_fd, "output_fd": output_fd,
+                               "error_fd": error_fd}
+    if caller.uid != 0:
+        changes["submitter"] = Creds(caller.uid, caller.gid, caller.groups)
+    job = sv.submit(host, ctx, request.replace(**changes))
+    return {"job": job.to_json()}, []
+
+
+def _run_as(caller: Caller, req: dict) -> dict[str, str]:
+    """The environment make_request reads the default user from: the caller, as if it ran
+    envctl through sudo; for root, the user behind root's own sudo (root is trusted)."""
+    if caller.uid == 0:
+        sudo = _get(req, "sudo", dict, {})
+        return {k: v for k, v in sudo.items()
+                if k in ("SUDO_UID", "SUDO_GID", "SUDO_USER") and isinstance(v, str)}
+    return {"SUDO_UID": str(caller.uid), "SUDO_GID": str(caller.gid),
+            "SUDO_USER": caller.name}
+
+
+def _allowed(caller: Caller, ids: list[int], what: str) -> tuple[Any, list[jb.Job]]:
+    host = _host()
+    records = [jb.get(host.state_dir, i) for i in ids]  # every id known, or nothing done
+    lists = _Lists()
+    for job in records:
+        if access.job_owner(job) != caller.uid:
+            access.check_job(job, lists(job.env), caller, what)
+    return host, records
+
+
+def cancel(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
+    from envctl.runtime import supervisor as sv
+
+    grace = _get(req, "grace", (int, float), jb.KILL_GRACE)
+    if not 0 <= grace <= 365 * 86400:
+        raise UsageError(f"--grace {grace}: between 0 and 365 days, in seconds")
+    host, before = _allowed(caller, _ids(req), "cancel")
+    after = sv.cancel_jobs(host, before, grace=float(grace))
+    return {"before": [j.to_json() for j in before],
+            "after": [j.to_json() for j in after]}, []
+
+
+def wait(caller: Caller, req: dict, fds: list[int], conn: socket.socket | None = None
+         ) -> tuple[dict, list[int]] | None:
+    """Reply once every job has ended; None (nothing to reply to) when the client left."""
+    from envctl.runtime import supervisor as sv
+
+    host, records = _allowed(caller, _ids(req), "wait for")
+    ids = [j.id for j in records]
+    while True:
+        done = sv.wait(host, ids, timeout=2.0)
+        if not any(j.active for j in done):
+            return {"jobs": [j.to_json() for j in done]}, []
+        if conn is not None and _client_left(conn):
+            return None
+
+
+def _client_left(conn: socket.socket) -> bool:
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN | select.POLLHUP | select.POLLRDHUP)
+    return bool(poller.poll(0))
+
+
+def logs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
+    """A read-only descriptor of the job's stdout (or stderr), opened as jobs.open_output
+    opens it (never by name as root: with the job user's rights, O_NOFOLLOW, or beneath
+    the jobs directory with no symlink), passed back."""
+    from pathlib import Path
+
+    from envctl.errors import HostError
+
+    ids = _ids(req)
+    if len(ids) != 1:
+        raise ProtocolError("request field 'ids': one job id")
+    host, (record,) = _allowed(caller, ids, "read the logs of")
+    path = Path(record.stderr if _get(req, "stderr", bool, False) else record.stdout)
+    try:
+        fd = jb.open_output(host.state_dir, record, path)
+    except OSError as exc:
+        raise HostError(f"logs of job {record.id}: {path}: {exc.strerror}") from exc
+    return {"job": record.to_json()}, [fd]
+
+
+INLINE = {"ping": ping, "jobs": list_jobs}
+FORKED = {"submit": submit, "cancel": cancel, "wait": wait, "logs": logs}

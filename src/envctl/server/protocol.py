@@ -1,0 +1,170 @@
+"""The daemon's wire format: frames (a 4-byte big-endian length, then one UTF-8 JSON object),
+descriptors carried with SCM_RIGHTS on a frame's bytes, the peer's kernel credentials, and the
+socket's path. Shared by the daemon and the client; kept light (no typing, no pydantic): the
+client is on `submit-job`'s path.
+
+Requests are `{"v": 1, "op": ..., ...}` of at most MAX_REQUEST bytes with at most MAX_FDS
+descriptors; replies are `{"v": 1, "ok": true, ...}` or `{"v": 1, "ok": false, "exit": 1|2,
+"error": "one line"}` and may be large. Every descriptor received is close-on-exec
+(MSG_CMSG_CLOEXEC)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+
+from envctl.errors import InputError
+
+VERSION = 1
+MAX_REQUEST = 64 * 1024
+MAX_FDS = 8
+MAX_REPLY = 256 * 1024 * 1024  # a client's guard against a reply it cannot hold
+DEFAULT_SOCKET = "/run/envctl/envctl.sock"
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+MSG_CMSG_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0x40000000)
+_HEADER = struct.Struct(">I")
+
+
+class ProtocolError(InputError):
+    """A frame that is not what the protocol allows (too big, not JSON, not an object)."""
+
+
+def socket_path(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """$ENVCTL_SOCKET, else /run/envctl/envctl.sock."""
+    return environ.get("ENVCTL_SOCKET") or DEFAULT_SOCKET
+
+
+def encode(obj: dict) -> bytes:
+    """One frame: the length, then the compact JSON."""
+    body = json.dumps(obj, separators=(",", ":"), default=str).encode()
+    return _HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> dict:
+    """The JSON object of one frame's body; ProtocolError for anything else."""
+    try:
+        obj = json.loads(body.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"not a JSON frame: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("a frame must hold a JSON object")
+    return obj
+
+
+def error_reply(code: int, text: str) -> dict:
+    return {"v": VERSION, "ok": False, "exit": code, "error": " ".join(str(text).split())}
+
+
+def send_frame(sock: socket.socket, obj: dict, fds: list[int] | tuple[int, ...] = ()) -> None:
+    """Send one frame (blocking); `fds` ride on its first bytes."""
+    data = encode(obj)
+    if fds:
+        sent = socket.send_fds(sock, [data], list(fds))
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+def recv_fds(sock: socket.socket, bufsize: int, maxfds: int = MAX_FDS
+             ) -> tuple[bytes, list[int], int]:
+    """recvmsg: (data, descriptors, msg flags), every descriptor close-on-exec. (Python's own
+    socket.recv_fds drops its `flags` argument, MSG_CMSG_CLOEXEC included.)"""
+    import array
+
+    data, ancdata, flags, _ = sock.recvmsg(bufsize, socket.CMSG_SPACE(maxfds * 4),
+                                           MSG_CMSG_CLOEXEC)
+    fds = array.array("i")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), flags
+
+
+def recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+    """`n` bytes (blocking), the descriptors that came with them appended to `fds`;
+    ConnectionError at EOF before that."""
+    buf = bytearray()
+    while len(buf) < n:
+        data, got, _ = recv_fds(sock, min(n - len(buf), 1 << 20))
+        fds.extend(got)
+        if not data:
+            raise ConnectionError("the other end closed the connection")
+        buf += data
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, *, limit: int = MAX_REPLY) -> tuple[dict, list[int]]:
+    """One frame (blocking) and the descriptors that came with it."""
+    fds: list[int] = []
+    try:
+        (size,) = _HEADER.unpack(recv_exact(sock, 4, fds))
+        if size > limit:
+            raise ProtocolError(f"a frame of {size} bytes (at most {limit})")
+        return decode(recv_exact(sock, size, fds)), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+class FrameReader:
+    """A request gathered from nonblocking reads: `feed` what came, then `frame()`."""
+
+    def __init__(self, limit: int = MAX_REQUEST, max_fds: int = MAX_FDS):
+        self.limit = limit
+        self.max_fds = max_fds
+        self.buf = bytearray()
+        self.fds: list[int] = []
+        self.size: int | None = None
+
+    def feed(self, data: bytes, fds: list[int]) -> None:
+        """Take bytes and descriptors; ProtocolError when they pass a limit (the descriptors
+        are kept, to be closed with `close`)."""
+        self.fds.extend(fds)
+        self.buf += data
+        if len(self.fds) > self.max_fds:
+            raise ProtocolError(f"more than {self.max_fds} descriptors in a request")
+        if self.size is None and len(self.buf) >= 4:
+            (self.size,) = _HEADER.unpack(self.buf[:4])
+            if self.size > self.limit:
+                raise ProtocolError(f"a request of {self.size} bytes (at most {self.limit})")
+        if self.size is not None and len(self.buf) > 4 + self.size:
+            raise ProtocolError("bytes after the request (one request per connection)")
+
+    def frame(self) -> dict | None:
+        """The request once all of it came, else None."""
+        if self.size is None or len(self.buf) < 4 + self.size:
+            return None
+        return decode(bytes(self.buf[4:4 + self.size]))
+
+    def take_fds(self) -> list[int]:
+        fds, self.fds = self.fds, []
+        return fds
+
+    def close(self) -> None:
+        for fd in self.take_fds():
+            os.close(fd)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int, tuple[int, ...]]:
+    """(pid, uid, gid, supplementary gids) of the process at the other end, as the kernel
+    recorded them at connect (SO_PEERCRED, SO_PEERGROUPS): never what the client says."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    groups: tuple[int, ...] = ()
+    size = 64 * 4
+    while True:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
+        except OSError as exc:
+            import errno
+
+            if exc.errno == errno.ERANGE and size < 65536 * 4:
+                size *= 4
+                continue
+            raise
+        groups = struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
+        break
+    return pid, uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, tuple(sorted(set(groups)))

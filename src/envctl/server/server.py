@@ -1,0 +1,399 @@
+"""`envctl daemon`: the root process behind the socket. It owns the listening socket (bound
+here, or handed over by systemd's socket activation), the connections, and the per-request
+children; everything a request does is in envctl.server.handlers.
+
+One nonblocking selector loop, so that no client can hold up another: each connection has a
+capped read buffer and DEADLINE seconds from its accept to send its whole request (a client
+sending a byte a second is dropped, the others are served meanwhile); connections are capped,
+in all and per uid. Cheap reads (ping, jobs) answer inline through a nonblocking write
+buffer; work that can block (submit, cancel, wait, logs) runs in a child forked per request,
+which answers on the connection and exits (a few ms from the warm daemon, and a crash stays
+in it). Children are capped in all and per uid (the rest wait their turn) and reaped through
+pidfds.
+
+Jobs outlive the daemon: a job's supervisor is double-forked by the request's child and
+detached (runtime.supervisor._spawn); nothing of it waits on the daemon, so kill -9 of the
+daemon, or a restart, ends no job. A request's child is not killed with the daemon either:
+a submit in flight finishes (its record written) and answers, or no id was ever returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import selectors
+import signal
+import socket
+import stat
+import sys
+import time
+import traceback
+
+from envctl.errors import EnvctlError, HostError
+from envctl.runtime.access import Caller
+from envctl.server import handlers
+from envctl.server import protocol as proto
+
+DEADLINE = 5.0  # seconds from accept to a whole request
+WRITE_DEADLINE = 60.0  # seconds to take an inline reply
+MAX_CONNS = 256
+MAX_CONNS_PER_UID = 32
+MAX_CHILDREN = 32
+MAX_CHILDREN_PER_UID = 8
+SD_LISTEN_FDS_START = 3
+
+
+class Conn:
+    """One client connection, from accept to close."""
+
+    def __init__(self, sock: socket.socket, caller: Caller):
+        self.sock = sock
+        self.caller = caller
+        self.reader = proto.FrameReader()
+        self.deadline = time.monotonic() + DEADLINE
+        self.out = b""
+        self.request: dict | None = None  # complete, waiting for a child slot
+        self.state = "read"  # then "queued" (for a child) or "write" (an inline answer)
+
+
+def log(text: str) -> None:
+    print(f"envctl daemon: {text}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the listening socket
+
+
+def listen(path: str) -> tuple[socket.socket, bool]:
+    """The listening socket: systemd's (LISTEN_FDS/LISTEN_PID for this process), else one
+    bound at `path`; and whether this process bound it (and so removes it at exit).
+    HostError (exit 1) when another daemon answers at `path` or something that is not a
+    socket is there."""
+    if (os.environ.get("LISTEN_PID") == str(os.getpid())
+            and os.environ.get("LISTEN_FDS", "").isdigit()
+            and int(os.environ["LISTEN_FDS"]) >= 1):
+        for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+            os.environ.pop(key, None)  # not for the children's children
+        sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+            raise HostError("envctl daemon: the socket systemd passed is not AF_UNIX "
+                            "SOCK_STREAM (see systemd/envctl-daemon.socket)")
+        sock.set_inheritable(False)
+        return sock, False
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o755, exist_ok=True)
+    _lock(path)
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise HostError(f"envctl daemon: {path} is there and is not a socket: left as it "
+                            "is (remove it, or set ENVCTL_SOCKET)")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # an earlier daemon's, which is gone (we hold its lock)
+        else:
+            raise HostError(f"envctl daemon: another daemon answers on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.bind(path)
+    # 0666: anyone may connect; the kernel's peer credentials decide what they may do.
+    os.chmod(path, 0o666)
+    sock.listen(128)
+    return sock, True
+
+
+_LOCK_FD: list[int] = []
+
+
+def _lock(path: str) -> None:
+    """Hold `<socket>.lock` for the daemon's life: two daemons starting at once cannot both
+    replace the socket."""
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise HostError(f"envctl daemon: another daemon holds {path}.lock") from None
+    _LOCK_FD.append(fd)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+class Daemon:
+    def __init__(self, listener: socket.socket):
+        self.listener = listener
+        listener.setblocking(False)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(listener, selectors.EVENT_READ, "listen")
+        self.conns: dict[int, Conn] = {}
+        self.children: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, uid)
+        self.queue: list[Conn] = []
+        self.stopping = False
+        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.wake_w = wake_w
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
+
+    # -- running
+    def serve(self) -> None:
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._stop)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        while not self.stopping:
+            self.tick()
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        due = [c.deadline for c in self.conns.values() if c.state != "queued"]
+        timeout = max(0.0, min(due) - now) if due else None
+        for key, events in self.sel.select(timeout):
+            what = key.data
+            if what == "listen":
+                self.accept()
+            elif what == "wake":
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self.wake_r, 256)
+            elif what == "child":
+                self.reap(key.fd)
+            elif events & selectors.EVENT_WRITE:
+                self.write(what)
+            else:
+                self.read(what)
+        now = time.monotonic()
+        for conn in [c for c in self.conns.values()
+                     if c.state != "queued" and c.deadline <= now]:
+            log(f"uid {conn.caller.uid}: dropped, " + ("no whole request in time"
+                if conn.state == "read" else "its answer was not taken in time"))
+            self.close(conn)
+        self.start_queued()
+
+    def accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and kin: the rest wait in the backlog
+                log(f"accept: {exc.strerror}")
+                return
+            sock.setblocking(False)
+            try:
+                pid, uid, gid, groups = proto.peer_credentials(sock)
+            except OSError:
+                sock.close()
+                continue
+            per_uid = sum(1 for c in self.conns.values() if c.caller.uid == uid)
+            if len(self.conns) >= MAX_CONNS or per_uid >= MAX_CONNS_PER_UID:
+                with contextlib.suppress(OSError):
+                    sock.send(proto.encode(proto.error_reply(1, "the envctl daemon is busy "
+                                                             "(too many connections): retry")))
+                sock.close()
+                continue
+            conn = Conn(sock, Caller(uid, gid, groups, pid))
+            self.conns[sock.fileno()] = conn
+            self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def read(self, conn: Conn) -> None:
+        try:
+            data, fds, flags = proto.recv_fds(conn.sock, 65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close(conn)
+            return
+        if not data and not fds:
+            self.close(conn)  # the client left
+            return
+        try:
+            conn.reader.feed(data, fds)
+            if flags & socket.MSG_CTRUNC:
+                raise proto.ProtocolError(f"more than {proto.MAX_FDS} descriptors in a "
+                                          "request")
+            request = conn.reader.frame()
+        except proto.ProtocolError as exc:
+            self.answer(conn, proto.error_reply(2, str(exc)))
+            return
+        if request is not None:
+            self.dispatch(conn, request)
+
+    def dispatch(self, conn: Conn, request: dict) -> None:
+        op = request.get("op")
+        if request.get("v") != proto.VERSION:
+            self.answer(conn, proto.error_reply(2, f"protocol version {request.get('v')!r} "
+                                                f"(this daemon speaks {proto.VERSION})"))
+            return
+        if op in handlers.INLINE:
+            fds = conn.reader.take_fds()
+            try:
+                reply = run_handler(handlers.INLINE[op], conn.caller, request, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            for fd in reply.pop("_fds", []):  # the inline ones pass none
+                os.close(fd)
+            self.answer(conn, reply)
+        elif op in handlers.FORKED:
+            conn.request = request
+            conn.state = "queued"
+            self.sel.unregister(conn.sock)  # nothing more is read from it here
+            self.queue.append(conn)
+            self.start_queued()
+        else:
+            self.answer(conn, proto.error_reply(2, f"unknown request {op!r}"))
+
+    def answer(self, conn: Conn, reply: dict) -> None:
+        """Send `reply` through the write buffer, then close."""
+        conn.reader.close()
+        conn.state = "write"
+        conn.deadline = time.monotonic() + WRITE_DEADLINE
+        conn.out = proto.encode(reply)
+        with contextlib.suppress(KeyError):
+            self.sel.unregister(conn.sock)
+        self.sel.register(conn.sock, selectors.EVENT_WRITE, conn)
+        self.write(conn)
+
+    def write(self, conn: Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close(conn)
+            return
+        conn.out = conn.out[sent:]
+        if not conn.out:
+            self.close(conn)
+
+    def close(self, conn: Conn) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(conn.sock)
+        self.conns.pop(conn.sock.fileno(), None)
+        with contextlib.suppress(ValueError):
+            self.queue.remove(conn)
+        conn.reader.close()
+        conn.sock.close()
+
+    # -- children
+    def start_queued(self) -> None:
+        for conn in list(self.queue):
+            if len(self.children) >= MAX_CHILDREN:
+                return
+            uid = conn.caller.uid
+            if sum(1 for _, u in self.children.values() if u == uid) >= MAX_CHILDREN_PER_UID:
+                continue
+            self.queue.remove(conn)
+            self.fork(conn)
+
+    def fork(self, conn: Conn) -> None:
+        request = conn.request or {}
+        fds = conn.reader.take_fds()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = child(conn.sock, conn.caller, request, fds)
+            finally:
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+        self.conns.pop(conn.sock.fileno(), None)
+        conn.sock.close()
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already: reap it now
+            os.waitpid(pid, 0)
+            return
+        self.children[pidfd] = (pid, conn.caller.uid)
+        self.sel.register(pidfd, selectors.EVENT_READ, "child")
+
+    def reap(self, pidfd: int) -> None:
+        pid, _ = self.children.pop(pidfd)
+        self.sel.unregister(pidfd)
+        os.close(pidfd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def run_handler(handler, caller: Caller, request: dict, fds: list[int],
+                **kw: object) -> dict:
+    """The reply to `request` (its descriptors under "_fds"); every error becomes an error
+    reply with its exit code and one line."""
+    try:
+        out = handler(caller, request, fds, **kw)
+    except EnvctlError as exc:
+        return proto.error_reply(exc.exit_code, str(exc))
+    except Exception as exc:  # a bug: say so in one line, the traceback in the daemon's log
+        traceback.print_exc()
+        return proto.error_reply(1, f"the envctl daemon failed: {exc!r}")
+    if out is None:
+        return {}
+    fields, reply_fds = out
+    return {"v": proto.VERSION, "ok": True, **fields, "_fds": reply_fds}
+
+
+def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) -> int:
+    """A request's child: run the handler, answer on `sock`, return the exit code."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    keep = {0, 1, 2, sock.fileno(), *fds}
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) not in keep:
+            with contextlib.suppress(OSError):
+                os.close(int(name))
+    sock.setblocking(True)
+    op = request.get("op")
+    handler = handlers.FORKED[op]
+    kw = {"conn": sock} if op == "wait" else {}
+    reply = run_handler(handler, caller, request, fds, **kw)
+    if not reply:
+        return 0  # the client left
+    reply_fds = reply.pop("_fds", [])
+    sock.settimeout(WRITE_DEADLINE)
+    try:
+        proto.send_frame(sock, reply, reply_fds)
+    except OSError as exc:
+        if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+            log(f"uid {caller.uid}: {op}: reply: {exc}")
+    log(f"uid {caller.uid} pid {caller.pid}: {op}: "
+        + ("ok" if reply.get("ok") else f"refused: {reply.get('error')}"))
+    return 0
+
+
+def main(path: str | None = None) -> int:
+    """Run the daemon in the foreground until SIGTERM/SIGINT; its exit code."""
+    if os.geteuid() != 0:
+        from envctl.errors import NeedsRootError
+
+        raise NeedsRootError("envctl daemon runs jobs as their users and needs root: run "
+                             "it as root (systemctl start envctl-daemon.socket)")
+    path = path or proto.socket_path()
+    # The work of a request, loaded once here, so that each child starts warm.
+    import envctl.host.asuser  # noqa: F401
+    import envctl.runtime.context  # noqa: F401
+    import envctl.runtime.launch  # noqa: F401
+    import envctl.runtime.supervisor  # noqa: F401
+
+    listener, bound = listen(path)
+    where = path if bound else "the socket systemd passed"
+    log(f"listening on {where} (pid {os.getpid()})")
+    ino = os.stat(path).st_ino if bound else None
+    try:
+        Daemon(listener).serve()
+    finally:
+        listener.close()
+        if bound:
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_ino == ino:  # still ours, not a newer daemon's
+                    os.unlink(path)
+    log("stopped")
+    return 0

@@ -1,0 +1,206 @@
+"""The daemon end to end on the real kernel, with real host users made for the test inside the
+sandbox's own mount namespace (temp copies of /etc/passwd and /etc/group bound over the real
+ones there, never edited): a user in access.submit submits without sudo and the job runs as
+that uid; a user not in it is refused; another user cannot cancel, read the logs of or wait for
+it; `--user root` from a non-admin is refused; a symlink to /etc/shadow as the program is
+never copied; kill -9 of the daemon with a job running leaves it running to COMPLETED and a
+restarted daemon serves it; a non-root user without a daemon gets the one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.sandbox import stderr_of
+
+pytestmark = pytest.mark.root
+
+ALICE, BOB, TEAM = 60001, 60002, 60010
+SPEC = """
+name: box
+kind: cpu
+rootfs:
+  binaries: [sh, "true", python3]
+  python: true
+resources:
+  memory: {max: 64M}
+access:
+  submit: {users: [alice]}
+"""
+
+
+class Team:
+    def __init__(self, sb, shared: Path):
+        self.sb = sb
+        self.shared = shared
+        self.socket = str(shared / "envctl.sock")
+        self.daemon = None
+
+    def start(self) -> None:
+        self.daemon = self.sb.popen(sys.executable, "-m", "envctl", "daemon",
+                                    env={"ENVCTL_SOCKET": self.socket})
+        deadline = time.monotonic() + 30
+        while not self.answers():
+            assert self.daemon.poll() is None, f"daemon died: {stderr_of(self.daemon)}"
+            assert time.monotonic() < deadline, f"no socket: {stderr_of(self.daemon)}"
+            time.sleep(0.02)
+
+    def answers(self) -> bool:
+        """Whether a daemon accepts on the socket (a stale file left by a killed one does
+        not)."""
+        import socket
+
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(self.socket)
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def kill(self, sig: int = signal.SIGTERM) -> None:
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.daemon.send_signal(sig)
+            self.daemon.wait(30)
+        self.daemon = None
+
+    def as_user(self, uid: int, *args: str, socket: str | None = None, timeout: float = 60):
+        groups = {ALICE: f"{ALICE},{TEAM}", BOB: str(BOB)}.get(uid, str(uid))
+        return self.sb.run("setpriv", f"--reuid={uid}", f"--regid={uid}",
+                           f"--groups={groups}", "--", sys.executable, "-m", "envctl", *args,
+                           env={"ENVCTL_SOCKET": socket or self.socket, "HOME": "/"},
+                           timeout=timeout)
+
+    def script(self, uid: int, name: str, text: str) -> str:
+        d = self.shared / str(uid)
+        d.mkdir(exist_ok=True)
+        os.chown(d, uid, uid)
+        p = d / name
+        p.write_text(text)
+        os.chown(p, uid, uid)
+        p.chmod(0o755)
+        return str(p)
+
+
+@pytest.fixture
+def team(sandbox):
+    shared = Path(tempfile.mkdtemp(prefix="envctl-daemon-", dir="/tmp"))
+    shared.chmod(0o755)
+    passwd, group = shared / "passwd", shared / "group"
+    passwd.write_text(Path("/etc/passwd").read_text()
+                      + f"alice:x:{ALICE}:{ALICE}::/:/bin/sh\nbob:x:{BOB}:{BOB}::/:/bin/sh\n")
+    group.write_text(Path("/etc/group").read_text()
+                     + f"alice:x:{ALICE}:\nbob:x:{BOB}:\nteam-a:x:{TEAM}:alice\n")
+    (shared / "pyenv").mkdir()
+    # The users run the test's Python, which lives under root's 0700 home: here only, a 0755
+    # /root holding just that tree.
+    python_home = "/root/.pyenv"
+    script = [f"mount --bind {passwd} /etc/passwd", f"mount --bind {group} /etc/group"]
+    if os.path.realpath(sys.executable).startswith(python_home + "/"):
+        script += [f"mount --bind {python_home} {shared}/pyenv",
+                   "mount -t tmpfs -o mode=0755 envctl-test-root /root",
+                   f"mkdir {python_home}", f"mount --bind {shared}/pyenv {python_home}"]
+    res = sandbox.run("sh", "-c", " && ".join(script))
+    assert res.returncode == 0, res.stderr
+    sandbox.write_spec("box", SPEC)
+    res = sandbox.envctl("up", "box")
+    assert res.returncode == 0, res.stderr
+    t = Team(sandbox, shared)
+    t.start()
+    yield t
+    t.kill()
+    sandbox.envctl("down", "box", "--force")
+    sandbox.close()  # its mounts go with its namespace, before the tree they show is removed
+    shutil.rmtree(shared, ignore_errors=True)
+
+
+def _job(res) -> dict:
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_a_listed_user_submits_without_sudo_and_others_are_refused(team):
+    prog = team.script(ALICE, "whoami.py", "import os\nprint(os.getuid(), os.getgid())\n")
+    job = _job(team.as_user(ALICE, "submit-job", "--json", "box", prog))
+    assert job["uid"] == ALICE and job["submitter"][0] == ALICE
+    res = team.as_user(ALICE, "wait", str(job["id"]))
+    assert res.returncode == 0, res.stderr
+    res = team.as_user(ALICE, "logs", str(job["id"]))
+    assert res.returncode == 0 and res.stdout.split() == [str(ALICE), str(ALICE)], res.stderr
+
+    # bob is not in access.submit: refused, one line, exit 1, nothing submitted.
+    before = sorted(os.listdir(team.sb.state / "jobs"))
+    bprog = team.script(BOB, "b.py", "print('bob')\n")
+    res = team.as_user(BOB, "submit-job", "box", bprog)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "bob is not in access.submit of box" \
+        in res.stderr
+    assert sorted(os.listdir(team.sb.state / "jobs")) == before
+    # nor may bob touch alice's job.
+    for cmd in (["cancel"], ["logs"], ["wait"]):
+        res = team.as_user(BOB, *cmd, str(job["id"]))
+        assert res.returncode == 1 and "bob may not" in res.stderr, (cmd, res.stderr)
+    # bob sees alice's job in `jobs` as squeue shows it: not its argv, program or outputs.
+    res = team.as_user(BOB, "jobs", "--all", "--json")
+    assert res.returncode == 0, res.stderr
+    seen = {j["id"]: j for j in json.loads(res.stdout)}
+    other = seen[job["id"]]
+    assert other["user"] == "alice" and other["state"] == "COMPLETED"
+    assert (other["argv"], other["stdout"], other["program"]) == ([], "", {})
+
+    # --user root from a non-admin: refused.
+    res = team.as_user(ALICE, "submit-job", "--user", "root", "box", prog)
+    assert res.returncode == 1 and "may not run a job as root" in res.stderr, res.stderr
+
+
+def test_a_symlink_to_shadow_is_never_copied(team):
+    d = team.shared / str(ALICE)
+    d.mkdir(exist_ok=True)
+    os.chown(d, ALICE, ALICE)
+    link = d / "evil.py"
+    link.symlink_to("/etc/shadow")
+    os.lchown(link, ALICE, ALICE)
+    res = team.as_user(ALICE, "submit-job", "box", str(link))
+    assert res.returncode == 2 and "Permission denied" in res.stderr, res.stderr
+    # Refused by alice's own open, before the daemon was asked: no job, nothing copied.
+    jobs = team.sb.state / "jobs"
+    assert not jobs.exists() or not [n for n in os.listdir(jobs) if n[:1].isdigit()]
+
+
+def test_jobs_outlive_a_killed_daemon_and_a_new_one_serves_them(team):
+    # The job cannot see the host's files: it runs long enough for the daemon to die and
+    # come back (the wait below is for its end, not a sleep of the test's).
+    prog = team.script(ALICE, "slow.py", "import time\ntime.sleep(3)\nprint('done')\n")
+    job = _job(team.as_user(ALICE, "submit-job", "--json", "box", prog))
+    team.kill(signal.SIGKILL)
+    res = team.as_user(ALICE, "jobs", "--json")  # nobody answers: the one line, exit 1
+    assert res.returncode == 1 and "daemon is not running" in res.stderr, res.stderr
+    record = json.loads((team.sb.state / "jobs" / f"{job['id']}.json").read_text())
+    assert record["state"] == "RUNNING"
+    team.start()  # replaces the stale socket
+    res = team.as_user(ALICE, "wait", "--json", str(job["id"]))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)[0]["state"] == "COMPLETED"
+    assert team.as_user(ALICE, "logs", str(job["id"])).stdout == "done\n"
+
+
+def test_cancel_through_the_daemon_and_no_daemon_for_a_plain_user(team):
+    prog = team.script(ALICE, "forever.py", "import time\ntime.sleep(3600)\n")
+    job = _job(team.as_user(ALICE, "submit-job", "--json", "box", prog))
+    res = team.as_user(ALICE, "cancel", "--grace", "1", str(job["id"]))
+    assert res.returncode == 0 and "CANCELLED" in res.stdout, res.stderr
+    res = team.as_user(ALICE, "jobs", socket=str(team.shared / "none.sock"))
+    assert res.returncode == 1
+    assert res.stderr.strip() == (
+        f"error: envctl: the envctl daemon is not running (no socket at "
+        f"{team.shared / 'none.sock'}): start it with 'systemctl start "
+        "envctl-daemon.socket' (or run 'envctl daemon' as root)")

@@ -1,0 +1,210 @@
+"""The daemon's protocol and loop without root: frames and their limits, descriptors passed and
+close-on-exec, peer credentials from the kernel, and a daemon loop (in a thread, on a temp
+socket) that answers a good client while a slow, a fuzzing and an oversized client try to
+stop it; plus the layering rule that runtime never imports the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from envctl.server import protocol as proto
+
+
+def test_frames_round_trip_with_descriptors_close_on_exec(tmp_path):
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    f = tmp_path / "x"
+    f.write_text("hello")
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        proto.send_frame(a, {"v": 1, "op": "ping", "n": [1, 2]}, [fd])
+        obj, fds = proto.recv_frame(b)
+        assert obj == {"v": 1, "op": "ping", "n": [1, 2]}
+        assert len(fds) == 1 and os.read(fds[0], 5) == b"hello"
+        assert not os.get_inheritable(fds[0])  # MSG_CMSG_CLOEXEC
+        os.close(fds[0])
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()
+
+
+def test_reader_limits():
+    r = proto.FrameReader()
+    with pytest.raises(proto.ProtocolError, match="bytes"):
+        r.feed(struct.pack(">I", proto.MAX_REQUEST + 1), [])
+    r = proto.FrameReader()
+    r.feed(proto.encode({"v": 1})[:3], [])
+    assert r.frame() is None
+    with pytest.raises(proto.ProtocolError):
+        proto.FrameReader().feed(struct.pack(">I", 2) + b"{}x", [])
+    with pytest.raises(proto.ProtocolError, match="JSON"):
+        r = proto.FrameReader()
+        r.feed(struct.pack(">I", 3) + b"\xff\xfe[", [])
+        r.frame()
+    with pytest.raises(proto.ProtocolError, match="object"):
+        r = proto.FrameReader()
+        r.feed(struct.pack(">I", 2) + b"[]", [])
+        r.frame()
+    r = proto.FrameReader(max_fds=1)
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(2)]
+    with pytest.raises(proto.ProtocolError, match="descriptors"):
+        r.feed(b"", fds)
+    r.close()
+    for fd in fds:  # closed by the reader
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_peer_credentials_are_the_kernels():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid, uid, gid, groups = proto.peer_credentials(b)
+    assert (pid, uid, gid) == (os.getpid(), os.getuid(), os.getgid())
+    assert set(groups) == set(os.getgroups())
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def daemon(tmp_path, monkeypatch):
+    """A daemon loop on a temp socket in a thread (its jobs listing reads a temp state)."""
+    from envctl.server import server
+
+    monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(server, "DEADLINE", 1.5)
+    path = str(tmp_path / "d.sock")
+    listener, bound = server.listen(path)
+    assert bound and oct(os.stat(path).st_mode & 0o777) == "0o666"
+    d = server.Daemon(listener)
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            d.tick()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    yield path, d
+    stop.set()
+    poke = socket.socket(socket.AF_UNIX)
+    poke.connect(path)  # wakes the select
+    poke.close()
+    t.join(5)
+    listener.close()
+
+
+def _call(path: str, obj: dict) -> dict:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(5)
+    s.connect(path)
+    proto.send_frame(s, obj)
+    reply, fds = proto.recv_frame(s)
+    s.close()
+    return reply
+
+
+def test_ping_and_errors(daemon):
+    path, _ = daemon
+    assert _call(path, {"v": 1, "op": "ping"})["ok"] is True
+    assert _call(path, {"v": 1, "op": "jobs"}) == {"v": 1, "ok": True, "jobs": []}
+    bad = _call(path, {"v": 2, "op": "ping"})
+    assert bad["ok"] is False and bad["exit"] == 2 and "version" in bad["error"]
+    bad = _call(path, {"v": 1, "op": "rm-rf"})
+    assert bad["exit"] == 2 and "unknown request" in bad["error"]
+
+
+def test_a_second_daemon_refuses_a_live_socket_and_replaces_a_stale_one(daemon, tmp_path):
+    from envctl.errors import HostError
+    from envctl.server import server
+
+    path, _ = daemon
+    with pytest.raises(HostError, match="another daemon"):
+        server.listen(path)
+    stale = str(tmp_path / "stale.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(stale)
+    s.close()  # a socket file nobody listens on
+    listener, bound = server.listen(stale)
+    assert bound
+    listener.close()
+    other = tmp_path / "file.sock"
+    other.write_text("not mine")
+    with pytest.raises(HostError, match="not a socket"):
+        server.listen(str(other))
+    assert other.read_text() == "not mine"
+
+
+def test_slow_fuzzing_and_huge_clients_do_not_stop_the_others(daemon):
+    path, d = daemon
+    slow = socket.socket(socket.AF_UNIX)
+    slow.connect(path)
+    frame = proto.encode({"v": 1, "op": "ping"})
+    stop = threading.Event()
+
+    def dribble():  # one byte a second, never the whole request before the deadline
+        for byte in frame:
+            if stop.wait(1.0):
+                return
+            try:
+                slow.send(bytes([byte]))
+            except OSError:
+                return
+
+    threading.Thread(target=dribble, daemon=True).start()
+    rng = random.Random(7)
+    junk = []
+    for _ in range(20):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        s.send(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))))
+        junk.append(s)
+    huge = socket.socket(socket.AF_UNIX)
+    huge.connect(path)
+    huge.send(struct.pack(">I", 1 << 31) + b"{")
+    huge.settimeout(5)
+    got = proto.recv_frame(huge)[0]
+    assert got["ok"] is False and got["exit"] == 2
+    notjson = socket.socket(socket.AF_UNIX)
+    notjson.connect(path)
+    notjson.send(struct.pack(">I", 5) + b"{{{{{")
+    notjson.settimeout(5)
+    assert proto.recv_frame(notjson)[0]["exit"] == 2
+    t0 = time.monotonic()
+    for _ in range(20):  # meanwhile a good client is served, every time, at once
+        assert _call(path, {"v": 1, "op": "ping"})["ok"] is True
+    assert time.monotonic() - t0 < 5
+    # The slow one is dropped at its deadline, not served.
+    slow.settimeout(5)
+    assert slow.recv(100) == b""
+    stop.set()
+    for s in (slow, huge, notjson, *junk):
+        s.close()
+
+
+def test_runtime_never_imports_the_server_and_the_client_stays_light():
+    import subprocess
+    import sys
+
+    from tests.unit.test_layering import _graph
+
+    graph = _graph()
+    bad = {m: sorted(i for i in deps if i.startswith("envctl.server"))
+           for m, deps in graph.items()
+           if m.startswith(("envctl.runtime", "envctl.host", "envctl.spec", "envctl.plan"))
+           and m != "envctl.runtime.submit"}  # submit-job's fast path is the CLI's
+    assert {m: d for m, d in bad.items() if d} == {}
+    assert graph["envctl.runtime.submit"] & {m for m in graph if m.startswith(
+        "envctl.server")} <= {"envctl.server.client"}
+    code = ("import sys, envctl.server.client;"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('typer','pydantic','click','rich','yaml'))))")
+    res = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True,
+                         text=True, check=True)
+    assert json.loads(res.stdout) == []
