@@ -201,6 +201,6 @@ def test_cancel_through_the_daemon_and_no_daemon_for_a_plain_user(team):
     res = team.as_user(ALICE, "jobs", socket=str(team.shared / "none.sock"))
     assert res.returncode == 1
     assert res.stderr.strip() == (
-        f"error: envctl: the envctl daemon is not running (no socket at "
+        f"error: the envctl daemon is not running (no socket at "
         f"{team.shared / 'none.sock'}): start it with 'systemctl start "
         "envctl-daemon.socket' (or run 'envctl daemon' as root)")

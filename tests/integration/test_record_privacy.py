@@ -11,6 +11,7 @@ import errno
 import os
 import stat
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,8 +88,9 @@ def test_records_and_outputs_are_their_owners_alone(box, pub):  # noqa: F811
 @pytest.mark.parametrize("argv", [["jobs"], ["jobs", "--all", "--json"], ["logs", "1"],
                                   ["wait", "1"]])
 def test_a_plain_user_reading_records_gets_one_line(box, argv, tmp_path):  # noqa: F811
-    """In-process, as nobody (what a plain user runs without the daemon): exit 1 and one
-    line saying the records are root's, whether the jobs directory or a record refuses."""
+    """As nobody without the daemon: exit 1 and one line saying the daemon is not running;
+    below the CLI, the records themselves refuse nobody with one line saying they are
+    root's (whether the jobs directory or a record refuses), never a traceback."""
     prog = script(box, "hello.sh", "#!/bin/sh\necho hi\n")
     res = box.envctl("submit-job", "--user", "root", "box", prog)
     assert res.returncode == 0, res.stderr
@@ -117,4 +119,17 @@ def test_a_plain_user_reading_records_gets_one_line(box, argv, tmp_path):  # noq
     assert code == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert "root's alone" in lines[0], err
+    assert "daemon is not running" in lines[0], err
+
+    def read_directly() -> int:
+        from envctl.errors import NeedsRootError
+        from envctl.runtime import jobs as jb
+
+        state = Path(env["ENVCTL_STATE_DIR"])
+        try:
+            jb.get(state, 1) if argv[0] != "jobs" else jb.listing(state, "", finished=True)
+        except NeedsRootError as exc:
+            return 3 if "root's alone" in str(exc) else 4
+        return 0
+
+    assert as_user(NOBODY, read_directly) == 3

@@ -90,7 +90,7 @@ class Client:
 
 
 def not_running(path: str) -> str:
-    return (f"envctl: the envctl daemon is not running (no socket at {path}): start it with "
+    return (f"the envctl daemon is not running (no socket at {path}): start it with "
             "'systemctl start envctl-daemon.socket' (or run 'envctl daemon' as root)")
 
 
