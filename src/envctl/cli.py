@@ -691,7 +691,7 @@ def submit_job(
         show_default=False)] = None,
     time_limit: Annotated[str | None, typer.Option(
         "--time-limit", "-t", help="Stop it after this long: minutes (90, as Slurm), 90s, 15m, "
-        "1h30m, 2d or [D-]HH:MM:SS (SIGTERM, SIGKILL 10 s later; state TIMEOUT).",
+        "1h30m, 2d or [D-]HH:MM:SS, at most 365 days (SIGTERM, SIGKILL 10 s later; state TIMEOUT).",
         show_default=False)] = None,
     cpus: Annotated[str | None, typer.Option(
         "--cpus", help="Run on these CPUs (a list such as 2-3,6), a subset of the "
@@ -855,7 +855,7 @@ def cancel(
     job_ids: Annotated[list[str], typer.Argument(help="Job ids.", show_default=False,
                                                  autocompletion=_complete_active_jobs)],
     grace: Annotated[float, typer.Option(
-        "--grace", help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
+        "--grace", help="Seconds between SIGTERM and SIGKILL (0 to 365 days).")] = 10.0,
     json_: JsonOpt = False,
 ) -> None:
     """Stop jobs: SIGTERM, then SIGKILL after --grace seconds; each ends CANCELLED.
@@ -870,6 +870,7 @@ def cancel(
     from envctl.runtime import jobs as jb
     from envctl.runtime import supervisor as sv
 
+    jb.check_grace(grace)  # a bad one is exit 2 before anything is asked
     host = Host.from_env()
     before = [jb.get(host.state_dir, j) for j in job_ids]  # every id known, or nothing done
     if os.geteuid() != 0 and any(j.active for j in before):

@@ -474,3 +474,26 @@ def test_200_short_jobs_back_to_back_leave_nothing_behind(box):
     assert ns_mounts(sb) == held
     assert sb.mounts_under("/") == before_mounts
     assert_clean_down(sb)
+
+
+def test_a_time_limit_and_a_grace_of_365_days_are_waited_for_and_more_is_refused(box):
+    """poll() takes milliseconds in a C int: a wait of more than ~24.8 days in one call
+    overflowed it and the job ended FAILED "supervisor failed" at once."""
+    sb = box
+    sleeper = script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n")
+    j = submit(sb, "--time-limit", "365d", sleeper)
+    assert j["state"] == "RUNNING" and j["time_limit"] == 365 * 86400
+    # The longest grace is accepted; sleep dies on the SIGTERM, so the grace is not waited.
+    res = sb.envctl("cancel", "--json", "--grace", str(365 * 86400), str(j["id"]))
+    assert res.returncode == 0, res.stderr
+    (done,) = json.loads(res.stdout)
+    assert (done["state"], done["signal"], done["error"]) == (
+        "CANCELLED", signal.SIGTERM, None), done
+    for args in (["--time-limit", "366d", sleeper], ["-t", "525601", sleeper]):
+        bad = sb.envctl("submit-job", "--user", "root", "box", *args)
+        assert bad.returncode == 2 and "at most 365 days" in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
+    bad = sb.envctl("cancel", "--grace", str(365 * 86400 + 1), str(j["id"]))
+    assert bad.returncode == 2 and "--grace" in bad.stderr, bad.stderr
+    assert len(json.loads(sb.envctl("jobs", "--all", "--json").stdout)) == 1
+    assert_clean_down(sb)

@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 KEEP_FINISHED = 1000
 # Seconds between SIGTERM and SIGKILL at a time limit and at `cancel` (its --grace).
 KILL_GRACE = 10.0
+# The longest duration envctl accepts anywhere one enters (--time-limit, --grace, a cancel
+# file's grace): 365 days. More is refused as a typo (exit 2); the waits themselves are safe
+# for any accepted value, since each poll() is bounded (daemon.poll_ms) and loops.
+MAX_DURATION = 365 * 86400
 
 
 class State(StrEnum):
@@ -459,7 +463,20 @@ def parse_duration(text: str) -> int:
     if not secs:
         raise UsageError(f"--time-limit '{text}': give minutes (90, as Slurm), units (90s, "
                          "15m, 1h30m, 2d) or [D-]HH:MM:SS, more than zero")
+    if secs > MAX_DURATION:
+        raise UsageError(f"--time-limit '{text}': at most 365 days ({MAX_DURATION} s), not "
+                         f"{secs} s")
     return secs
+
+
+def check_grace(seconds: float, what: str = "--grace") -> float:
+    """`seconds` when it is a grace envctl accepts (finite, 0 to 365 days); UsageError."""
+    import math
+
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_DURATION):
+        raise UsageError(f"{what} {seconds:g}: give seconds from 0 to {MAX_DURATION} "
+                         "(365 days)")
+    return seconds
 
 
 def format_elapsed(seconds: float | None) -> str:

@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any
 
 from envctl.errors import EnvctlError, HostError
 from envctl.host.files import read_json, write_json
-from envctl.runtime.daemon import read_report, wait_fd
-from envctl.runtime.jobs import identity, proc_start_time
+from envctl.runtime.daemon import poll_ms, read_report, wait_fd
+from envctl.runtime.jobs import MAX_DURATION, identity, proc_start_time
 
 if TYPE_CHECKING:
     from envctl.host.context import Host
@@ -278,9 +278,11 @@ def _remove_cgroup(host: Host, env: str, state: dict[str, Any]) -> None:
 
 def _grace() -> float:
     try:
-        return max(0.0, float(os.environ.get("ENVCTL_KILL_GRACE", DEFAULT_GRACE)))
+        grace = float(os.environ.get("ENVCTL_KILL_GRACE", DEFAULT_GRACE))
     except ValueError:
         return DEFAULT_GRACE
+    # At most 365 days, as every duration envctl takes (jobs.MAX_DURATION); nan: the default.
+    return min(max(0.0, grace), float(MAX_DURATION)) if grace == grace else DEFAULT_GRACE
 
 
 @contextlib.contextmanager
@@ -510,8 +512,7 @@ class _Supervisor:
             if kill_at is not None and now >= kill_at:
                 kill_at = None
                 started.kill()  # the init dies with it, and the namespace with the init
-            timeout = None if kill_at is None else max(0.0, kill_at - now) * 1000
-            for fd, _ in poller.poll(timeout):
+            for fd, _ in poller.poll(None if kill_at is None else poll_ms(kill_at - now)):
                 if fd == self.wake_r:
                     self._drain()
                 elif fd == status_r:

@@ -48,7 +48,7 @@ from pathlib import Path
 from envctl.errors import EnvctlError, HostError, InputError, NeedsRootError, UsageError
 from envctl.record import Factory, Record
 from envctl.runtime import jobs
-from envctl.runtime.daemon import read_report, wait_fd
+from envctl.runtime.daemon import poll_ms, read_report, wait_fd
 from envctl.runtime.jobs import Job, State
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): see record.py
@@ -678,8 +678,7 @@ class _Supervisor:
                 kill_at = None
                 self._kill_all(started)
             due = [t for t in (limit_at if reason is None else None, kill_at) if t is not None]
-            timeout = max(0.0, min(due) - now) * 1000 if due else None
-            for fd, _ in poller.poll(timeout):
+            for fd, _ in poller.poll(poll_ms(min(due) - now) if due else None):
                 if fd == self.wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self.wake_r, 256)
@@ -699,8 +698,8 @@ class _Supervisor:
     def _cancel_grace(self) -> float:
         try:
             data = json.loads(jobs.cancel_path(self.host.state_dir, self.job.id).read_text())
-            return max(0.0, float(data.get("grace", jobs.KILL_GRACE)))
-        except (OSError, ValueError, TypeError, AttributeError):
+            return jobs.check_grace(float(data.get("grace", jobs.KILL_GRACE)))
+        except (OSError, ValueError, TypeError, AttributeError, UsageError):
             return jobs.KILL_GRACE  # SIGTERM to the supervisor itself: the default
 
     def _kill_all(self, started: Started) -> None:
@@ -828,7 +827,9 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
     recorded start time (a reused pid gets nothing). A supervisor that already ended gets
     nothing either (ESRCH), and the record then says how the job ended. A LOST job (its
     supervisor is gone) is finalized here: what is left of its cgroup is killed and removed,
-    and the record is written LOST. A finished job is left as it is."""
+    and the record is written LOST. A finished job is left as it is. A `grace` beyond
+    jobs.MAX_DURATION is UsageError (exit 2), before anything is asked."""
+    jobs.check_grace(grace)
     job = jobs.get(host.state_dir, job_id)
     if not job.active:
         return job
