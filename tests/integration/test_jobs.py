@@ -497,3 +497,55 @@ def test_a_time_limit_and_a_grace_of_365_days_are_waited_for_and_more_is_refused
     assert bad.returncode == 2 and "--grace" in bad.stderr, bad.stderr
     assert len(json.loads(sb.envctl("jobs", "--all", "--json").stdout)) == 1
     assert_clean_down(sb)
+
+
+STUBBORN = "#!/bin/sh\ntrap '' TERM\nsleep 1000 &\nwait\nwhile :; do sleep 1000; done\n"
+
+
+def stopping_of(sb, job_id: int) -> dict | None:
+    return record(sb, job_id).get("stopping")
+
+
+def test_a_cancel_after_the_time_limit_fired_keeps_timeout_and_its_grace(box):
+    sb = box
+    j = submit(sb, "--time-limit", "1s", script(sb, "stubborn.sh", STUBBORN))
+    assert wait_until(lambda: stopping_of(sb, j["id"]) is not None, 20), record(sb, j["id"])
+    stop = stopping_of(sb, j["id"])
+    assert stop["cause"] == "timeout" and stop["kill_at"] - stop["since"] == pytest.approx(10)
+    # A cancel with no grace at all neither makes it CANCELLED nor kills it sooner.
+    res = sb.envctl("cancel", "--json", "--grace", "0", str(j["id"]))
+    assert res.returncode == 0, res.stderr
+    (done,) = json.loads(res.stdout)
+    assert (done["state"], done["signal"]) == ("TIMEOUT", signal.SIGKILL), done
+    assert done["stopping"] == stop
+    assert stop["kill_at"] - 0.1 <= done["end_time"] < stop["kill_at"] + 5
+    assert not (sb.state / "jobs" / f"{j['id']}.cancel").exists()
+    assert_clean_down(sb)
+
+
+def test_a_later_cancel_or_time_limit_keeps_the_first_cancel_and_its_grace(box):
+    sb = box
+    j = submit(sb, "--time-limit", "4s", script(sb, "stubborn.sh", STUBBORN))
+    first = sb.popen(sys.executable, "-m", "envctl", "cancel", "--json", "--grace", "17",
+                     str(j["id"]))
+    try:
+        assert wait_until(lambda: stopping_of(sb, j["id"]) is not None, 20), record(sb, j["id"])
+        stop = stopping_of(sb, j["id"])
+        assert stop["cause"] == "cancel" and stop["kill_at"] - stop["since"] == pytest.approx(17)
+        # The time limit passes during the grace, and a second cancel asks for no grace: the
+        # SIGKILL still comes 17 s after the first SIGTERM, and this cancel waits for it
+        # (beyond its own 0 s and the 15 s of slack).
+        res = sb.envctl("cancel", "--json", "--grace", "0", str(j["id"]), timeout=60)
+        assert res.returncode == 0, res.stderr
+        (done,) = json.loads(res.stdout)
+        out, err = first.communicate(timeout=30)
+        assert first.returncode == 0, err
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert json.loads(out) == [done]
+    assert (done["state"], done["signal"]) == ("CANCELLED", signal.SIGKILL), done
+    assert done["stopping"] == stop
+    assert stop["kill_at"] - 0.1 <= done["end_time"] < stop["kill_at"] + 5
+    assert_clean_down(sb)

@@ -99,6 +99,10 @@ class Job(Record):
     cpus: list[int] = Factory(list)
     gpus: list[str] = Factory(list)
     error: str | None = None  # why it could not be started, or what went wrong around it
+    # Once it is being stopped: {"cause": "timeout" | "cancel", "since": wall time of the
+    # SIGTERM, "kill_at": wall time of the SIGKILL due}. The first cause stands: a later cancel
+    # changes neither the state it ends in nor when the SIGKILL comes.
+    stopping: dict[str, Any] | None = None
     # Where its program came from: {"staged": host path} (copied to /job, as given) or
     # {"rootfs": path inside} (a bare name found in the environment's PATH, run from there).
     # {} in a record of an older envctl.
@@ -412,10 +416,11 @@ def final_state(*, wait_status: int | None, cancelled: bool, timed_out: bool,
     """(state, exit code, signal) of a job that ended, from its raw wait status (None when
     it never ran or its status was lost) and what its supervisor knows.
 
-    Precedence: a cancel asked for before the end wins (Slurm does the same), then the time
-    limit, then an OOM kill counted in the job's own cgroup for a job that did not exit 0
-    (the counter, not exit 137: a job may die of SIGKILL for other reasons, and may survive
-    the kill of one of its children), then the exit itself."""
+    Precedence: the stop's cause (a cancel, or the time limit: whichever came first, the
+    supervisor passes only that one; Slurm does the same), then an OOM kill counted in the
+    job's own cgroup for a job that did not exit 0 (the counter, not exit 137: a job may die
+    of SIGKILL for other reasons, and may survive the kill of one of its children), then the
+    exit itself."""
     code = sig = None
     if wait_status is not None:
         if os.WIFSIGNALED(wait_status):

@@ -666,14 +666,18 @@ class _Supervisor:
         ended = False
         while not ended:
             now = time.monotonic()
+            # The first cause stands, with its grace: a cancel once the time limit fired (or a
+            # second cancel) changes neither the state the job ends in nor its SIGKILL's time.
             if reason is None and self.cancel_requested:
                 reason = "cancel"
                 kill_at = now + self._cancel_grace()
                 started.signal(signal.SIGTERM)  # the launcher and init forward it to the job
+                self._record_stopping(reason, kill_at - now)
             if reason is None and limit_at is not None and now >= limit_at:
                 reason = "timeout"
                 kill_at = now + jobs.KILL_GRACE
                 started.signal(signal.SIGTERM)
+                self._record_stopping(reason, kill_at - now)
             if kill_at is not None and now >= kill_at:
                 kill_at = None
                 self._kill_all(started)
@@ -694,6 +698,13 @@ class _Supervisor:
 
         status: int | None = final_status(started, status_r, buf)
         return status, reason == "timeout", reason == "cancel"
+
+    def _record_stopping(self, cause: str, grace: float) -> None:
+        """Say in the record why and until when the job is being stopped: a `cancel` that
+        comes later waits for this SIGKILL, not for its own grace."""
+        wall = time.time()
+        self.job.stopping = {"cause": cause, "since": wall, "kill_at": wall + grace}
+        self.save()
 
     def _cancel_grace(self) -> float:
         try:
@@ -845,7 +856,7 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
         with contextlib.suppress(ProcessLookupError):  # ended meanwhile: its record says how
             signal.pidfd_send_signal(pidfd, signal.SIGUSR1)
         if wait:
-            wait_fd(pidfd, grace + CANCEL_SLACK)
+            _wait_stopped(host, job.id, pidfd, grace)
     finally:
         os.close(pidfd)
     final = jobs.get(host.state_dir, job.id)
@@ -860,6 +871,21 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
         raise HostError(f"cancel job {job.id}: supervisor {sup.get('pid')} has not ended it "
                         f"{grace + CANCEL_SLACK:g} s after SIGUSR1")
     return final
+
+
+def _wait_stopped(host: Host, job_id: int, pidfd: int, grace: float) -> None:
+    """Wait for the supervisor to end: our grace and CANCEL_SLACK, or longer when the record
+    says the job was already being stopped (a time limit, an earlier cancel) with a SIGKILL
+    due later: that first cause's grace is the one that runs."""
+    deadline = time.time() + grace + CANCEL_SLACK
+    while not wait_fd(pidfd, max(0.0, deadline - time.time())):
+        with contextlib.suppress(EnvctlError):
+            now = jobs.read(host.state_dir, job_id)
+            kill_at = (now.stopping or {}).get("kill_at") if now is not None else None
+            if isinstance(kill_at, int | float) and kill_at + CANCEL_SLACK > deadline:
+                deadline = kill_at + CANCEL_SLACK
+                continue
+        return
 
 
 def _pin_supervisor(job: Job, boot_id: str) -> int | None:
