@@ -549,3 +549,95 @@ def test_a_later_cancel_or_time_limit_keeps_the_first_cancel_and_its_grace(box):
     assert done["stopping"] == stop
     assert stop["kill_at"] - 0.1 <= done["end_time"] < stop["kill_at"] + 5
     assert_clean_down(sb)
+
+
+# ---------------------------------------------------------------- a failing state disk
+
+
+def test_a_first_record_write_that_fails_fails_the_submit_and_leaves_nothing(box):
+    sb = box
+    ok = script(sb, "ok.sh", "#!/bin/sh\necho hi\n")
+    res = sb.envctl("submit-job", "--user", "root", "box", ok,
+                    env={"ENVCTL_FAULT": "errno=ENOSPC@record:PENDING#1"})
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert res.stdout == ""  # no id printed
+    assert len(res.stderr.strip().splitlines()) == 1 and "No space left" in res.stderr
+    assert [n for n in os.listdir(sb.state / "jobs") if n[0].isdigit()] == []
+    assert job_cgroups(sb) == []
+    assert json.loads(sb.envctl("jobs", "--all", "--json").stdout) == []
+    assert_clean_down(sb)
+
+
+def test_failed_record_writes_never_kill_the_job_and_the_final_one_is_retried(box):
+    sb = box
+    ok = script(sb, "ok.sh", "#!/bin/sh\necho hi\n")
+    faults = ("errno=EIO@record:RUNNING#1,errno=ENOSPC@record:COMPLETED#1,"
+              "errno=EIO@record:COMPLETED#2")
+    res = sb.envctl("submit-job", "--json", "--user", "root", "--wait", "box", ok,
+                    env={"ENVCTL_FAULT": faults})
+    assert res.returncode == 0, res.stderr
+    done = record(sb, json.loads(res.stdout)["id"])
+    assert (done["state"], done["exit_code"], done["error"]) == ("COMPLETED", 0, None), done
+    assert Path(done["stdout"]).read_text() == "hi\n"
+    log = Path(done["stderr"]).read_text().splitlines()
+    assert log[0].startswith(f"envctl: could not write the record of job {done['id']} "
+                             "(RUNNING): Input/output error"), log
+    assert "the job goes on" in log[0]
+    assert "(COMPLETED): No space left on device" in log[1] and "retrying in 0.1 s" in log[1]
+    assert "(COMPLETED): Input/output error" in log[2] and "retrying in 0.2 s" in log[2]
+    assert log[3] == f"envctl: wrote the final record of job {done['id']} at attempt 3"
+    assert job_cgroups(sb) == []
+    assert_clean_down(sb)
+
+
+def test_a_full_state_disk_refuses_a_submit_and_delays_a_final_record_until_it_has_room(
+        sandbox):
+    """The real kernel's ENOSPC: a small tmpfs as `<state>/jobs`, mounted before `up` (the
+    environment's mount namespace is a copy of the host's from then)."""
+    sb = sandbox
+    jobs_dir = sb.state / "jobs"
+    seen = Path(f"/proc/{sb.pid}/root{jobs_dir}")  # the tmpfs, as the sandbox sees it
+    jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sb.run("mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "envctl-test-jobs",
+           str(jobs_dir), check=True)
+    try:
+        sb.write_spec("box", SPEC)
+        res = sb.envctl("up", "box")
+        assert res.returncode == 0, res.stderr
+        def fill() -> None:
+            fd = os.open(seen / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                with contextlib.suppress(OSError):  # ENOSPC: full
+                    while os.write(fd, b"\0" * 4096):
+                        pass
+            finally:
+                os.close(fd)
+
+        fill()
+        ok = script(sb, "ok.sh", "#!/bin/sh\necho hi\n")
+        res = sb.envctl("submit-job", "--user", "root", "box", ok)
+        assert res.returncode == 1 and res.stdout == "", (res.stdout, res.stderr)
+        assert len(res.stderr.strip().splitlines()) == 1 and "No space left" in res.stderr
+        assert sorted(n for n in os.listdir(seen) if n[0].isdigit()) == []
+        (seen / "filler").unlink()
+        # Room again: a job runs; the disk fills while it runs; it ends; its final record
+        # waits for room instead of being lost.
+        # (Its outputs elsewhere: on the full disk, its own `echo` would fail.)
+        err, out = sb.root / "err.txt", sb.root / "out.txt"
+        go = script(sb, "go.sh", "#!/bin/sh\nwhile [ ! -e /job/go ]; do sleep 0.05; done\n"
+                    "echo done\n")
+        j = submit(sb, "--error", str(err), "--output", str(out), go)
+        assert j["state"] == "RUNNING"
+        fill()
+        (seen / str(j["id"]) / "go").touch()  # an empty file takes no block
+        assert wait_until(lambda: "retrying in" in err.read_text(), 30), err.read_text()
+        assert json.loads((seen / f"{j['id']}.json").read_text())["state"] == "RUNNING"
+        (seen / "filler").unlink()
+        rc, (done,) = wait(sb, j["id"])
+        assert (rc, done["state"], done["error"]) == (0, "COMPLETED", None), done
+        assert out.read_text() == "done\n"
+        assert "wrote the final record" in err.read_text().splitlines()[-1]
+        assert job_cgroups(sb) == []
+    finally:
+        sb.run("umount", str(jobs_dir))
+    assert_clean_down(sb)

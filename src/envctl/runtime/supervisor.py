@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 # How long `submit-job` waits for the supervisor to report that the job started.
 # How long `cancel` waits, beyond the grace, for the supervisor to record the end.
 CANCEL_SLACK = 15.0
+# The final record's write is retried on failure (ENOSPC, EIO: a full or failing state
+# disk), after these many seconds each, ~2.5 minutes in all, before the supervisor gives up.
+FINAL_RETRIES = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 30.0, 30.0, 30.0)
 
 
 class Request(Record):
@@ -372,9 +375,13 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
     argv, staged = check_request(ctx, req)
     assert req.user is not None
     uid, gid = req.user.uid, req.user.gid
-    with jobs.jobs_lock(host.state_dir):
-        jobs.prune(host.state_dir)
-        jid = jobs._allocate_locked(host.state_dir)
+    try:
+        with jobs.jobs_lock(host.state_dir):
+            jobs.prune(host.state_dir)
+            jid = jobs._allocate_locked(host.state_dir)
+    except OSError as exc:  # a full or failing state disk: no id taken, nothing started
+        raise HostError(f"submit-job: {exc.filename or jobs.jobs_dir(host.state_dir)}: "
+                        f"{exc.strerror}") from exc
     jdir = jobs.job_dir(host.state_dir, jid)
     stdout = req.output or jdir / "stdout"
     stderr = req.error or jdir / "stderr"
@@ -426,12 +433,25 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
         for fd in fds:
             os.close(fd)
     final = jobs.read(host.state_dir, jid)
-    if kind == "dead" and (final is None or final.active):
+    if final is None and kind in ("E", "dead"):
+        # The supervisor wrote no record (its first write failed: a full or failing state
+        # disk; or it died before it) and started nothing: leave nothing, and print no id
+        # that has no record.
+        import shutil
+
+        shutil.rmtree(jdir, ignore_errors=True)
+        raise HostError(f"submit-job: job {jid} was not started: {text}")
+    if kind == "dead" and final is not None and final.active:
         # The supervisor died before it started the job (it is gone: its pidfd said so), and
         # nobody else will ever write this record.
-        final = (final or job).replace(state=State.FAILED, end_time=time.time(),
-                        error=f"the supervisor died before it started the job ({text})")
-        jobs.write(host.state_dir, final, durable=True)
+        final = final.replace(state=State.FAILED, end_time=time.time(),
+                              error=f"the supervisor died before it started the job ({text})")
+        try:
+            jobs.write(host.state_dir, final, durable=True)
+        except OSError as exc:
+            raise HostError(f"submit-job: job {jid}: its supervisor died before it started "
+                            f"the job ({text}), and its record cannot be written: "
+                            f"{exc.strerror}") from exc
     return final or job
 
 
@@ -562,6 +582,7 @@ class _Supervisor:
         self.cancel_requested = False
         self.cg_name = f"job-{job.id}"  # below the environment's cgroup
         self.cg_dirs: list[Path] | None = None  # made (cgroupfs driver)
+        self.attempts: dict[str, int] = {}  # writes tried per state (ENVCTL_FAULT's `record`)
 
     # -- talking to the CLI
     def tell(self, line: str) -> None:
@@ -576,7 +597,58 @@ class _Supervisor:
             self.report_fd = None
 
     def save(self, *, durable: bool = False) -> None:
+        """Write the record; OSError when it cannot be (ENOSPC, EIO). `ENVCTL_FAULT`'s point
+        `record` (engine.faults) fails it on purpose, keyed by the state written and the
+        attempt at writing it."""
+        if "ENVCTL_FAULT" in os.environ:
+            from envctl.engine.faults import maybe_fault
+
+            key = str(self.job.state)
+            self.attempts[key] = self.attempts.get(key, 0) + 1
+            maybe_fault("record", key, self.attempts[key])
         jobs.write(self.host.state_dir, self.job, durable=durable)
+
+    def save_or_log(self) -> bool:
+        """Write a record that is not the last one, never letting its failure touch the running
+        job: it is logged (see `log`) and the next write carries everything. True if written."""
+        try:
+            self.save()
+            return True
+        except OSError as exc:
+            self.log(f"could not write the record of job {self.job.id} ({self.job.state}): "
+                     f"{exc.strerror or exc}; the job goes on")
+            return False
+
+    def save_final(self) -> None:
+        """Write the final record (fsynced), retried with a growing delay (FINAL_RETRIES)
+        while the disk refuses it, each failure logged: one failed write must not leave the
+        record active, shown LOST once this process is gone."""
+        for attempt, delay in enumerate((*FINAL_RETRIES, None), 1):
+            try:
+                self.save(durable=True)
+                if attempt > 1:
+                    self.log(f"wrote the final record of job {self.job.id} at attempt "
+                             f"{attempt}")
+                return
+            except OSError as exc:
+                why = exc.strerror or str(exc)
+                if delay is None:
+                    self.log(f"could not write the final record of job {self.job.id} "
+                             f"({self.job.state}): {why}; gave up after {attempt} attempts")
+                    return  # active on disk: shown LOST, and `cancel` finalizes it
+                self.log(f"could not write the final record of job {self.job.id} "
+                         f"({self.job.state}): {why}; retrying in {delay:g} s")
+                time.sleep(delay)
+
+    def log(self, line: str) -> None:
+        """A line of the supervisor's own on the job's stderr, as slurmstepd writes its errors
+        to the job's (the supervisor has no other output: its stdio is /dev/null). Nothing
+        when that cannot be written either."""
+        fd = getattr(self, "err_fd", None)
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(fd, f"envctl: {line}\n".encode(errors="replace"))
 
     # -- the job's cgroup (cgroupfs driver; with systemd's, a scope systemd makes and removes)
     def _cgroups(self) -> Cgroups | None:
@@ -604,7 +676,14 @@ class _Supervisor:
         )
 
         self.job.supervisor = jobs.identity()
-        self.save()
+        try:
+            self.save()
+        except OSError as exc:
+            # No record, nothing started: `submit` says so and removes the job's directory,
+            # and no id is printed that has no record.
+            self.tell(f"P {os.getpid()}")
+            self.tell(f"E could not write the job's record: {exc.strerror or exc}")
+            return
         self.tell(f"P {os.getpid()}")
         started = None
         try:
@@ -640,7 +719,7 @@ class _Supervisor:
             return
         self.job.state = State.RUNNING
         self.job.start_time = time.time()
-        self.save()
+        self.save_or_log()  # a failed write never kills the job: the final one says it all
         self.tell("R")
         self.done_telling()
         # The cyclic GC, off in the CLI, goes on for a process that may live for days: after
@@ -704,7 +783,7 @@ class _Supervisor:
         comes later waits for this SIGKILL, not for its own grace."""
         wall = time.time()
         self.job.stopping = {"cause": cause, "since": wall, "kill_at": wall + grace}
-        self.save()
+        self.save_or_log()
 
     def _cancel_grace(self) -> float:
         try:
@@ -756,7 +835,7 @@ class _Supervisor:
             j.peak_memory_bytes = stats.memory_peak
             j.oom_kills = oom
         j.error = "; ".join([p for p in [error, *problems] if p]) or None
-        self.save(durable=True)
+        self.save_final()
         with contextlib.suppress(FileNotFoundError):
             jobs.cancel_path(self.host.state_dir, j.id).unlink()
 
