@@ -641,3 +641,35 @@ def test_a_full_state_disk_refuses_a_submit_and_delays_a_final_record_until_it_h
     finally:
         sb.run("umount", str(jobs_dir))
     assert_clean_down(sb)
+
+
+def _has_cap_sys_resource() -> bool:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 24 & 1)  # CAP_SYS_RESOURCE is 24
+    return False
+
+
+def test_the_supervisor_is_spared_by_the_oom_killer_and_its_job_is_not(box):
+    """slurmstepd's rule: the supervisor -1000, the job the default 0 back (a child inherits
+    oom_score_adj), with the floor reset too, so the job cannot lower itself to -1000. Where
+    this VM withholds CAP_SYS_RESOURCE from root (nobody may lower a score then), the CLI
+    starts at 500: the job must still get 0 back rather than inherit it."""
+    sb = box
+    prog = script(sb, "adj.sh", "#!/bin/sh\ncat /proc/self/oom_score_adj\n"
+                  "if echo -1000 > /proc/self/oom_score_adj; then echo lowered; "
+                  "else echo refused; fi\ncat /proc/self/oom_score_adj\nexec sleep 1000\n")
+    res = sb.run("sh", "-c", 'echo 500 > /proc/self/oom_score_adj && exec "$@"', "sh",
+                 sys.executable, "-m", "envctl", "submit-job", "--json", "--user",
+                 "65534:65534", "box", prog)
+    assert res.returncode == 0, res.stderr
+    j = json.loads(res.stdout)
+    out = Path(j["stdout"])
+    assert wait_until(lambda: len(out.read_text().splitlines()) == 3), out.read_text()
+    assert out.read_text().splitlines() == ["0", "refused", "0"], Path(j["stderr"]).read_text()
+    assert alive(j["supervisor"])
+    sup = Path(f"/proc/{j['supervisor']['pid']}/oom_score_adj").read_text().strip()
+    assert sup == ("-1000" if _has_cap_sys_resource() else "500")
+    res = sb.envctl("cancel", "--grace", "0", str(j["id"]))
+    assert res.returncode == 0, res.stderr
+    assert_clean_down(sb)

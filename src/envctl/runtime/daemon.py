@@ -15,6 +15,23 @@ START_TIMEOUT = 60.0
 POLL_MAX = 86400.0
 
 
+# A supervisor's oom_score_adj: never the OOM killer's choice (slurmstepd's value). Its jobs
+# get 0 back (launch.Launch.oom_score_adj): the victim is chosen among what the jobs run.
+SUPERVISOR_OOM_SCORE_ADJ = -1000
+
+
+def protect_from_oom() -> bool:
+    """Make this process (a supervisor) the OOM killer's last choice: killing it would take
+    its job's record and cgroup clean-up with it, and then its job. False when the kernel
+    refused (no CAP_SYS_RESOURCE, e.g. inside a container): it runs on unprotected."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(SUPERVISOR_OOM_SCORE_ADJ))
+        return True
+    except OSError:
+        return False
+
+
 def poll_ms(seconds: float | None) -> int | None:
     """poll()'s timeout for a wait of `seconds` (None: none), bounded by POLL_MAX: a caller
     that wakes on the bound sees its deadline not yet reached and polls again."""

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from envctl.errors import EnvctlError, HostError
 from envctl.host.files import read_json, write_json
-from envctl.runtime.daemon import poll_ms, read_report, wait_fd
+from envctl.runtime.daemon import poll_ms, protect_from_oom, read_report, wait_fd
 from envctl.runtime.jobs import MAX_DURATION, identity, proc_start_time
 
 if TYPE_CHECKING:
@@ -351,6 +351,7 @@ class _Supervisor:
         gc.enable()
         os.chdir("/")
         os.umask(0o022)
+        protect_from_oom()  # the service gets 0 back (Launch.oom_score_adj)
         self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         for fd in (0, 1, 2):
             os.dup2(self.devnull, fd)
@@ -451,7 +452,7 @@ class _Supervisor:
             launch = Launch(ctx=ctx, argv=list(self.service.command),
                             environ=job_environ(ctx, user, {"ENVCTL_SERVICE": ctx.env}),
                             user=user, cgroup_dirs=dirs, stdio=(self.devnull, log, log),
-                            status_fd=status_w, attach=systemd_attach(ctx))
+                            status_fd=status_w, attach=systemd_attach(ctx), oom_score_adj=0)
             started = start(launch)
             os.close(status_w)
             status_w = -1

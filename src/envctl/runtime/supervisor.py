@@ -48,7 +48,7 @@ from pathlib import Path
 from envctl.errors import EnvctlError, HostError, InputError, NeedsRootError, UsageError
 from envctl.record import Factory, Record
 from envctl.runtime import jobs
-from envctl.runtime.daemon import poll_ms, read_report, wait_fd
+from envctl.runtime.daemon import poll_ms, protect_from_oom, read_report, wait_fd
 from envctl.runtime.jobs import Job, State
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): see record.py
@@ -702,7 +702,7 @@ class _Supervisor:
                 cwd=self.job.workdir, cpus=tuple(self.job.cpus), cgroup_dirs=dirs,
                 binds=[Bind(str(jobs.job_dir(self.host.state_dir, self.job.id)), "/job", True)],
                 stdio=(self.devnull, self.out_fd, self.err_fd), status_fd=status_w,
-                attach=systemd_attach(self.ctx))
+                attach=systemd_attach(self.ctx), oom_score_adj=0)
             try:
                 started = start(launch)
             finally:
@@ -846,6 +846,7 @@ class _Supervisor:
         the job runs: `run`.)"""
         os.chdir("/")
         os.umask(0o022)
+        protect_from_oom()
         self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         for fd in (0, 1, 2):
             os.dup2(self.devnull, fd)
