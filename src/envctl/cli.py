@@ -691,7 +691,7 @@ def submit_job(
         show_default=False)] = None,
     time_limit: Annotated[str | None, typer.Option(
         "--time-limit", "-t", help="Stop it after this long: minutes (90, as Slurm), 90s, 15m, "
-        "1h30m, 2d or [D-]HH:MM:SS (SIGTERM, SIGKILL 10 s later; state TIMEOUT).",
+        "1h30m, 2d or [D-]HH:MM:SS, at most 365 days (SIGTERM, SIGKILL 10 s later; state TIMEOUT).",
         show_default=False)] = None,
     cpus: Annotated[str | None, typer.Option(
         "--cpus", help="N (a count): N of the environment's CPUs, the job's alone, chosen by "
@@ -882,7 +882,7 @@ def cancel(
     job_ids: Annotated[list[str], typer.Argument(help="Job ids.", show_default=False,
                                                  autocompletion=_complete_active_jobs)],
     grace: Annotated[float, typer.Option(
-        "--grace", help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
+        "--grace", help="Seconds between SIGTERM and SIGKILL (0 to 365 days).")] = 10.0,
     json_: JsonOpt = False,
 ) -> None:
     """Stop jobs: SIGTERM, then SIGKILL after --grace seconds; each ends CANCELLED.
@@ -893,8 +893,10 @@ def cancel(
     Example: sudo envctl cancel 7 8
     """
     from envctl.errors import NeedsRootError
+    from envctl.runtime.jobs import check_grace
     from envctl.server import client
 
+    check_grace(grace)  # a bad one is exit 2 before anything is asked
     daemon = client.route()
     if daemon is not None:
         before, after = client.cancel(daemon, job_ids, grace)

@@ -474,3 +474,202 @@ def test_200_short_jobs_back_to_back_leave_nothing_behind(box):
     assert ns_mounts(sb) == held
     assert sb.mounts_under("/") == before_mounts
     assert_clean_down(sb)
+
+
+def test_a_time_limit_and_a_grace_of_365_days_are_waited_for_and_more_is_refused(box):
+    """poll() takes milliseconds in a C int: a wait of more than ~24.8 days in one call
+    overflowed it and the job ended FAILED "supervisor failed" at once."""
+    sb = box
+    sleeper = script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n")
+    j = submit(sb, "--time-limit", "365d", sleeper)
+    assert j["state"] == "RUNNING" and j["time_limit"] == 365 * 86400
+    # The longest grace is accepted; sleep dies on the SIGTERM, so the grace is not waited.
+    res = sb.envctl("cancel", "--json", "--grace", str(365 * 86400), str(j["id"]))
+    assert res.returncode == 0, res.stderr
+    (done,) = json.loads(res.stdout)
+    assert (done["state"], done["signal"], done["error"]) == (
+        "CANCELLED", signal.SIGTERM, None), done
+    for args in (["--time-limit", "366d", sleeper], ["-t", "525601", sleeper]):
+        bad = sb.envctl("submit-job", "--user", "root", "box", *args)
+        assert bad.returncode == 2 and "at most 365 days" in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
+    bad = sb.envctl("cancel", "--grace", str(365 * 86400 + 1), str(j["id"]))
+    assert bad.returncode == 2 and "--grace" in bad.stderr, bad.stderr
+    assert len(json.loads(sb.envctl("jobs", "--all", "--json").stdout)) == 1
+    assert_clean_down(sb)
+
+
+STUBBORN = "#!/bin/sh\ntrap '' TERM\nsleep 1000 &\nwait\nwhile :; do sleep 1000; done\n"
+
+
+def stopping_of(sb, job_id: int) -> dict | None:
+    return record(sb, job_id).get("stopping")
+
+
+def test_a_cancel_after_the_time_limit_fired_keeps_timeout_and_its_grace(box):
+    sb = box
+    j = submit(sb, "--time-limit", "1s", script(sb, "stubborn.sh", STUBBORN))
+    assert wait_until(lambda: stopping_of(sb, j["id"]) is not None, 20), record(sb, j["id"])
+    stop = stopping_of(sb, j["id"])
+    assert stop["cause"] == "timeout" and stop["kill_at"] - stop["since"] == pytest.approx(10)
+    # A cancel with no grace at all neither makes it CANCELLED nor kills it sooner.
+    res = sb.envctl("cancel", "--json", "--grace", "0", str(j["id"]))
+    assert res.returncode == 0, res.stderr
+    (done,) = json.loads(res.stdout)
+    assert (done["state"], done["signal"]) == ("TIMEOUT", signal.SIGKILL), done
+    assert done["stopping"] == stop
+    assert stop["kill_at"] - 0.1 <= done["end_time"] < stop["kill_at"] + 5
+    assert not (sb.state / "jobs" / f"{j['id']}.cancel").exists()
+    assert_clean_down(sb)
+
+
+def test_a_later_cancel_or_time_limit_keeps_the_first_cancel_and_its_grace(box):
+    sb = box
+    j = submit(sb, "--time-limit", "4s", script(sb, "stubborn.sh", STUBBORN))
+    first = sb.popen(sys.executable, "-m", "envctl", "cancel", "--json", "--grace", "17",
+                     str(j["id"]))
+    try:
+        assert wait_until(lambda: stopping_of(sb, j["id"]) is not None, 20), record(sb, j["id"])
+        stop = stopping_of(sb, j["id"])
+        assert stop["cause"] == "cancel" and stop["kill_at"] - stop["since"] == pytest.approx(17)
+        # The time limit passes during the grace, and a second cancel asks for no grace: the
+        # SIGKILL still comes 17 s after the first SIGTERM, and this cancel waits for it
+        # (beyond its own 0 s and the 15 s of slack).
+        res = sb.envctl("cancel", "--json", "--grace", "0", str(j["id"]), timeout=60)
+        assert res.returncode == 0, res.stderr
+        (done,) = json.loads(res.stdout)
+        out, err = first.communicate(timeout=30)
+        assert first.returncode == 0, err
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert json.loads(out) == [done]
+    assert (done["state"], done["signal"]) == ("CANCELLED", signal.SIGKILL), done
+    assert done["stopping"] == stop
+    assert stop["kill_at"] - 0.1 <= done["end_time"] < stop["kill_at"] + 5
+    assert_clean_down(sb)
+
+
+# ---------------------------------------------------------------- a failing state disk
+
+
+def test_a_first_record_write_that_fails_fails_the_submit_and_leaves_nothing(box):
+    sb = box
+    ok = script(sb, "ok.sh", "#!/bin/sh\necho hi\n")
+    res = sb.envctl("submit-job", "--user", "root", "box", ok,
+                    env={"ENVCTL_FAULT": "errno=ENOSPC@record:PENDING#1"})
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert res.stdout == ""  # no id printed
+    assert len(res.stderr.strip().splitlines()) == 1 and "No space left" in res.stderr
+    assert [n for n in os.listdir(sb.state / "jobs") if n[0].isdigit()] == []
+    assert job_cgroups(sb) == []
+    assert json.loads(sb.envctl("jobs", "--all", "--json").stdout) == []
+    assert_clean_down(sb)
+
+
+def test_failed_record_writes_never_kill_the_job_and_the_final_one_is_retried(box):
+    sb = box
+    ok = script(sb, "ok.sh", "#!/bin/sh\necho hi\n")
+    faults = ("errno=EIO@record:RUNNING#1,errno=ENOSPC@record:COMPLETED#1,"
+              "errno=EIO@record:COMPLETED#2")
+    res = sb.envctl("submit-job", "--json", "--user", "root", "--wait", "box", ok,
+                    env={"ENVCTL_FAULT": faults})
+    assert res.returncode == 0, res.stderr
+    done = record(sb, json.loads(res.stdout)["id"])
+    assert (done["state"], done["exit_code"], done["error"]) == ("COMPLETED", 0, None), done
+    assert Path(done["stdout"]).read_text() == "hi\n"
+    log = Path(done["stderr"]).read_text().splitlines()
+    assert log[0].startswith(f"envctl: could not write the record of job {done['id']} "
+                             "(RUNNING): Input/output error"), log
+    assert "the job goes on" in log[0]
+    assert "(COMPLETED): No space left on device" in log[1] and "retrying in 0.1 s" in log[1]
+    assert "(COMPLETED): Input/output error" in log[2] and "retrying in 0.2 s" in log[2]
+    assert log[3] == f"envctl: wrote the final record of job {done['id']} at attempt 3"
+    assert job_cgroups(sb) == []
+    assert_clean_down(sb)
+
+
+def test_a_full_state_disk_refuses_a_submit_and_delays_a_final_record_until_it_has_room(
+        sandbox):
+    """The real kernel's ENOSPC: a small tmpfs as `<state>/jobs`, mounted before `up` (the
+    environment's mount namespace is a copy of the host's from then)."""
+    sb = sandbox
+    jobs_dir = sb.state / "jobs"
+    seen = Path(f"/proc/{sb.pid}/root{jobs_dir}")  # the tmpfs, as the sandbox sees it
+    jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sb.run("mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "envctl-test-jobs",
+           str(jobs_dir), check=True)
+    try:
+        sb.write_spec("box", SPEC)
+        res = sb.envctl("up", "box")
+        assert res.returncode == 0, res.stderr
+        def fill() -> None:
+            fd = os.open(seen / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                with contextlib.suppress(OSError):  # ENOSPC: full
+                    while os.write(fd, b"\0" * 4096):
+                        pass
+            finally:
+                os.close(fd)
+
+        fill()
+        ok = script(sb, "ok.sh", "#!/bin/sh\necho hi\n")
+        res = sb.envctl("submit-job", "--user", "root", "box", ok)
+        assert res.returncode == 1 and res.stdout == "", (res.stdout, res.stderr)
+        assert len(res.stderr.strip().splitlines()) == 1 and "No space left" in res.stderr
+        assert sorted(n for n in os.listdir(seen) if n[0].isdigit()) == []
+        (seen / "filler").unlink()
+        # Room again: a job runs; the disk fills while it runs; it ends; its final record
+        # waits for room instead of being lost.
+        # (Its outputs elsewhere: on the full disk, its own `echo` would fail.)
+        err, out = sb.root / "err.txt", sb.root / "out.txt"
+        go = script(sb, "go.sh", "#!/bin/sh\nwhile [ ! -e /job/go ]; do sleep 0.05; done\n"
+                    "echo done\n")
+        j = submit(sb, "--error", str(err), "--output", str(out), go)
+        assert j["state"] == "RUNNING"
+        fill()
+        (seen / str(j["id"]) / "go").touch()  # an empty file takes no block
+        assert wait_until(lambda: "retrying in" in err.read_text(), 30), err.read_text()
+        assert json.loads((seen / f"{j['id']}.json").read_text())["state"] == "RUNNING"
+        (seen / "filler").unlink()
+        rc, (done,) = wait(sb, j["id"])
+        assert (rc, done["state"], done["error"]) == (0, "COMPLETED", None), done
+        assert out.read_text() == "done\n"
+        assert "wrote the final record" in err.read_text().splitlines()[-1]
+        assert job_cgroups(sb) == []
+    finally:
+        sb.run("umount", str(jobs_dir))
+    assert_clean_down(sb)
+
+
+def _has_cap_sys_resource() -> bool:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 24 & 1)  # CAP_SYS_RESOURCE is 24
+    return False
+
+
+def test_the_supervisor_is_spared_by_the_oom_killer_and_its_job_is_not(box):
+    """slurmstepd's rule: the supervisor -1000, the job the default 0 back (a child inherits
+    oom_score_adj), with the floor reset too, so the job cannot lower itself to -1000. Where
+    this VM withholds CAP_SYS_RESOURCE from root (nobody may lower a score then), the CLI
+    starts at 500: the job must still get 0 back rather than inherit it."""
+    sb = box
+    prog = script(sb, "adj.sh", "#!/bin/sh\ncat /proc/self/oom_score_adj\n"
+                  "if echo -1000 > /proc/self/oom_score_adj; then echo lowered; "
+                  "else echo refused; fi\ncat /proc/self/oom_score_adj\nexec sleep 1000\n")
+    res = sb.run("sh", "-c", 'echo 500 > /proc/self/oom_score_adj && exec "$@"', "sh",
+                 sys.executable, "-m", "envctl", "submit-job", "--json", "--user",
+                 "65534:65534", "box", prog)
+    assert res.returncode == 0, res.stderr
+    j = json.loads(res.stdout)
+    out = Path(j["stdout"])
+    assert wait_until(lambda: len(out.read_text().splitlines()) == 3), out.read_text()
+    assert out.read_text().splitlines() == ["0", "refused", "0"], Path(j["stderr"]).read_text()
+    assert alive(j["supervisor"])
+    sup = Path(f"/proc/{j['supervisor']['pid']}/oom_score_adj").read_text().strip()
+    assert sup == ("-1000" if _has_cap_sys_resource() else "500")
+    res = sb.envctl("cancel", "--grace", "0", str(j["id"]))
+    assert res.returncode == 0, res.stderr
+    assert_clean_down(sb)

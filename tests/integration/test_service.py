@@ -292,3 +292,30 @@ def test_down_stops_a_service_that_ignores_sigterm_after_the_grace(box):
     assert state["grace"] == 0.5
     assert_clean_down(sb)
     assert wait_gone(state["pid"], 1)
+
+
+def test_service_log_is_rotated_while_the_service_runs(box):
+    """The supervisor writes service.log (the service writes to a pipe) and rotates it at
+    ENVCTL_SERVICE_LOG_MAX bytes, keeping ENVCTL_SERVICE_LOG_KEEP old files, without
+    restarting the service."""
+    sb = box
+    lines = [f"line-{i:05d} " + "x" * 88 + "\n" for i in range(3000)]  # 100 bytes each
+    talker = json.dumps(["python3", "-c", "import sys, time\nfor i in range(3000):\n"
+                         "    print(f'line-{i:05d} ' + 'x' * 88, flush=True)\n"
+                         "time.sleep(100000)"])
+    box.up(talker, env={"ENVCTL_SERVICE_LOG_MAX": "20000", "ENVCTL_SERVICE_LOG_KEEP": "2"})
+    first = service_state(sb)
+    log = sb.run_dir / "box" / "service.log"
+    assert wait_until(lambda: log.read_text().endswith(lines[-1])), log.read_text()[-300:]
+    old = [log.with_name(f"service.log.{n}") for n in (1, 2, 3)]
+    assert old[0].exists() and old[1].exists() and not old[2].exists()
+    parts = [old[1].read_text(), old[0].read_text(), log.read_text()]
+    for text in parts:
+        assert 0 < len(text) <= 20000 + 65536
+    tail = "".join(parts)
+    # The newest files are a contiguous tail of what it wrote: nothing lost or doubled.
+    assert "".join(lines).endswith(tail) and len(tail) > 20000
+    now = service_state(sb)
+    assert (now["pid"], now["restarts"], now["state"]) == (first["pid"], 0, "running")
+    assert alive(now["supervisor"])
+    assert_clean_down(sb)

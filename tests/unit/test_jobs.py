@@ -592,3 +592,44 @@ def test_table_shows_the_slice():
     assert rows[1][7:10] == ["0-2,5", "1.5G", "1"]
     assert rows[2][7:10] == ["-", "-", "-"]
     assert jobs.format_mem(64 << 20) == "64M" and jobs.format_mem(None) == "-"
+
+
+# ---------------------------------------------------------------- long durations
+
+
+def test_durations_up_to_365_days_are_accepted_and_more_refused():
+    assert jobs.parse_duration("365d") == jobs.MAX_DURATION == 365 * 86400
+    assert jobs.parse_duration("365-00:00:00") == jobs.MAX_DURATION
+    for text in ("366d", "365-00:00:01", str(365 * 1440 + 1), "8760h1s"):
+        with pytest.raises(UsageError, match="at most 365 days"):
+            jobs.parse_duration(text)
+    assert jobs.check_grace(0) == 0 and jobs.check_grace(jobs.MAX_DURATION) == jobs.MAX_DURATION
+    for bad in (-1, jobs.MAX_DURATION + 1, float("inf"), float("nan")):
+        with pytest.raises(UsageError, match="--grace"):
+            jobs.check_grace(bad)
+
+
+def test_each_poll_is_bounded_so_any_accepted_wait_fits_a_c_int():
+    from envctl.runtime.daemon import POLL_MAX, poll_ms, wait_fd
+
+    assert poll_ms(None) is None and poll_ms(-5) == 0 and poll_ms(0.0001) == 1
+    assert poll_ms(jobs.MAX_DURATION) == poll_ms(float("inf")) == POLL_MAX * 1000 < 2**31
+    r, w = os.pipe()
+    try:
+        # Before: poll(365 days in ms) raised OverflowError, which killed the supervisor.
+        assert wait_fd(r, 0.01) is False
+        os.write(w, b"x")
+        assert wait_fd(r, jobs.MAX_DURATION) is True
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_grace_from_the_environment_is_bounded(monkeypatch):
+    from envctl.host.cgroups import kill_grace_from_env
+    from envctl.runtime import service
+
+    for value, want in (("inf", 365 * 86400.0), ("nan", None), ("-3", 0.0), ("2.5", 2.5)):
+        monkeypatch.setenv("ENVCTL_KILL_GRACE", value)
+        assert kill_grace_from_env() == (5.0 if want is None else want)
+        assert service._grace() == (service.DEFAULT_GRACE if want is None else want)

@@ -2,13 +2,16 @@
 
 Syntax: comma-separated `ACTION@POINT:PATTERN` where
   ACTION  fail | kill | sleep<SECONDS> | until=<PATH> (block until PATH exists: a test
-          holds envctl at a point for exactly as long as it needs, without timing luck)
+          holds envctl at a point for exactly as long as it needs, without timing luck) |
+          errno=<NAME> (raise OSError NAME, e.g. errno=ENOSPC: what a full disk does)
   POINT   before (nothing journalled yet), apply (journalled, host not yet changed),
           after (host changed, not yet journalled as applied), remove (before a removal),
-          fold (after the N-th file operation of folding a journal or the ledger)
+          fold (after the N-th file operation of folding a journal or the ledger),
+          record (a job's supervisor about to write the job's record)
   PATTERN a glob on the step key (`sysctl:net.*`, `netns:*`; for fold the file name,
-          `alpha.json`, `shared.json`), `#N` (the step's index, the fold's operation), or
-          both: `alpha.json#2`.
+          `alpha.json`, `shared.json`; for record the state written, `RUNNING`,
+          `COMPLETED`), `#N` (the step's index, the fold's operation, the N-th attempt at
+          writing that state), or both: `alpha.json#2`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 
 from envctl.errors import HostError
 
-POINTS = ("before", "apply", "after", "remove", "fold")
+POINTS = ("before", "apply", "after", "remove", "fold", "record")
 
 
 class InjectedFault(HostError):
@@ -53,6 +56,12 @@ def maybe_fault(point: str, key: str, index: int) -> None:
             continue
         if action == "fail":
             raise InjectedFault(f"injected fault {action}@{point} at '{key}'")
+        if action.startswith("errno="):
+            import errno
+
+            code = getattr(errno, action[6:])
+            raise OSError(code, f"{os.strerror(code)} (injected fault {action}@{point} at "
+                          f"'{key}')")
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if action.startswith("sleep"):

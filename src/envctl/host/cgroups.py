@@ -637,9 +637,11 @@ def _int(text: str | None) -> int | None:
 def kill_grace_from_env() -> float:
     """ENVCTL_KILL_GRACE (seconds between SIGTERM and SIGKILL at teardown), or the default."""
     try:
-        return max(0.0, float(os.environ.get("ENVCTL_KILL_GRACE", KILL_GRACE)))
+        grace = float(os.environ.get("ENVCTL_KILL_GRACE", KILL_GRACE))
     except ValueError:
         return KILL_GRACE
+    # At most 365 days, as every duration envctl takes (runtime.jobs.MAX_DURATION); nan: none.
+    return min(max(0.0, grace), 365 * 86400.0) if grace == grace else KILL_GRACE
 
 
 def in_cgroup(pid: int, rel: str) -> bool:

@@ -3,12 +3,41 @@ that starts them: the start report read over a pipe, and waiting on a descriptor
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import time
 
 # How long a starting supervisor may take to say it runs (or why it cannot).
 START_TIMEOUT = 60.0
+# The longest single poll(): its timeout is milliseconds in a C int (~24.8 days overflow it,
+# OverflowError), so a longer wait (a time limit or a grace of up to 365 days) loops.
+POLL_MAX = 86400.0
+
+
+# A supervisor's oom_score_adj: never the OOM killer's choice (slurmstepd's value). Its jobs
+# get 0 back (launch.Launch.oom_score_adj): the victim is chosen among what the jobs run.
+SUPERVISOR_OOM_SCORE_ADJ = -1000
+
+
+def protect_from_oom() -> bool:
+    """Make this process (a supervisor) the OOM killer's last choice: killing it would take
+    its job's record and cgroup clean-up with it, and then its job. False when the kernel
+    refused (no CAP_SYS_RESOURCE, e.g. inside a container): it runs on unprotected."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(SUPERVISOR_OOM_SCORE_ADJ))
+        return True
+    except OSError:
+        return False
+
+
+def poll_ms(seconds: float | None) -> int | None:
+    """poll()'s timeout for a wait of `seconds` (None: none), bounded by POLL_MAX: a caller
+    that wakes on the bound sees its deadline not yet reached and polls again."""
+    if seconds is None:
+        return None
+    return math.ceil(min(max(0.0, seconds), POLL_MAX) * 1000)  # ceil: never a 0 ms spin
 
 
 def wait_fd(fd: int, timeout: float | None) -> bool:
@@ -16,7 +45,14 @@ def wait_fd(fd: int, timeout: float | None) -> bool:
     `timeout` seconds (None: no limit)."""
     poller = select.poll()
     poller.register(fd, select.POLLIN)
-    return bool(poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
+    if timeout is None:
+        return bool(poller.poll(None))
+    deadline = time.monotonic() + max(0.0, timeout)
+    while True:
+        if poller.poll(poll_ms(deadline - time.monotonic())):
+            return True
+        if time.monotonic() >= deadline:
+            return False
 
 
 def read_report(r: int) -> tuple[str, str]:
@@ -50,7 +86,7 @@ def read_report(r: int) -> tuple[str, str]:
             left = deadline - time.monotonic()
             if left <= 0:
                 return "timeout", f"no report in {START_TIMEOUT:g} s"
-            events = dict(poller.poll(left * 1000))
+            events = dict(poller.poll(poll_ms(left)))
             if r in events:
                 data = os.read(r, 4096)
                 if not data:

@@ -52,6 +52,10 @@ if TYPE_CHECKING:
 KEEP_FINISHED = 1000
 # Seconds between SIGTERM and SIGKILL at a time limit and at `cancel` (its --grace).
 KILL_GRACE = 10.0
+# The longest duration envctl accepts anywhere one enters (--time-limit, --grace, a cancel
+# file's grace): 365 days. More is refused as a typo (exit 2); the waits themselves are safe
+# for any accepted value, since each poll() is bounded (daemon.poll_ms) and loops.
+MAX_DURATION = 365 * 86400
 
 
 class State(StrEnum):
@@ -112,6 +116,10 @@ class Job(Record):
     # What submit-job asked for: {"cpus": N or "0-3", "gpus": N or [UUIDs], "mem": bytes}.
     requested: dict[str, Any] = Factory(dict)
     error: str | None = None  # why it could not be started, or what went wrong around it
+    # Once it is being stopped: {"cause": "timeout" | "cancel", "since": wall time of the
+    # SIGTERM, "kill_at": wall time of the SIGKILL due}. The first cause stands: a later cancel
+    # changes neither the state it ends in nor when the SIGKILL comes.
+    stopping: dict[str, Any] | None = None
     # Where its program came from: {"staged": host path} (copied to /job, as given) or
     # {"rootfs": path inside} (a bare name found in the environment's PATH, run from there).
     # {} in a record of an older envctl.
@@ -438,10 +446,11 @@ def final_state(*, wait_status: int | None, cancelled: bool, timed_out: bool,
     """(state, exit code, signal) of a job that ended, from its raw wait status (None when
     it never ran or its status was lost) and what its supervisor knows.
 
-    Precedence: a cancel asked for before the end wins (Slurm does the same), then the time
-    limit, then an OOM kill counted in the job's own cgroup for a job that did not exit 0
-    (the counter, not exit 137: a job may die of SIGKILL for other reasons, and may survive
-    the kill of one of its children), then the exit itself."""
+    Precedence: the stop's cause (a cancel, or the time limit: whichever came first, the
+    supervisor passes only that one; Slurm does the same), then an OOM kill counted in the
+    job's own cgroup for a job that did not exit 0 (the counter, not exit 137: a job may die
+    of SIGKILL for other reasons, and may survive the kill of one of its children), then the
+    exit itself."""
     code = sig = None
     if wait_status is not None:
         if os.WIFSIGNALED(wait_status):
@@ -489,7 +498,20 @@ def parse_duration(text: str) -> int:
     if not secs:
         raise UsageError(f"--time-limit '{text}': give minutes (90, as Slurm), units (90s, "
                          "15m, 1h30m, 2d) or [D-]HH:MM:SS, more than zero")
+    if secs > MAX_DURATION:
+        raise UsageError(f"--time-limit '{text}': at most 365 days ({MAX_DURATION} s), not "
+                         f"{secs} s")
     return secs
+
+
+def check_grace(seconds: float, what: str = "--grace") -> float:
+    """`seconds` when it is a grace envctl accepts (finite, 0 to 365 days); UsageError."""
+    import math
+
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_DURATION):
+        raise UsageError(f"{what} {seconds:g}: give seconds from 0 to {MAX_DURATION} "
+                         "(365 days)")
+    return seconds
 
 
 def format_elapsed(seconds: float | None) -> str:

@@ -168,6 +168,12 @@ class Launch(Record):
     # Called in the caller with the launcher's pid before the launcher enters anything (the
     # systemd driver's scope: `systemd_attach`); the launcher waits for it.
     attach: Callable[[int], None] | None = None
+    # Written to the launcher's /proc/self/oom_score_adj first thing, while it is still root
+    # in the host's namespaces (None: inherited). A supervisor protects itself with -1000
+    # (daemon.protect_from_oom) and gives its job 0 back: written with CAP_SYS_RESOURCE, that
+    # also resets the floor the kernel lets an unprivileged process lower it to
+    # (oom_score_adj_min, inherited with the -1000), so the job cannot take -1000 back.
+    oom_score_adj: int | None = None
 
 
 class Started(Record):
@@ -925,6 +931,12 @@ def _launcher(launch: Launch, plan: _Plan,
         _check_call(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
         if os.getppid() != plan.parent:
             os._exit(SETUP_FAILED)  # the caller died before the prctl
+        if launch.oom_score_adj is not None:
+            # The host's /proc: not setns yet. EACCES (no CAP_SYS_RESOURCE, below a floor the
+            # caller was given): the inherited value stays, the supervisor had it too.
+            with contextlib.suppress(PermissionError), open("/proc/self/oom_score_adj",
+                                                            "w") as f:
+                f.write(str(launch.oom_score_adj))
         signal.set_wakeup_fd(-1)
         init = [0]
         for sig in FORWARDED_SIGNALS:

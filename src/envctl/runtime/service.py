@@ -21,8 +21,9 @@ CLI's stack (`os._exit`).
 What it does, in a loop: makes the service's cgroup `<env's cgroup>/service` (cgroupfs driver;
 with systemd's, a transient scope of the environment's slice), starts the launch (root inside
 the environment, Docker's default capabilities, no_new_privs, stdin /dev/null, stdout and
-stderr appended to `<run>/<env>/service.log`), waits on its pidfd, the status pipe and a
-self-pipe its signal handlers write to, removes the cgroup when the launch ends, and decides:
+stderr a pipe whose output it appends to `<run>/<env>/service.log`, rotated at LOG_MAX),
+waits on its pidfd, the status pipe, that pipe and a self-pipe its signal handlers write
+to, removes the cgroup when the launch ends, and decides:
 
 - `restart: no` never restarts; `on-failure` restarts after a non-zero exit or a death by a
   signal (and after a launch that failed); `always` restarts after any end;
@@ -53,8 +54,8 @@ from typing import TYPE_CHECKING, Any
 
 from envctl.errors import EnvctlError, HostError
 from envctl.host.files import read_json, write_json
-from envctl.runtime.daemon import read_report, wait_fd
-from envctl.runtime.jobs import identity, proc_start_time
+from envctl.runtime.daemon import poll_ms, protect_from_oom, read_report, wait_fd
+from envctl.runtime.jobs import MAX_DURATION, identity, proc_start_time
 
 if TYPE_CHECKING:
     from envctl.host.context import Host
@@ -76,8 +77,13 @@ DEFAULT_GRACE = 10.0
 # How long `start` waits for the supervisor to say the command runs (or could not start).
 # How long `stop` waits beyond the recorded grace before it SIGKILLs the supervisor.
 STOP_SLACK = 5.0
-# The log is rotated to service.log.1 at a (re)start once it is larger than this.
+# The service's output goes through a pipe to its supervisor, which appends it to
+# service.log and rotates that (service.log -> .1 -> … -> .LOG_KEEP, the oldest dropped) as
+# soon as a write would take it past LOG_MAX bytes, while the service runs. On /run, a tmpfs:
+# RAM, hence 8 MiB and 2 old files (24 MiB at most). ENVCTL_SERVICE_LOG_MAX (bytes) and
+# ENVCTL_SERVICE_LOG_KEEP override them, as `up` had them.
 LOG_MAX = 8 << 20
+LOG_KEEP = 2
 POLICIES = ("no", "on-failure", "always")
 
 
@@ -276,11 +282,20 @@ def _remove_cgroup(host: Host, env: str, state: dict[str, Any]) -> None:
     host.cgroups.for_parent(cg.get("parent", "")).remove(cg["name"], controllers)
 
 
+def _env_int(name: str, default: int) -> int:
+    try:
+        return max(0, int(os.environ.get(name, default)))
+    except ValueError:
+        return default
+
+
 def _grace() -> float:
     try:
-        return max(0.0, float(os.environ.get("ENVCTL_KILL_GRACE", DEFAULT_GRACE)))
+        grace = float(os.environ.get("ENVCTL_KILL_GRACE", DEFAULT_GRACE))
     except ValueError:
         return DEFAULT_GRACE
+    # At most 365 days, as every duration envctl takes (jobs.MAX_DURATION); nan: the default.
+    return min(max(0.0, grace), float(MAX_DURATION)) if grace == grace else DEFAULT_GRACE
 
 
 @contextlib.contextmanager
@@ -310,6 +325,9 @@ class _Supervisor:
         self.grace = grace
         self.stopping = False
         self.dir = host.run_dir / service.env
+        self.log_fd = -1
+        self.log_max = _env_int("ENVCTL_SERVICE_LOG_MAX", LOG_MAX)
+        self.log_keep = _env_int("ENVCTL_SERVICE_LOG_KEEP", LOG_KEEP)
         cgroup = None
         if ctx.cgroup.driver == "cgroupfs":
             cgroup = {"parent": ctx.cgroup.parent_name,
@@ -349,10 +367,11 @@ class _Supervisor:
         gc.enable()
         os.chdir("/")
         os.umask(0o022)
+        protect_from_oom()  # the service gets 0 back (Launch.oom_score_adj)
         self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         for fd in (0, 1, 2):
             os.dup2(self.devnull, fd)
-        keep = {0, 1, 2, self.devnull, self.report_fd}
+        keep = {0, 1, 2, self.devnull, self.report_fd}  # (service.log: opened at the start)
         for name in os.listdir("/proc/self/fd"):
             if int(name) not in keep:
                 with contextlib.suppress(OSError):
@@ -436,7 +455,7 @@ class _Supervisor:
 
         ctx = self.ctx
         user = User(0, 0, tuple(g for g in ctx.device_gids if g != 0))
-        log = -1
+        log = out_r = -1
         status_r = status_w = -1
         started = None
         try:
@@ -444,12 +463,13 @@ class _Supervisor:
             # driver; see there), beside the launch, and says "R" only once it is done.
             scoped = supervisor_scope(ctx, "service-supervisor") if first else None
             dirs = create_cgroup(ctx, CGROUP_NAME)
-            log = self._open_log()
+            self.log_file()  # opened now: a log that cannot be written fails the start
+            out_r, log = os.pipe2(os.O_CLOEXEC)  # `log`: the service's end
             status_r, status_w = os.pipe2(os.O_CLOEXEC)
             launch = Launch(ctx=ctx, argv=list(self.service.command),
                             environ=job_environ(ctx, user, {"ENVCTL_SERVICE": ctx.env}),
                             user=user, cgroup_dirs=dirs, stdio=(self.devnull, log, log),
-                            status_fd=status_w, attach=systemd_attach(ctx))
+                            status_fd=status_w, attach=systemd_attach(ctx), oom_score_adj=0)
             started = start(launch)
             os.close(status_w)
             status_w = -1
@@ -463,7 +483,7 @@ class _Supervisor:
                 started.kill()
                 self.watch(started, status_r)  # which closes status_r
                 status_r = -1
-            for fd in (status_r, status_w, log):
+            for fd in (status_r, status_w, log, out_r):
                 if fd >= 0:
                     os.close(fd)
             self._cleanup(remove_cgroup)
@@ -474,7 +494,7 @@ class _Supervisor:
                   started=now, since=now, next_start=None)
         if first:
             self.tell("R")
-        status = self.watch(started, status_r)
+        status = self.watch(started, status_r, out_r)
         self._cleanup(remove_cgroup)
         return status, None, None
 
@@ -484,19 +504,56 @@ class _Supervisor:
         except (EnvctlError, OSError) as exc:
             self.state["error"] = f"remove its cgroup: {exc}"
 
-    def _open_log(self) -> int:
-        path = self.dir / LOG_FILE
-        with contextlib.suppress(OSError):
-            if path.stat().st_size > LOG_MAX:
-                path.replace(path.with_name(LOG_FILE + ".1"))
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+    def log_file(self) -> int:
+        """The descriptor of service.log, opened (appending) when none is."""
+        if self.log_fd < 0:
+            self.log_fd = os.open(self.dir / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                                  | os.O_CLOEXEC, 0o640)
+        return self.log_fd
 
-    def watch(self, started: Started, status_r: int) -> int | None:
-        """Wait until the launch ends, stopping it on request; the command's raw wait status
-        (None when unknown)."""
+    def copy_out(self, out_r: int) -> int:
+        """Append what the service wrote (what the pipe holds now) to service.log, rotating
+        it first when this would take it past the bound; the bytes copied, 0 at EOF, -1 when
+        the pipe is empty for now."""
+        try:
+            data = os.read(out_r, 65536)
+        except BlockingIOError:
+            return -1
+        if not data:
+            return 0
+        try:
+            size = os.fstat(self.log_file()).st_size
+            if size and size + len(data) > self.log_max > 0:  # (one read may be longer)
+                self._rotate()
+            os.write(self.log_file(), data)
+        except OSError as exc:  # a full /run: the output is dropped, the service goes on
+            self.state["error"] = f"service.log: {exc.strerror}"
+        return len(data)
+
+    def _rotate(self) -> None:
+        """service.log -> service.log.1 -> … -> service.log.KEEP (the oldest goes), then a
+        new service.log. The service never notices: it writes to its pipe."""
+        path = self.dir / LOG_FILE
+        os.close(self.log_fd)
+        self.log_fd = -1
+        old = [path.with_name(f"{LOG_FILE}.{n}") for n in range(1, self.log_keep + 1)]
+        if not old:
+            path.unlink(missing_ok=True)
+            return
+        for n in range(len(old) - 1, 0, -1):
+            with contextlib.suppress(FileNotFoundError):
+                old[n - 1].replace(old[n])
+        path.replace(old[0])
+
+    def watch(self, started: Started, status_r: int, out_r: int = -1) -> int | None:
+        """Wait until the launch ends, stopping it on request, copying its output (`out_r`,
+        closed here) to service.log; the command's raw wait status (None when unknown)."""
         poller = select.poll()
         for fd in (self.wake_r, status_r, started.pidfd):
             poller.register(fd, select.POLLIN)
+        if out_r >= 0:
+            os.set_blocking(out_r, False)
+            poller.register(out_r, select.POLLIN)
         kill_at: float | None = None
         termed = False
         buf = b""
@@ -510,8 +567,7 @@ class _Supervisor:
             if kill_at is not None and now >= kill_at:
                 kill_at = None
                 started.kill()  # the init dies with it, and the namespace with the init
-            timeout = None if kill_at is None else max(0.0, kill_at - now) * 1000
-            for fd, _ in poller.poll(timeout):
+            for fd, _ in poller.poll(None if kill_at is None else poll_ms(kill_at - now)):
                 if fd == self.wake_r:
                     self._drain()
                 elif fd == status_r:
@@ -520,8 +576,17 @@ class _Supervisor:
                         buf += data
                     else:
                         poller.unregister(status_r)
+                elif fd == out_r:
+                    if self.copy_out(out_r) == 0:
+                        poller.unregister(out_r)
                 elif fd == started.pidfd:
                     ended = True
+        if out_r >= 0:
+            # What is still in the pipe: the namespace's processes died with the init, so
+            # nothing writes any more (EAGAIN ends it where a dying one still holds its end).
+            while self.copy_out(out_r) > 0:
+                pass
+            os.close(out_r)
         from envctl.runtime.launch import final_status
 
         return final_status(started, status_r, buf)

@@ -48,7 +48,7 @@ from pathlib import Path
 from envctl.errors import EnvctlError, HostError, InputError, NeedsRootError, UsageError
 from envctl.record import Factory, Record
 from envctl.runtime import jobs
-from envctl.runtime.daemon import read_report, wait_fd
+from envctl.runtime.daemon import poll_ms, protect_from_oom, read_report, wait_fd
 from envctl.runtime.jobs import Job, State
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): see record.py
@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 # How long `submit-job` waits for the supervisor to report that the job started.
 # How long `cancel` waits, beyond the grace, for the supervisor to record the end.
 CANCEL_SLACK = 15.0
+# The final record's write is retried on failure (ENOSPC, EIO: a full or failing state
+# disk), after these many seconds each, ~2.5 minutes in all, before the supervisor gives up.
+FINAL_RETRIES = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 30.0, 30.0, 30.0)
 
 
 class Request(Record):
@@ -420,37 +423,43 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
                      gpu_list=req.gpus, mem=req.mem)
     pool = slices.Pool(cpus=tuple(ctx.cpus), gpus=tuple(ctx.gpus), mem=ctx.memory_max)
     slices.check_ask(pool, ask, ctx.env)
-    with jobs.jobs_lock(host.state_dir):
-        jobs.prune(host.state_dir)
-        # The slice is chosen and recorded under the lock: two submits never take the same.
-        got, held, listed = _take_slice(host, ctx, pool, ask)
-        jid = jobs._allocate_locked(host.state_dir)
-        jdir = jobs.job_dir(host.state_dir, jid)
-        stdout = req.output or jdir / "stdout"
-        stderr = req.error or jdir / "stderr"
-        cgroup = None
-        if ctx.cgroup is not None and ctx.cgroup.driver == "cgroupfs":
-            # The adapter's parent, without importing the adapter (the host facts: ~12 ms).
-            cgroup = {"parent": ctx.cgroup.parent_name, "name": jobs.cgroup_name(ctx.env, jid)}
-        job = Job(id=jid, env=ctx.env, argv=argv, name=req.name or req.exe.name,
-                  user=req.user_name, uid=uid, gid=gid, groups=list(req.user.groups),
-                  submitter=_submitter_ids(req),
-                  submit_time=submit_time, boot_id=host.boot_id, stdout=str(stdout),
-                  stderr=str(stderr), workdir=req.workdir, time_limit=req.time_limit,
-                  cpus=list(got.cpus), gpus=list(got.gpus), cpus_exclusive=got.cpus_exclusive,
-                  gpus_exclusive=got.gpus_exclusive, mem_bytes=got.mem or None,
-                  requested=_requested(req), cgroup=cgroup,
-                  program={"rootfs": req.program} if req.program else
-                  {"staged": os.path.abspath(req.exe)})
-        if got.holds:
-            # Held from now on: the record, with this process as its supervisor until the
-            # supervisor's own first write (a submit that dies meanwhile shows it LOST,
-            # which frees it), and its id in the holders' index.
-            job.supervisor = jobs.identity()
-            jobs.write(host.state_dir, job)
-        keep = [j.id for j in held] + ([jid] if got.holds else [])
-        if sorted(keep) != sorted(listed):
-            slices.write_index(host.state_dir, keep)
+    try:
+        with jobs.jobs_lock(host.state_dir):
+            jobs.prune(host.state_dir)
+            # The slice is chosen and recorded under the lock: two submits never take the same.
+            got, held, listed = _take_slice(host, ctx, pool, ask)
+            jid = jobs._allocate_locked(host.state_dir)
+            jdir = jobs.job_dir(host.state_dir, jid)
+            stdout = req.output or jdir / "stdout"
+            stderr = req.error or jdir / "stderr"
+            cgroup = None
+            if ctx.cgroup is not None and ctx.cgroup.driver == "cgroupfs":
+                # The adapter's parent, without importing the adapter (the host facts: ~12 ms).
+                cgroup = {"parent": ctx.cgroup.parent_name,
+                          "name": jobs.cgroup_name(ctx.env, jid)}
+            job = Job(id=jid, env=ctx.env, argv=argv, name=req.name or req.exe.name,
+                      user=req.user_name, uid=uid, gid=gid, groups=list(req.user.groups),
+                      submitter=_submitter_ids(req),
+                      submit_time=submit_time, boot_id=host.boot_id, stdout=str(stdout),
+                      stderr=str(stderr), workdir=req.workdir, time_limit=req.time_limit,
+                      cpus=list(got.cpus), gpus=list(got.gpus),
+                      cpus_exclusive=got.cpus_exclusive, gpus_exclusive=got.gpus_exclusive,
+                      mem_bytes=got.mem or None,
+                      requested=_requested(req), cgroup=cgroup,
+                      program={"rootfs": req.program} if req.program else
+                      {"staged": os.path.abspath(req.exe)})
+            if got.holds:
+                # Held from now on: the record, with this process as its supervisor until the
+                # supervisor's own first write (a submit that dies meanwhile shows it LOST,
+                # which frees it), and its id in the holders' index.
+                job.supervisor = jobs.identity()
+                jobs.write(host.state_dir, job)
+            keep = [j.id for j in held] + ([jid] if got.holds else [])
+            if sorted(keep) != sorted(listed):
+                slices.write_index(host.state_dir, keep)
+    except OSError as exc:  # a full or failing state disk: no id shown, nothing started
+        raise HostError(f"submit-job: {exc.filename or jobs.jobs_dir(host.state_dir)}: "
+                        f"{exc.strerror}") from exc
     fds: list[int] = []
     jfd = -1
     try:
@@ -491,12 +500,25 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
         for fd in fds:
             os.close(fd)
     final = jobs.read(host.state_dir, jid)
-    if kind == "dead" and (final is None or final.active):
+    if final is None and kind in ("E", "dead"):
+        # The supervisor wrote no record (its first write failed: a full or failing state
+        # disk; or it died before it) and started nothing: leave nothing, and print no id
+        # that has no record.
+        import shutil
+
+        shutil.rmtree(jdir, ignore_errors=True)
+        raise HostError(f"submit-job: job {jid} was not started: {text}")
+    if kind == "dead" and final is not None and final.active:
         # The supervisor died before it started the job (it is gone: its pidfd said so), and
         # nobody else will ever write this record.
-        final = (final or job).replace(state=State.FAILED, end_time=time.time(),
-                        error=f"the supervisor died before it started the job ({text})")
-        jobs.write(host.state_dir, final, durable=True)
+        final = final.replace(state=State.FAILED, end_time=time.time(),
+                              error=f"the supervisor died before it started the job ({text})")
+        try:
+            jobs.write(host.state_dir, final, durable=True)
+        except OSError as exc:
+            raise HostError(f"submit-job: job {jid}: its supervisor died before it started "
+                            f"the job ({text}), and its record cannot be written: "
+                            f"{exc.strerror}") from exc
     return final or job
 
 
@@ -699,6 +721,7 @@ class _Supervisor:
         self.cancel_requested = False
         self.cg_name = f"job-{job.id}"  # below the environment's cgroup
         self.cg_dirs: list[Path] | None = None  # made (cgroupfs driver)
+        self.attempts: dict[str, int] = {}  # writes tried per state (ENVCTL_FAULT's `record`)
 
     # -- talking to the CLI
     def tell(self, line: str) -> None:
@@ -713,7 +736,58 @@ class _Supervisor:
             self.report_fd = None
 
     def save(self, *, durable: bool = False) -> None:
+        """Write the record; OSError when it cannot be (ENOSPC, EIO). `ENVCTL_FAULT`'s point
+        `record` (engine.faults) fails it on purpose, keyed by the state written and the
+        attempt at writing it."""
+        if "ENVCTL_FAULT" in os.environ:
+            from envctl.engine.faults import maybe_fault
+
+            key = str(self.job.state)
+            self.attempts[key] = self.attempts.get(key, 0) + 1
+            maybe_fault("record", key, self.attempts[key])
         jobs.write(self.host.state_dir, self.job, durable=durable)
+
+    def save_or_log(self) -> bool:
+        """Write a record that is not the last one, never letting its failure touch the running
+        job: it is logged (see `log`) and the next write carries everything. True if written."""
+        try:
+            self.save()
+            return True
+        except OSError as exc:
+            self.log(f"could not write the record of job {self.job.id} ({self.job.state}): "
+                     f"{exc.strerror or exc}; the job goes on")
+            return False
+
+    def save_final(self) -> None:
+        """Write the final record (fsynced), retried with a growing delay (FINAL_RETRIES)
+        while the disk refuses it, each failure logged: one failed write must not leave the
+        record active, shown LOST once this process is gone."""
+        for attempt, delay in enumerate((*FINAL_RETRIES, None), 1):
+            try:
+                self.save(durable=True)
+                if attempt > 1:
+                    self.log(f"wrote the final record of job {self.job.id} at attempt "
+                             f"{attempt}")
+                return
+            except OSError as exc:
+                why = exc.strerror or str(exc)
+                if delay is None:
+                    self.log(f"could not write the final record of job {self.job.id} "
+                             f"({self.job.state}): {why}; gave up after {attempt} attempts")
+                    return  # active on disk: shown LOST, and `cancel` finalizes it
+                self.log(f"could not write the final record of job {self.job.id} "
+                         f"({self.job.state}): {why}; retrying in {delay:g} s")
+                time.sleep(delay)
+
+    def log(self, line: str) -> None:
+        """A line of the supervisor's own on the job's stderr, as slurmstepd writes its errors
+        to the job's (the supervisor has no other output: its stdio is /dev/null). Nothing
+        when that cannot be written either."""
+        fd = getattr(self, "err_fd", None)
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(fd, f"envctl: {line}\n".encode(errors="replace"))
 
     # -- the job's cgroup (cgroupfs driver; with systemd's, a scope systemd makes and removes)
     def _cgroups(self) -> Cgroups | None:
@@ -741,7 +815,14 @@ class _Supervisor:
         )
 
         self.job.supervisor = jobs.identity()
-        self.save()
+        try:
+            self.save()
+        except OSError as exc:
+            # No record, nothing started: `submit` says so and removes the job's directory,
+            # and no id is printed that has no record.
+            self.tell(f"P {os.getpid()}")
+            self.tell(f"E could not write the job's record: {exc.strerror or exc}")
+            return
         self.tell(f"P {os.getpid()}")
         started = None
         try:
@@ -761,7 +842,8 @@ class _Supervisor:
                 cwd=self.job.workdir, cpus=tuple(self.job.cpus), cgroup_dirs=dirs,
                 binds=[Bind(str(jobs.job_dir(self.host.state_dir, self.job.id)), "/job", True)],
                 stdio=(self.devnull, self.out_fd, self.err_fd), status_fd=status_w,
-                attach=systemd_attach(self.ctx, mem=self.job.mem_bytes or 0))
+                attach=systemd_attach(self.ctx, mem=self.job.mem_bytes or 0),
+                oom_score_adj=0)
             try:
                 started = start(launch)
             finally:
@@ -778,7 +860,7 @@ class _Supervisor:
             return
         self.job.state = State.RUNNING
         self.job.start_time = time.time()
-        self.save()
+        self.save_or_log()  # a failed write never kills the job: the final one says it all
         self.tell("R")
         self.done_telling()
         # The cyclic GC, off in the CLI, goes on for a process that may live for days: after
@@ -804,20 +886,23 @@ class _Supervisor:
         ended = False
         while not ended:
             now = time.monotonic()
+            # The first cause stands, with its grace: a cancel once the time limit fired (or a
+            # second cancel) changes neither the state the job ends in nor its SIGKILL's time.
             if reason is None and self.cancel_requested:
                 reason = "cancel"
                 kill_at = now + self._cancel_grace()
                 started.signal(signal.SIGTERM)  # the launcher and init forward it to the job
+                self._record_stopping(reason, kill_at - now)
             if reason is None and limit_at is not None and now >= limit_at:
                 reason = "timeout"
                 kill_at = now + jobs.KILL_GRACE
                 started.signal(signal.SIGTERM)
+                self._record_stopping(reason, kill_at - now)
             if kill_at is not None and now >= kill_at:
                 kill_at = None
                 self._kill_all(started)
             due = [t for t in (limit_at if reason is None else None, kill_at) if t is not None]
-            timeout = max(0.0, min(due) - now) * 1000 if due else None
-            for fd, _ in poller.poll(timeout):
+            for fd, _ in poller.poll(poll_ms(min(due) - now) if due else None):
                 if fd == self.wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self.wake_r, 256)
@@ -834,11 +919,18 @@ class _Supervisor:
         status: int | None = final_status(started, status_r, buf)
         return status, reason == "timeout", reason == "cancel"
 
+    def _record_stopping(self, cause: str, grace: float) -> None:
+        """Say in the record why and until when the job is being stopped: a `cancel` that
+        comes later waits for this SIGKILL, not for its own grace."""
+        wall = time.time()
+        self.job.stopping = {"cause": cause, "since": wall, "kill_at": wall + grace}
+        self.save_or_log()
+
     def _cancel_grace(self) -> float:
         try:
             data = json.loads(jobs.cancel_path(self.host.state_dir, self.job.id).read_text())
-            return max(0.0, float(data.get("grace", jobs.KILL_GRACE)))
-        except (OSError, ValueError, TypeError, AttributeError):
+            return jobs.check_grace(float(data.get("grace", jobs.KILL_GRACE)))
+        except (OSError, ValueError, TypeError, AttributeError, UsageError):
             return jobs.KILL_GRACE  # SIGTERM to the supervisor itself: the default
 
     def _kill_all(self, started: Started) -> None:
@@ -884,7 +976,7 @@ class _Supervisor:
             j.peak_memory_bytes = stats.memory_peak
             j.oom_kills = oom
         j.error = "; ".join([p for p in [error, *problems] if p]) or None
-        self.save(durable=True)
+        self.save_final()
         with contextlib.suppress(FileNotFoundError):
             jobs.cancel_path(self.host.state_dir, j.id).unlink()
 
@@ -895,6 +987,7 @@ class _Supervisor:
         the job runs: `run`.)"""
         os.chdir("/")
         os.umask(0o022)
+        protect_from_oom()
         self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         for fd in (0, 1, 2):
             os.dup2(self.devnull, fd)
@@ -966,7 +1059,9 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
     recorded start time (a reused pid gets nothing). A supervisor that already ended gets
     nothing either (ESRCH), and the record then says how the job ended. A LOST job (its
     supervisor is gone) is finalized here: what is left of its cgroup is killed and removed,
-    and the record is written LOST. A finished job is left as it is."""
+    and the record is written LOST. A finished job is left as it is. A `grace` beyond
+    jobs.MAX_DURATION is UsageError (exit 2), before anything is asked."""
+    jobs.check_grace(grace)
     job = jobs.get(host.state_dir, job_id)
     if not job.active:
         return job
@@ -980,7 +1075,7 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
         with contextlib.suppress(ProcessLookupError):  # ended meanwhile: its record says how
             signal.pidfd_send_signal(pidfd, signal.SIGUSR1)
         if wait:
-            wait_fd(pidfd, grace + CANCEL_SLACK)
+            _wait_stopped(host, job.id, pidfd, grace)
     finally:
         os.close(pidfd)
     final = jobs.get(host.state_dir, job.id)
@@ -1004,6 +1099,21 @@ def cancel_jobs(host: Host, before: list[Job], *, grace: float = jobs.KILL_GRACE
         if j.active:
             cancel(host, j.id, grace=grace, wait=False)
     return [cancel(host, j.id, grace=grace) if j.active else j for j in before]
+
+
+def _wait_stopped(host: Host, job_id: int, pidfd: int, grace: float) -> None:
+    """Wait for the supervisor to end: our grace and CANCEL_SLACK, or longer when the record
+    says the job was already being stopped (a time limit, an earlier cancel) with a SIGKILL
+    due later: that first cause's grace is the one that runs."""
+    deadline = time.time() + grace + CANCEL_SLACK
+    while not wait_fd(pidfd, max(0.0, deadline - time.time())):
+        with contextlib.suppress(EnvctlError):
+            now = jobs.read(host.state_dir, job_id)
+            kill_at = (now.stopping or {}).get("kill_at") if now is not None else None
+            if isinstance(kill_at, int | float) and kill_at + CANCEL_SLACK > deadline:
+                deadline = kill_at + CANCEL_SLACK
+                continue
+        return
 
 
 def _pin_supervisor(job: Job, boot_id: str) -> int | None:
