@@ -235,11 +235,15 @@ def test_kill_9_at_every_step_of_a_rootfs_up_then_down_leaves_nothing(sandbox, t
         # directories do; nothing else does. Removed here, as an operator would, for the
         # next round to start from a clean host.
         made_logs, made_src = (j < i or (j == i and point == "after") for j in (logs, shared))
+        # So does the record that envctl made the shared host directory (host-dirs.json),
+        # which is what lets a later `down --purge` delete it.
         residue = sb.residue()
-        assert residue.pop("state_dir", None) == (["data", "lock"] if made_logs else None), key
+        kept = (["data"] if made_logs else []) + (["host-dirs.json"] if made_src else [])
+        assert residue.pop("state_dir", None) == (sorted([*kept, "lock"]) if kept else None), key
         assert residue == {}, key
         if made_logs:
             assert (sb.state / "data" / "box" / "logs").is_dir(), key
+        if kept:
             shutil.rmtree(sb.state)
         assert src.is_dir() == made_src, key
         if made_src:
