@@ -973,6 +973,9 @@ class _Supervisor:
         j.end_time = time.time()
         if stats is not None:
             j.cpu_seconds = None if stats.cpu_usage_us is None else stats.cpu_usage_us / 1e6
+            j.cpu_user_seconds = None if stats.cpu_user_us is None else stats.cpu_user_us / 1e6
+            j.cpu_system_seconds = (None if stats.cpu_system_us is None
+                                    else stats.cpu_system_us / 1e6)
             j.peak_memory_bytes = stats.memory_peak
             j.oom_kills = oom
         j.error = "; ".join([p for p in [error, *problems] if p]) or None
