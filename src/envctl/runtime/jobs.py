@@ -296,7 +296,8 @@ def write(state_dir: Path, job: Job, *, durable: bool = False) -> None:
 
     `durable` (fsync) is for the final record only: it is history that must outlive a power
     cut; the earlier ones describe processes that would not survive one either."""
-    write_json(record_path(state_dir, job.id), job.to_json(derived=False), durable=durable, mode=RECORD_MODE)
+    write_json(record_path(state_dir, job.id), job.to_json(derived=False), durable=durable,
+               mode=RECORD_MODE)
 
 
 def write_cancel(state_dir: Path, job_id: int, request: dict[str, Any]) -> None:
