@@ -706,6 +706,99 @@ def _spawn(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd: int,
         os.close(r)
 
 
+# ---------------------------------------------------------------- bounded output
+
+
+class _Output:
+    """One of a job's outputs behind a pipe (jobs.max_output): the supervisor copies the pipe
+    into the file (splice: no copy through this process) up to `limit` bytes; past it one line
+    says so in the file, the copying stops and the pipe's read end is closed, so that the job's
+    next write gets EPIPE (SIGPIPE unless it ignores it) and it knows its output is gone.
+    Not RLIMIT_FSIZE: that would bound every file the job writes (a checkpoint on a data
+    mount), and tell it with EFBIG on those too."""
+
+    def __init__(self, name: str, dst: int, limit: int):
+        import fcntl
+
+        self.name, self.dst, self.limit = name, dst, limit
+        self.r, self.w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self.r, False)
+        # splice(2) refuses a destination opened O_APPEND (EINVAL); this process is the file's
+        # only writer now (an output named twice shares one _Output), so the position is it.
+        flags = fcntl.fcntl(dst, fcntl.F_GETFL)
+        if flags & os.O_APPEND:
+            fcntl.fcntl(dst, fcntl.F_SETFL, flags & ~os.O_APPEND)
+            os.lseek(dst, 0, os.SEEK_END)
+        self.copied = 0
+        self.cut = False
+        self.splice = hasattr(os, "splice")
+
+    @property
+    def open(self) -> bool:
+        return self.r >= 0
+
+    def close_write(self) -> None:
+        if self.w >= 0:
+            os.close(self.w)
+            self.w = -1
+
+    def close(self) -> None:
+        self.close_write()
+        if self.r >= 0:
+            os.close(self.r)
+            self.r = -1
+
+    def pump(self) -> bool:
+        """Copy what the pipe holds now; True when this output was cut just now. The read end
+        is closed at EOF and at the cut."""
+        while self.r >= 0:
+            room = self.limit - self.copied
+            try:
+                if room <= 0:
+                    more = os.read(self.r, 1)  # past the bound: is there anything beyond it?
+                    if more:
+                        self._cut()
+                        return True
+                    self.close()  # EOF exactly at the bound
+                    return False
+                n = self._copy(min(room, 1 << 20))
+            except BlockingIOError:
+                return False  # empty for now
+            except OSError:
+                # The file refuses (ENOSPC, EIO): keep draining so the job is not blocked, as
+                # service.log drops what it cannot write; the record says nothing was cut.
+                with contextlib.suppress(OSError):
+                    n = len(os.read(self.r, 65536))
+                    if n == 0:
+                        self.close()
+                return False
+            if n == 0:
+                self.close()
+                return False
+            self.copied += n
+        return False
+
+    def _copy(self, most: int) -> int:
+        if self.splice:
+            try:
+                return os.splice(self.r, self.dst, most, flags=os.SPLICE_F_NONBLOCK)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOSYS):
+                    raise
+                self.splice = False  # a file system without splice: read and write
+        data = os.read(self.r, min(most, 65536))
+        if data:
+            os.write(self.dst, data)
+        return len(data)
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.dst, f"\nenvctl: output truncated at {self.limit} bytes "
+                     "(jobs.max_output)\n".encode())
+        self.cut = True
+        self.close()
+
+
 # ---------------------------------------------------------------- the supervisor
 
 
@@ -722,6 +815,7 @@ class _Supervisor:
         self.cg_name = f"job-{job.id}"  # below the environment's cgroup
         self.cg_dirs: list[Path] | None = None  # made (cgroupfs driver)
         self.attempts: dict[str, int] = {}  # writes tried per state (ENVCTL_FAULT's `record`)
+        self.outputs: list[_Output] = []  # behind pipes when jobs.max_output bounds them
 
     # -- talking to the CLI
     def tell(self, line: str) -> None:
@@ -836,18 +930,22 @@ class _Supervisor:
                 self.finish(None, cancelled=True)
                 self.tell("E cancelled before it started")
                 return
+            stdio = self._output_pipes()
             status_r, status_w = os.pipe()
             launch = Launch(
                 ctx=self.ctx, argv=self.job.argv, environ=self.environ, user=self.req.user,
                 cwd=self.job.workdir, cpus=tuple(self.job.cpus), cgroup_dirs=dirs,
                 binds=[Bind(str(jobs.job_dir(self.host.state_dir, self.job.id)), "/job", True)],
-                stdio=(self.devnull, self.out_fd, self.err_fd), status_fd=status_w,
+                stdio=(self.devnull, *stdio), status_fd=status_w,
+                keep_out=tuple(o.r for o in self.outputs),
                 attach=systemd_attach(self.ctx, mem=self.job.mem_bytes or 0),
                 oom_score_adj=0)
             try:
                 started = start(launch)
             finally:
                 os.close(status_w)
+                for o in self.outputs:  # the job's ends are the job's alone
+                    o.close_write()
             if scoped is not None:
                 scoped()
         except (EnvctlError, OSError) as exc:  # OSError: a cgroup or pipe the kernel refused
@@ -878,6 +976,9 @@ class _Supervisor:
         poller.register(self.wake_r, select.POLLIN)
         poller.register(status_r, select.POLLIN)
         poller.register(started.pidfd, select.POLLIN)
+        by_fd = {o.r: o for o in self.outputs if o.open}
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
         t0 = time.monotonic()
         limit_at = t0 + self.job.time_limit if self.job.time_limit else None
         reason: str | None = None
@@ -912,8 +1013,18 @@ class _Supervisor:
                         buf += data
                     else:
                         poller.unregister(status_r)
+                elif fd in by_fd:
+                    self._pump(by_fd[fd])
+                    if not by_fd[fd].open:
+                        poller.unregister(fd)
+                        del by_fd[fd]
                 elif fd == started.pidfd:
                     ended = True
+        # What is still in the pipes: the namespace's processes died with the init, so nothing
+        # writes any more (EAGAIN ends it where a dying one still holds its end).
+        for o in by_fd.values():
+            self._pump(o)
+            o.close()
         from envctl.runtime.launch import final_status
 
         status: int | None = final_status(started, status_r, buf)
@@ -925,6 +1036,27 @@ class _Supervisor:
         wall = time.time()
         self.job.stopping = {"cause": cause, "since": wall, "kill_at": wall + grace}
         self.save_or_log()
+
+    def _output_pipes(self) -> tuple[int, int]:
+        """The job's stdout and stderr: the output files themselves when jobs.max_output is
+        unbounded (0), else pipes the supervisor copies into them (_Output): one pipe when both
+        are one file (the same path, or descriptors of one inode), its bound shared."""
+        limit = self.ctx.max_output
+        if limit <= 0:
+            return self.out_fd, self.err_fd
+        out = _Output("stdout", self.out_fd, limit)
+        self.outputs.append(out)
+        a, b = os.fstat(self.out_fd), os.fstat(self.err_fd)
+        if self.err_fd == self.out_fd or (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+            return out.w, out.w
+        err = _Output("stderr", self.err_fd, limit)
+        self.outputs.append(err)
+        return out.w, err.w
+
+    def _pump(self, o: _Output) -> None:
+        if o.pump():
+            self.job.output_truncated = [*self.job.output_truncated, o.name]
+            self.save_or_log()
 
     def _cancel_grace(self) -> float:
         try:
@@ -945,6 +1077,8 @@ class _Supervisor:
     def finish(self, status: int | None, *, cancelled: bool = False, timed_out: bool = False,
                error: str | None = None, exit_code: int | None = None) -> None:
         """Read the job's usage, remove its cgroup, write the final record."""
+        for o in self.outputs:  # a job that never started: nothing more can come
+            o.close()
         problems = []
         stats = None
         cg = self._cgroups()
