@@ -145,3 +145,83 @@ def test_a_finished_job_carries_its_cpu_time_split_user_and_system(bounded):
     row = sb.envctl("jobs", "--all", "--format", "id,cpu_user,cpu_sys,maxrss").stdout
     assert row.splitlines()[0].split() == ["ID", "USERCPU", "SYSCPU", "MAXRSS"]
     assert_clean_down(sb)
+
+
+# ---------------------------------------------------------------- a GPU job (the fake GPU host)
+
+from tests.integration.test_gpu_env import UUIDS, gpu_host  # noqa: E402, F401 - a fixture
+
+GPU_SPEC = """
+name: gpu-ab
+kind: gpu
+rootfs:
+  binaries: [bash, sleep, test]
+gpus: all
+"""
+
+
+def _replace(path: Path, cfg: dict) -> None:
+    """Write the fake NVML's file atomically: the supervisor reads it at every call."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cfg))
+    os.replace(tmp, path)
+
+
+def _until(predicate, timeout: float = 30.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_a_gpu_job_carries_gpu_seconds_sampled_peak_memory_and_energy(gpu_host):  # noqa: F811
+    sb, env = gpu_host
+    nvml_path = Path(env["FAKE_NVML_JSON"])
+    cfg = json.loads(nvml_path.read_text())
+    cfg["live"] = True
+    for g in cfg["gpus"]:
+        g["processes"], g["energy"] = [], 1_000_000
+    _replace(nvml_path, cfg)
+    env = {**env, "ENVCTL_JOB_GPU_SAMPLE": "0.1"}
+    sb.write_spec("gpu-ab", GPU_SPEC)
+    assert sb.envctl("up", "gpu-ab", env=env).returncode == 0
+    go = sb.root / "go"
+    hold = script(sb, "hold.sh", "#!/bin/bash\nwhile ! test -e /job/go; do sleep 0.05; done\n")
+    res = sb.envctl("submit-job", "--json", "--user", "root", "gpu-ab", "--gpus", "1", hold,
+                    env=env)
+    assert res.returncode == 0, res.stderr
+    j = json.loads(res.stdout)
+    mine = UUIDS.index(j["gpus"][0])
+    procs = (Path("/sys/fs/cgroup/cpuacct") / sb.cgroup_parent / "gpu-ab" / f"job-{j['id']}"
+             / "cgroup.procs")
+    if not procs.exists():
+        procs = Path("/sys/fs/cgroup") / sb.cgroup_parent / "gpu-ab" / f"job-{j['id']}" \
+            / "cgroup.procs"
+    pid = int(procs.read_text().split()[0])
+    # NVML now sees the job's process using 3 GiB of its GPU, and a stranger 5 GiB (and the
+    # job's pid on the other GPU, not its: never counted).
+    cfg["gpus"][mine].update(processes=[[pid, 3 << 30], [1, 5 << 30]])
+    cfg["gpus"][1 - mine].update(processes=[[pid, 7 << 30]])
+    _replace(nvml_path, cfg)
+    # A new peak is in the record while the job runs (its start energy was read before).
+    assert _until(lambda: record(sb, j["id"]).get("gpu_peak_memory_bytes") == 3 << 30), \
+        record(sb, j["id"])
+    # The counters move by 12.5 J on its GPU (and 99 J on the other).
+    cfg["gpus"][mine].update(processes=[], energy=1_012_500)
+    cfg["gpus"][1 - mine].update(energy=1_099_000)
+    _replace(nvml_path, cfg)
+    (Path(sb.state) / "jobs" / str(j["id"]) / "go").touch()
+    rc, (done,) = wait(sb, j["id"])
+    assert rc == 0 and done["state"] == "COMPLETED", done
+    assert done["gpu_energy_joules"] == 12.5 and done["gpu_peak_memory_bytes"] == 3 << 30
+    assert done["gpu_usage"] == {j["gpus"][0]: {"energy_mj": 12_500,
+                                                "peak_memory_bytes": 3 << 30}}
+    assert done["gpu_seconds"] == round(done["elapsed"], 3) and done["gpu_note"] is None
+    row = sb.envctl("jobs", "--all", "--format", "id,gpus,gpu_mem,energy_j", env=env).stdout
+    assert row.splitlines()[1].split() == [str(j["id"]), "1", "3G", "12.5"]
+    assert not go.exists()
+    assert sb.envctl("down", "gpu-ab", env=env).returncode == 0

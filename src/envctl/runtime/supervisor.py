@@ -816,6 +816,8 @@ class _Supervisor:
         self.cg_dirs: list[Path] | None = None  # made (cgroupfs driver)
         self.attempts: dict[str, int] = {}  # writes tried per state (ENVCTL_FAULT's `record`)
         self.outputs: list[_Output] = []  # behind pipes when jobs.max_output bounds them
+        self.gpu_meter: Any = None  # a monitor.nvml.JobGpuMeter while a GPU job runs
+        self.gpu_note: str | None = None  # why there is none for a GPU job
 
     # -- talking to the CLI
     def tell(self, line: str) -> None:
@@ -966,6 +968,7 @@ class _Supervisor:
         # scanned, never copied on write by a collection).
         gc.freeze()
         gc.enable()
+        self._open_gpu_meter()
         status, timed_out, cancelled = self.watch(started, status_r)
         self.finish(status, cancelled=cancelled, timed_out=timed_out)
 
@@ -983,10 +986,15 @@ class _Supervisor:
         limit_at = t0 + self.job.time_limit if self.job.time_limit else None
         reason: str | None = None
         kill_at: float | None = None
+        sample_every = _gpu_sample_seconds() if self.gpu_meter is not None else None
+        sample_at = t0 + min(1.0, sample_every) if sample_every else None
         buf = b""
         ended = False
         while not ended:
             now = time.monotonic()
+            if sample_at is not None and sample_every and now >= sample_at:
+                self._sample_gpus()
+                sample_at = now + sample_every
             # The first cause stands, with its grace: a cancel once the time limit fired (or a
             # second cancel) changes neither the state the job ends in nor its SIGKILL's time.
             if reason is None and self.cancel_requested:
@@ -1002,7 +1010,8 @@ class _Supervisor:
             if kill_at is not None and now >= kill_at:
                 kill_at = None
                 self._kill_all(started)
-            due = [t for t in (limit_at if reason is None else None, kill_at) if t is not None]
+            due = [t for t in (limit_at if reason is None else None, kill_at, sample_at)
+                   if t is not None]
             for fd, _ in poller.poll(poll_ms(min(due) - now) if due else None):
                 if fd == self.wake_r:
                     with contextlib.suppress(BlockingIOError):
@@ -1036,6 +1045,66 @@ class _Supervisor:
         wall = time.time()
         self.job.stopping = {"cause": cause, "since": wall, "kill_at": wall + grace}
         self.save_or_log()
+
+    def _open_gpu_meter(self) -> None:
+        """For a job holding GPUs: NVML's energy counters now, and its GPU memory sampled
+        from now on (monitor.nvml.JobGpuMeter). Nothing NVML does (missing, failing) touches
+        the job: the GPU fields stay None and `gpu_note` says why."""
+        if not self.job.gpus:
+            return
+        try:
+            from envctl.monitor.nvml import job_meter
+
+            self.gpu_meter, why = job_meter(self.host.gpu_root, list(self.job.gpus))
+            self.gpu_note = why or None
+        except Exception as exc:  # noqa: BLE001 - a broken NVML must never fail the job
+            self.gpu_meter, self.gpu_note = None, f"NVML: {exc!r}"
+
+    def _job_pids(self) -> Any:
+        """Whether a host pid is one of the job's: in its cgroup (cgroup.procs), or, where
+        envctl has no cgroup of the job's to read, any process on GPUs that are its alone."""
+        for d in self.cg_dirs or ():
+            try:
+                pids = {int(p) for p in (d / "cgroup.procs").read_text().split()}
+            except OSError:
+                continue
+            return pids.__contains__
+        exclusive = self.job.gpus_exclusive or tuple(self.job.gpus) == tuple(self.ctx.gpus)
+        return (lambda pid: True) if exclusive else (lambda pid: False)
+
+    def _sample_gpus(self) -> None:
+        """One sample of the job's GPU memory; a new peak goes into the record at once (as
+        sstat shows a running job's), other samples write nothing."""
+        try:
+            self.gpu_meter.sample(self._job_pids())
+        except Exception as exc:  # noqa: BLE001 - see _open_gpu_meter
+            self.gpu_note = f"NVML sampling failed: {exc!r}"
+            self.gpu_meter = None
+            return
+        peak = self.gpu_meter.peak_total
+        if peak is not None and peak != self.job.gpu_peak_memory_bytes:
+            self.job.gpu_peak_memory_bytes = peak
+            self.save_or_log()
+
+    def _finish_gpus(self) -> None:
+        """The record's GPU fields: GPU-seconds (elapsed x GPUs held, whatever NVML says), and
+        what the meter counted."""
+        j = self.job
+        if not j.gpus:
+            return
+        elapsed = j.elapsed()
+        j.gpu_seconds = None if elapsed is None else round(elapsed * len(j.gpus), 3)
+        got: dict[str, Any] = {}
+        if self.gpu_meter is not None:
+            try:
+                got = self.gpu_meter.finish()
+            except Exception as exc:  # noqa: BLE001 - see _open_gpu_meter
+                self.gpu_note = f"NVML: {exc!r}"
+            self.gpu_meter = None
+        j.gpu_energy_joules = got.get("gpu_energy_joules")
+        j.gpu_peak_memory_bytes = got.get("gpu_peak_memory_bytes")
+        j.gpu_usage = got.get("gpu_usage")
+        j.gpu_note = "; ".join(n for n in (self.gpu_note, got.get("gpu_note")) if n) or None
 
     def _output_pipes(self) -> tuple[int, int]:
         """The job's stdout and stderr: the output files themselves when jobs.max_output is
@@ -1113,6 +1182,7 @@ class _Supervisor:
             j.peak_memory_bytes = stats.memory_peak
             j.oom_kills = oom
         j.error = "; ".join([p for p in [error, *problems] if p]) or None
+        self._finish_gpus()
         self.save_final()
         with contextlib.suppress(FileNotFoundError):
             jobs.cancel_path(self.host.state_dir, j.id).unlink()
@@ -1154,6 +1224,15 @@ class _Supervisor:
         extra.update(self.req.env)
         extra.update({"ENVCTL_JOB_ID": str(self.job.id), "ENVCTL_JOB_NAME": self.job.name})
         return job_environ(self.ctx, self.req.user, extra)
+
+
+def _gpu_sample_seconds() -> float:
+    """Seconds between samples of a GPU job's GPU memory (ENVCTL_JOB_GPU_SAMPLE, default 5)."""
+    try:
+        value = float(os.environ.get("ENVCTL_JOB_GPU_SAMPLE", 5.0))
+    except ValueError:
+        return 5.0
+    return value if 0.05 <= value <= 3600 else 5.0
 
 
 def _close_fds_except(keep: set[int | None]) -> None:
