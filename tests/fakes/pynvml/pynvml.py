@@ -16,7 +16,8 @@ its call raise NOT_SUPPORTED.
 
 `"live": true` makes every call read the file again (a test changes what a running job's
 supervisor sees). `fail_init`: true (or an NVML_ERROR_* number) makes nvmlInit raise, as on a
-host without libnvidia-ml; `"mig": null` makes nvmlDeviceGetMigMode raise NOT_SUPPORTED (a pre-Ampere GPU);
+host without libnvidia-ml; `"mig": null` makes nvmlDeviceGetMigMode raise NOT_SUPPORTED (a
+pre-Ampere GPU);
 `"fail": "nvmlDeviceGetName"` makes that call raise UNKNOWN; `bytes` returns bytes for strings,
 as pynvml did before nvidia-ml-py 11.515. Tests put this directory first on sys.path /
 PYTHONPATH so that `import pynvml` finds it. `calls` counts init and shutdown.
