@@ -92,7 +92,7 @@ def test_output_past_the_bound_is_cut_the_job_gets_epipe_and_the_record_says_so(
     assert rc == 0 and one["output_truncated"] == ["stdout"]
     text = both.read_bytes()
     assert text.count(line) == 1 and text.startswith(b"x" * (1 << 20) + line)
-    assert text.endswith(b" to a fifo\n") is False  # its EPIPE note went to the cut pipe too
+    assert not text.endswith(b" to a fifo\n")  # its note went into the cut pipe too: lost
     logs = sb.envctl("logs", str(j["id"]))
     assert logs.returncode == 0 and logs.stdout.encode() == data
     assert_clean_down(sb)
@@ -189,7 +189,6 @@ def test_a_gpu_job_carries_gpu_seconds_sampled_peak_memory_and_energy(gpu_host):
     env = {**env, "ENVCTL_JOB_GPU_SAMPLE": "0.1"}
     sb.write_spec("gpu-ab", GPU_SPEC)
     assert sb.envctl("up", "gpu-ab", env=env).returncode == 0
-    go = sb.root / "go"
     hold = script(sb, "hold.sh", "#!/bin/bash\nwhile ! test -e /job/go; do sleep 0.05; done\n")
     res = sb.envctl("submit-job", "--json", "--user", "root", "gpu-ab", "--gpus", "1", hold,
                     env=env)
@@ -223,5 +222,4 @@ def test_a_gpu_job_carries_gpu_seconds_sampled_peak_memory_and_energy(gpu_host):
     assert done["gpu_seconds"] == round(done["elapsed"], 3) and done["gpu_note"] is None
     row = sb.envctl("jobs", "--all", "--format", "id,gpus,gpu_mem,energy_j", env=env).stdout
     assert row.splitlines()[1].split() == [str(j["id"]), "1", "3G", "12.5"]
-    assert not go.exists()
     assert sb.envctl("down", "gpu-ab", env=env).returncode == 0
