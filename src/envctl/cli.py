@@ -789,10 +789,16 @@ def jobs_(
                                               autocompletion=_complete_envs)] = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="Finished jobs too (the newest "
                                        "1000 are kept).")] = False,
+    format_: Annotated[str | None, typer.Option(
+        "--format", "-o", help="The table's columns, comma-separated, as sacct --format: e.g. "
+        "id,user,state,elapsed,cpu_user,cpu_sys,maxrss,gpu_seconds,energy_j (an unknown one "
+        "lists them all).", show_default=False)] = None,
     json_: JsonOpt = False,
 ) -> None:
     """The jobs of this host, like squeue (sacct with --all): id, name, environment, user,
-    state, elapsed time, exit code:signal, start.
+    state, elapsed time, exit code:signal, start; --format picks other columns (CPU time
+    user/system, peak memory, GPU-seconds, GPU energy …). --json prints whole records, with
+    the accounting of finished jobs (docs/runtime.md, "Accounting").
 
     A job whose supervisor is gone (killed, or the host rebooted) shows as LOST; `envctl
     cancel` of it cleans up what is left. Read-only: nothing changes.
@@ -802,6 +808,12 @@ def jobs_(
     from envctl.runtime import jobs as jb
     from envctl.server import client
 
+    fields = jb.parse_fields(format_) if format_ is not None else jb.DEFAULT_FIELDS
+    if format_ is not None and json_:
+        from envctl.errors import UsageError
+
+        raise UsageError("--format picks the table's columns; --json prints whole records: "
+                         "give one of them")
     daemon = client.route()
     if daemon is not None:
         listed = client.jobs(daemon, env, all_)
@@ -817,7 +829,7 @@ def jobs_(
     if json_:
         _emit_json([j.to_json() for j in listed])
         return
-    rows = jb.table(listed)
+    rows = jb.table(listed, fields=fields)
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())

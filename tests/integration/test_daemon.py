@@ -156,6 +156,9 @@ def test_a_listed_user_submits_without_sudo_and_others_are_refused(team):
     other = seen[job["id"]]
     assert other["user"] == "alice" and other["state"] == "COMPLETED"
     assert (other["argv"], other["stdout"], other["program"]) == ([], "", {})
+    # Nor its accounting (the owner's, as its outputs are); its times and elapsed are public.
+    assert (other["cpu_user_seconds"], other["peak_memory_bytes"]) == (None, None)
+    assert other["elapsed"] is not None
 
     # --user root from a non-admin: refused.
     res = team.as_user(ALICE, "submit-job", "--user", "root", "box", prog)

@@ -372,3 +372,31 @@ def test_membership_is_read_from_proc_and_respects_path_boundaries():
     assert in_cgroup(os.getpid(), mine)
     assert not in_cgroup(os.getpid(), "/envctl-nonexistent/e1")
     assert not in_cgroup(2**22 + 1, mine)  # no such process
+
+
+def test_stats_split_cpu_time_into_user_and_system(tmp_path):
+    """v2 cpu.stat user_usec/system_usec; v1 cpuacct.usage_user/usage_sys (ns), else
+    cpuacct.stat's clock ticks."""
+    import os
+
+    from envctl.host.cgroups import Cgroups
+
+    v2 = tmp_path / "v2" / "envctl" / "e1"
+    v2.mkdir(parents=True)
+    (v2 / "cpu.stat").write_text("usage_usec 30\nuser_usec 20\nsystem_usec 10\n")
+    cg = Cgroups(CgroupLayout(unified=str(tmp_path / "v2"),
+                              v2_controllers=frozenset({"cpu"})), "envctl")
+    st = cg.stats("e1", driver="cgroupfs")
+    assert (st.cpu_usage_us, st.cpu_user_us, st.cpu_system_us) == (30, 20, 10)
+    acct = tmp_path / "cpuacct" / "envctl" / "e1"
+    acct.mkdir(parents=True)
+    (acct / "cpuacct.usage").write_text("5000000\n")
+    (acct / "cpuacct.stat").write_text("user 7\nsystem 3\n")
+    v1 = Cgroups(CgroupLayout(v1={"cpuacct": str(tmp_path / "cpuacct")}), "envctl")
+    hz = os.sysconf("SC_CLK_TCK")
+    st = v1.stats("e1", driver="cgroupfs")
+    assert (st.cpu_user_us, st.cpu_system_us) == (7 * 10**6 // hz, 3 * 10**6 // hz)
+    (acct / "cpuacct.usage_user").write_text("4000000\n")
+    (acct / "cpuacct.usage_sys").write_text("1000000\n")
+    st = v1.stats("e1", driver="cgroupfs")
+    assert (st.cpu_usage_us, st.cpu_user_us, st.cpu_system_us) == (5000, 4000, 1000)

@@ -360,3 +360,41 @@ def test_jobs_of_an_unknown_environment_is_a_typo(capsys):
     code, out, _ = run(capsys, "jobs", "cpu-compute")  # a spec, no jobs: an empty table
     assert code == 0 and out.split() == ["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED",
                                          "EXIT", "CPUS", "MEM", "GPUS", "START", "PROGRAM"]
+
+
+def _finished_record(tmp_path) -> None:
+    from envctl.runtime import jobs as jb
+
+    jb.write(tmp_path / "state", jb.Job(
+        id=3, env="cpu-compute", argv=["/job/b"], name="b", user="alice", uid=1000,
+        state=jb.State.COMPLETED, submit_time=90.0, start_time=100.0, end_time=165.5,
+        exit_code=0, cpu_seconds=3.5, cpu_user_seconds=3.25, cpu_system_seconds=0.25,
+        peak_memory_bytes=3 << 20, gpus=["GPU-a", "GPU-b"], gpu_seconds=131.0,
+        gpu_energy_joules=1234.5, output_truncated=["stdout"]), durable=False)
+
+
+def test_jobs_format_picks_the_columns_and_json_has_the_accounting(capsys, tmp_path):
+    _finished_record(tmp_path)
+    code, out, _ = run(capsys, "jobs", "--all", "--format",
+                       "id, user,state,elapsed,cpu_user,cpu_sys,maxrss,gpu_seconds,energy_j,"
+                       "truncated")
+    assert code == 0
+    header, row = (line.split() for line in out.splitlines())
+    assert header == ["ID", "USER", "STATE", "ELAPSED", "USERCPU", "SYSCPU", "MAXRSS",
+                      "GPU_SEC", "ENERGY_J", "TRUNCATED"]
+    assert row == ["3", "alice", "COMPLETED", "1:05", "0:03.250", "0:00.250", "3M", "131.0",
+                   "1234.5", "stdout"]
+    code, out, _ = run(capsys, "jobs", "--all", "--json")
+    rec = json.loads(out)[0]
+    assert code == 0 and rec["elapsed"] == 65.5 and rec["cpu_user_seconds"] == 3.25
+    assert rec["cpu_system_seconds"] == 0.25 and rec["gpu_energy_joules"] == 1234.5
+    assert rec["output_truncated"] == ["stdout"] and rec["peak_memory_bytes"] == 3 << 20
+
+
+def test_jobs_format_refuses_an_unknown_field_listing_the_allowed(capsys, tmp_path):
+    code, out, err = run(capsys, "jobs", "--format", "id,maxvmsize")
+    assert code == 2 and not out
+    assert "unknown field(s) maxvmsize" in err and "cpu_user" in err and "energy_j" in err
+    assert len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "jobs", "--format", "id", "--json")
+    assert code == 2 and "--format" in err

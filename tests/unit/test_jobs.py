@@ -633,3 +633,30 @@ def test_a_grace_from_the_environment_is_bounded(monkeypatch):
         monkeypatch.setenv("ENVCTL_KILL_GRACE", value)
         assert kill_grace_from_env() == (5.0 if want is None else want)
         assert service._grace() == (service.DEFAULT_GRACE if want is None else want)
+
+
+def test_accounting_columns_and_the_stored_record(tmp_path):
+    j = job(5, State.COMPLETED, start_time=10.0, end_time=3730.25, cpu_seconds=61.5,
+            cpu_user_seconds=60.0, cpu_system_seconds=1.5, peak_memory_bytes=1 << 30,
+            requested={"cpus": 2, "mem": 1 << 29, "gpus": ["GPU-x"]}, time_limit=7200)
+    rows = jobs.table([j], now=0, fields=("elapsed", "cpu_time", "cpu_user", "cpu_sys",
+                                          "maxrss", "req_cpus", "req_mem", "req_gpus",
+                                          "time_limit", "gpu_seconds", "energy_j"))
+    assert rows[1] == ["1:02:00", "1:01.500", "1:00.000", "0:01.500", "1G", "2", "512M", "1",
+                       "2:00:00", "-", "-"]
+    assert jobs.table([j], now=0)[0] == [jobs.FIELDS[f][0] for f in jobs.DEFAULT_FIELDS]
+    # `elapsed` is derived for readers, never stored: the record holds the times.
+    assert j.to_json()["elapsed"] == 3720.25
+    jobs.write(tmp_path, j)
+    import json
+
+    stored = json.loads(jobs.record_path(tmp_path, 5).read_text())
+    assert "elapsed" not in stored and stored["cpu_user_seconds"] == 60.0
+    assert jobs.read(tmp_path, 5) == j
+
+
+def test_parse_fields():
+    assert jobs.parse_fields(" ID,cpu_user , energy_j") == ("id", "cpu_user", "energy_j")
+    for bad in ("", ",", "id,rss"):
+        with pytest.raises(UsageError, match="allowed: id, name"):
+            jobs.parse_fields(bad)

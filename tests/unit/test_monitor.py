@@ -660,3 +660,59 @@ def test_systemd_driver_reads_the_environment_slice(tmp_path):
     (e,) = fh.sampler(host_stats=False).tick().envs
     assert (e.driver, e.cgroup) == ("systemd", "/envctl.slice/envctl-box.slice")
     assert e.mem_usage == 512 << 20 and e.cpu_seconds == 1.0 and e.tasks == 12
+
+
+# ---------------------------------------------------------------- a job's GPU accounting
+
+
+def _meter_cfg(tmp_path, gpus: list[dict], **extra) -> Path:
+    path = tmp_path / "nvml-job.json"
+    path.write_text(json.dumps({"driver": "550.54.15", **extra, "gpus": [
+        {"name": "NVIDIA H100", "minor": i, "memory": 80 * GIB, **g}
+        for i, g in enumerate(gpus)]}))
+    return path
+
+
+def test_job_meter_counts_energy_and_sampled_peak_memory_of_the_jobs_pids(
+        tmp_path, monkeypatch, fake_nvml):
+    from envctl.monitor.nvml import JobGpuMeter
+
+    procs = [[100, 3 * GIB], [200, 5 * GIB]]  # 200 is somebody else's
+    cfg = _meter_cfg(tmp_path, [
+        {"uuid": "GPU-a", "energy": [1_000_000, 1_250_500], "processes": procs},
+        {"uuid": "GPU-b", "energy": [7_000, 9_000], "processes": [[101, None], [102, GIB]]},
+        {"uuid": "GPU-c", "energy": 5, "processes": []}])  # not the job's
+    monkeypatch.setenv("FAKE_NVML_JSON", str(cfg))
+    meter = JobGpuMeter(fake_nvml, ["GPU-a", "GPU-b"])
+    mine = {100, 101, 102}.__contains__
+    meter.sample(mine)
+    # The fake read its configuration at nvmlInit: the job's use changes in it live.
+    fake_nvml._config["gpus"][0]["processes"] = [[100, 4 * GIB], [200, 5 * GIB]]
+    meter.sample(mine)
+    fake_nvml._config["gpus"][0]["processes"] = [[100, GIB]]
+    meter.sample(mine)
+    got = meter.finish()
+    assert got["gpu_energy_joules"] == 252.5  # (250500 + 2000) mJ
+    assert got["gpu_usage"] == {"GPU-a": {"energy_mj": 250_500, "peak_memory_bytes": 4 * GIB},
+                                "GPU-b": {"energy_mj": 2_000, "peak_memory_bytes": GIB}}
+    assert got["gpu_peak_memory_bytes"] == 5 * GIB and got["gpu_note"] is None
+    assert fake_nvml.calls["shutdown"] == fake_nvml.calls["init"]
+
+
+def test_job_meter_without_energy_or_nvml_leaves_fields_empty_with_a_note(
+        tmp_path, monkeypatch, fake_nvml):
+    from envctl.monitor.nvml import JobGpuMeter
+
+    monkeypatch.setenv("FAKE_NVML_JSON", str(_meter_cfg(tmp_path, [
+        {"uuid": "GPU-old", "processes": None}])))  # pre-Volta: no energy; no process list
+    meter = JobGpuMeter(fake_nvml, ["GPU-old"])
+    meter.sample(lambda pid: True)
+    got = meter.finish()
+    assert got["gpu_energy_joules"] is None and got["gpu_peak_memory_bytes"] is None
+    assert got["gpu_usage"] == {"GPU-old": {"energy_mj": None, "peak_memory_bytes": None}}
+    assert "no energy counter" in got["gpu_note"] and "cannot be listed" in got["gpu_note"]
+    monkeypatch.setenv("FAKE_NVML_JSON", str(_meter_cfg(tmp_path, [], fail_init=9)))
+    broken = JobGpuMeter(fake_nvml, ["GPU-x"])
+    broken.sample(lambda pid: True)
+    got = broken.finish()
+    assert got["gpu_energy_joules"] is None and "Driver Not Loaded" in got["gpu_note"]

@@ -219,3 +219,21 @@ def test_sysctl_names_take_both_of_sysctls_spellings(name, dotted):
 def test_sysctl_names_never_leave_proc_sys(name):
     with pytest.raises(SpecError, match="a sysctl name is"):
         parse_spec(f"name: a\nkind: cpu\nhost:\n  sysctls:\n    {name}: 1\n", "a.yaml")
+
+
+def test_jobs_max_output_is_a_size_default_1g_and_0_or_none_unbounded():
+    from envctl.plan.claims import spec_claims
+    from envctl.spec.models import DEFAULT_MAX_OUTPUT, EnvSpec
+
+    def bound(v):
+        return EnvSpec(name="a", kind="cpu", jobs={"max_output": v}).jobs.max_output
+
+    assert EnvSpec(name="a", kind="cpu").jobs.max_output == DEFAULT_MAX_OUTPUT == 1 << 30
+    assert [bound(v) for v in ("1M", "2G", 4096, 0, "0", "none", None)] == [
+        1 << 20, 2 << 30, 4096, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="'lots' is not a size"):
+        bound("lots")
+    # Recorded for the supervisors only when it is not the default.
+    assert "max_output" not in spec_claims(EnvSpec(name="a", kind="cpu"), None)
+    assert spec_claims(EnvSpec(name="a", kind="cpu", jobs={"max_output": "1M"}),
+                       None)["max_output"] == 1 << 20

@@ -193,6 +193,10 @@ class Stats:
 
     version: int
     cpu_usage_us: int | None = None
+    # The same CPU time split as sacct's UserCPU / SystemCPU (v2 cpu.stat user_usec and
+    # system_usec; v1 cpuacct.usage_user / usage_sys, else cpuacct.stat's clock ticks).
+    cpu_user_us: int | None = None
+    cpu_system_us: int | None = None
     nr_periods: int | None = None
     nr_throttled: int | None = None
     throttled_us: int | None = None
@@ -601,7 +605,8 @@ class Cgroups:
         if self.version == 2:
             cpu = _kv(rd(env, "cpu", "cpu.stat") or "")
             ev = _kv(rd(env, "memory", "memory.events") or "")
-            return Stats(2, cpu_usage_us=cpu.get("usage_usec"), nr_periods=cpu.get("nr_periods"),
+            return Stats(2, cpu_usage_us=cpu.get("usage_usec"), cpu_user_us=cpu.get("user_usec"),
+                         cpu_system_us=cpu.get("system_usec"), nr_periods=cpu.get("nr_periods"),
                          nr_throttled=cpu.get("nr_throttled"),
                          throttled_us=cpu.get("throttled_usec"),
                          memory_current=_int(rd(env, "memory", "memory.current")),
@@ -611,9 +616,11 @@ class Cgroups:
         has = self.lay.v1
         cpu = _kv(rd(env, "cpu", "cpu.stat") or "") if "cpu" in has else {}
         usage = _int(rd(env, "cpuacct", "cpuacct.usage")) if "cpuacct" in has else None
+        user_us, system_us = _v1_cpu_split(rd, env) if "cpuacct" in has else (None, None)
         oom = _kv(rd(env, "memory", "memory.oom_control") or "") if "memory" in has else {}
         throttled = cpu.get("throttled_time")
         return Stats(1, cpu_usage_us=None if usage is None else usage // 1000,
+                     cpu_user_us=user_us, cpu_system_us=system_us,
                      nr_periods=cpu.get("nr_periods"), nr_throttled=cpu.get("nr_throttled"),
                      throttled_us=None if throttled is None else throttled // 1000,
                      memory_current=_int(rd(env, "memory", "memory.usage_in_bytes"))
@@ -622,6 +629,20 @@ class Cgroups:
                      if "memory" in has else None,
                      oom_kills=oom.get("oom_kill"),
                      pids_current=_int(rd(env, "pids", "pids.current")) if "pids" in has else None)
+
+
+def _v1_cpu_split(rd: Callable[..., str | None], env: str) -> tuple[int | None, int | None]:
+    """(user, system) CPU microseconds of a v1 cpuacct group: cpuacct.usage_user/usage_sys
+    (nanoseconds, kernel >= 4.7), else cpuacct.stat (USER_HZ clock ticks, coarser)."""
+    user, system = _int(rd(env, "cpuacct", "cpuacct.usage_user")), _int(
+        rd(env, "cpuacct", "cpuacct.usage_sys"))
+    if user is not None and system is not None:
+        return user // 1000, system // 1000
+    ticks = _kv(rd(env, "cpuacct", "cpuacct.stat") or "")
+    if "user" not in ticks or "system" not in ticks:
+        return None, None
+    hz = os.sysconf("SC_CLK_TCK")
+    return ticks["user"] * 1_000_000 // hz, ticks["system"] * 1_000_000 // hz
 
 
 def _int(text: str | None) -> int | None:

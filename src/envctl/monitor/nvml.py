@@ -197,9 +197,9 @@ class NvmlSession:
             nv.nvmlShutdown()
 
 
-def open_session(gpu_root: Path, *, mode: str | None = None) -> tuple[NvmlSession | None, str]:
-    """An NVML session when discovery's rule allows asking NVML on this host, else (None, why).
-    ("" why with no session: no NVIDIA driver is loaded, nothing to say.)"""
+def _may_ask(gpu_root: Path, mode: str | None) -> tuple[ModuleType | None, str]:
+    """The pynvml module when discovery's rule allows asking NVML on this host, else (None,
+    why); "" why: no NVIDIA driver is loaded, nothing to say."""
     from envctl.host import gpus as hg
 
     mode = mode or hg.nvml_mode()
@@ -218,7 +218,129 @@ def open_session(gpu_root: Path, *, mode: str | None = None) -> tuple[NvmlSessio
         import pynvml
     except ImportError as exc:
         return None, f"GPUs not sampled: the pynvml module cannot be imported ({exc})"
+    return pynvml, ""
+
+
+def open_session(gpu_root: Path, *, mode: str | None = None) -> tuple[NvmlSession | None, str]:
+    """An NVML session when discovery's rule allows asking NVML on this host, else (None, why).
+    ("" why with no session: no NVIDIA driver is loaded, nothing to say.)"""
+    pynvml, why = _may_ask(gpu_root, mode)
+    if pynvml is None:
+        return None, why
     try:
         return NvmlSession(pynvml), ""
     except pynvml.NVMLError as exc:
         return None, f"GPUs not sampled: NVML failed to initialise: {exc}"
+
+
+def job_meter(gpu_root: Path, uuids: list[str]) -> tuple[JobGpuMeter | None, str]:
+    """A JobGpuMeter of these GPUs when NVML may be asked here (open_session's rule), else
+    (None, why the job's GPU fields stay empty)."""
+    pynvml, why = _may_ask(gpu_root, None)
+    if pynvml is None:
+        return None, why or "no NVIDIA driver loaded: no GPU accounting"
+    return JobGpuMeter(pynvml, uuids), ""
+
+
+# ---------------------------------------------------------------- one job's GPU accounting
+
+
+class JobGpuMeter:
+    """What a job's supervisor counts of the job's GPUs (sacct's TRES gres/gpu, energy):
+
+    - energy: the difference of nvmlDeviceGetTotalEnergyConsumption (millijoules since the
+      driver loaded; Volta and newer) between the job's start and its end, per GPU. It is the
+      board's, shared with whatever else ran on that GPU meanwhile.
+    - peak GPU memory: sampled. nvmlDeviceGetComputeRunningProcesses every `sample()` call,
+      summing usedGpuMemory of the processes that are the job's (`is_job_pid`); the largest sum
+      per GPU and over all its GPUs. Not NVML's per-process accounting
+      (nvmlDeviceGetAccountingStats): that needs accounting mode, which is off by default,
+      host-wide, and only root may turn on; and its buffer is keyed by pids the job no
+      longer has at the end. A peak between two samples is missed: it is a lower bound.
+
+    Never raises NVMLError: what NVML cannot say stays None, with a line in `notes`."""
+
+    def __init__(self, nvml: ModuleType, uuids: list[str]):
+        self.nv = nvml
+        self.notes: list[str] = []
+        self.uuids = list(uuids)
+        self.handles: dict[str, Any] = {}
+        self.energy_start: dict[str, int | None] = {}
+        self.energy_end: dict[str, int | None] = {}
+        self.peak: dict[str, int] = {}
+        self.peak_total: int | None = None
+        self._memory_unknown = False
+        self.open = False
+        try:
+            nvml.nvmlInit()
+            self.open = True
+            # By index and UUID, as NvmlSession finds them (old pynvml answers bytes).
+            for index in range(nvml.nvmlDeviceGetCount()):
+                h = nvml.nvmlDeviceGetHandleByIndex(index)
+                u = _text(nvml.nvmlDeviceGetUUID(h))
+                if u in self.uuids:
+                    self.handles[u] = h
+            if missing := [u for u in self.uuids if u not in self.handles]:
+                self.notes.append(f"NVML does not list GPU {', '.join(missing)}")
+        except nvml.NVMLError as exc:
+            self.notes.append(f"NVML: {exc}; no GPU accounting")
+            self.handles.clear()
+        self.energy_start = self._energy()
+
+    def _energy(self) -> dict[str, int | None]:
+        out: dict[str, int | None] = {}
+        for u, h in self.handles.items():
+            try:
+                out[u] = int(self.nv.nvmlDeviceGetTotalEnergyConsumption(h))
+            except self.nv.NVMLError as exc:
+                out[u] = None
+                note = f"GPU {u}: no energy counter ({exc}; Volta and newer have one)"
+                if note not in self.notes:
+                    self.notes.append(note)
+        return out
+
+    def sample(self, is_job_pid: Any) -> None:
+        """Add one sample of the job's GPU memory (`is_job_pid(pid)`: whether a process is
+        the job's)."""
+        total = 0
+        for u, h in self.handles.items():
+            try:
+                procs = self.nv.nvmlDeviceGetComputeRunningProcesses(h)
+            except self.nv.NVMLError as exc:
+                if not self._memory_unknown:
+                    self.notes.append(f"GPU {u}: its processes cannot be listed ({exc}): no "
+                                      "peak GPU memory")
+                self._memory_unknown = True
+                continue
+            used = sum(int(p.usedGpuMemory) for p in procs or ()
+                       if p.usedGpuMemory is not None and is_job_pid(int(p.pid)))
+            self.peak[u] = max(self.peak.get(u, 0), used)
+            total += used
+        if not self._memory_unknown and self.handles:
+            self.peak_total = max(self.peak_total or 0, total)
+
+    def finish(self) -> dict[str, Any]:
+        """The record's GPU fields at the job's end (gpu_seconds is the supervisor's: elapsed
+        times the GPUs held, NVML or not); shuts NVML down."""
+        self.energy_end = self._energy()
+        usage: dict[str, dict[str, Any]] = {}
+        joules: float | None = 0.0
+        for u in self.uuids:
+            a, b = self.energy_start.get(u), self.energy_end.get(u)
+            mj = b - a if a is not None and b is not None and b >= a else None
+            if mj is None:
+                joules = None
+            elif joules is not None:
+                joules += mj / 1000.0
+            usage[u] = {"energy_mj": mj, "peak_memory_bytes": None if self._memory_unknown
+                        or u not in self.handles else self.peak.get(u, 0)}
+        if not self.handles:
+            joules = None
+        if self.open:
+            with contextlib.suppress(self.nv.NVMLError):
+                self.nv.nvmlShutdown()
+            self.open = False
+        return {"gpu_energy_joules": None if joules is None else round(joules, 3),
+                "gpu_peak_memory_bytes": self.peak_total if self.handles else None,
+                "gpu_usage": usage, "gpu_note": "; ".join(self.notes) or None}
+

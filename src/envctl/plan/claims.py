@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from envctl.plan.host import cpufreq_policy, governor_cpus, module_name, module_options
 from envctl.plan.userns import USERNS_SIZE
+from envctl.spec.models import DEFAULT_MAX_OUTPUT
 from envctl.spec.naming import host_veth
 from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.sysctls import canonical
@@ -84,6 +85,9 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
         out["seccomp"] = spec.runtime.seccomp
     if spec.runtime.nested_userns:
         out["nested_userns"] = True
+    if spec.jobs.max_output != DEFAULT_MAX_OUTPUT:
+        # Not a claim: the output bound every job's supervisor applies (jobs.max_output).
+        out["max_output"] = spec.jobs.max_output
     if spec.runtime.isolation != "native":
         # Not a claim either: how every launch enters the environment (runtime.gvisor).
         out["isolation"] = {"level": spec.runtime.isolation,

@@ -108,6 +108,9 @@ class EnvContext(Record, frozen=True):
     # How many host ids from `userns` on are the environment's (its block, the journal's
     # claims): none of them may be a job's own user or group.
     userns_size: int = 0
+    # The spec's jobs.max_output (bytes; 0: unbounded), recorded in the journal's claims when
+    # it is not the default (spec.models.DEFAULT_MAX_OUTPUT, repeated here: no pydantic).
+    max_output: int = 1 << 30
 
     @classmethod
     def load(cls, host: Host, env: str) -> EnvContext:
@@ -142,7 +145,8 @@ class EnvContext(Record, frozen=True):
                    nested_userns=bool(claims.get("nested_userns")), memory_max=memory_max,
                    userns=int((claims.get("userns") or {}).get("base") or 0),
                    device_rules=tuple((found.get("cgroup-devices") or {}).get("rules") or ()),
-                   userns_size=int((claims.get("userns") or {}).get("size") or 1))
+                   userns_size=int((claims.get("userns") or {}).get("size") or 1),
+                   max_output=int(claims.get("max_output", 1 << 30)))
 
 
 def _not_up(host: Host, env: str) -> UsageError:

@@ -94,8 +94,23 @@ class Job(Record):
     exit_code: int | None = None
     signal: int | None = None
     cpu_seconds: float | None = None
+    # sacct's UserCPU / SystemCPU: the job cgroup's CPU time split, read at the end.
+    cpu_user_seconds: float | None = None
+    cpu_system_seconds: float | None = None
     peak_memory_bytes: int | None = None
     oom_kills: int | None = None
+    # GPU accounting (envctl.monitor.nvml.JobGpuMeter), for a job holding GPUs: elapsed x
+    # GPUs held, the largest GPU memory its processes were seen using (summed over its GPUs,
+    # sampled), the energy its GPUs drew meanwhile (the difference of their total-energy
+    # counters: the whole board's, shared with anything else on it), and per GPU UUID
+    # {"energy_mj", "peak_memory_bytes"}; None where NVML could not say, with `gpu_note`.
+    gpu_seconds: float | None = None
+    gpu_peak_memory_bytes: int | None = None
+    gpu_energy_joules: float | None = None
+    gpu_usage: dict[str, dict[str, Any]] | None = None
+    gpu_note: str | None = None
+    # Outputs cut at jobs.max_output ("stdout", "stderr"; one file for both: "stdout").
+    output_truncated: list[str] = Factory(list)
     # {"pid": N, "start": starttime in clock ticks after boot, /proc/PID/stat field 22}: the
     # pid alone could be reused by an unrelated process once the supervisor is gone.
     supervisor: dict[str, int] | None = None
@@ -126,9 +141,14 @@ class Job(Record):
     program: dict[str, str] = Factory(dict)
 
     # ------------------------------------------------------------------ (de)serializing
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, derived: bool = True) -> dict[str, Any]:
+        """The record as JSON values; with `derived`, also `elapsed` (seconds so far, as
+        sacct shows it; never stored: the record file holds the times it comes from)."""
         out = self.asdict()
         out["state"] = str(self.state)
+        if derived:
+            elapsed = self.elapsed()
+            out["elapsed"] = None if elapsed is None else round(elapsed, 3)
         return out
 
     @classmethod
@@ -276,7 +296,8 @@ def write(state_dir: Path, job: Job, *, durable: bool = False) -> None:
 
     `durable` (fsync) is for the final record only: it is history that must outlive a power
     cut; the earlier ones describe processes that would not survive one either."""
-    write_json(record_path(state_dir, job.id), job.to_json(), durable=durable, mode=RECORD_MODE)
+    write_json(record_path(state_dir, job.id), job.to_json(derived=False), durable=durable,
+               mode=RECORD_MODE)
 
 
 def write_cancel(state_dir: Path, job_id: int, request: dict[str, Any]) -> None:
@@ -536,18 +557,93 @@ def format_exit(job: Job) -> str:
     return f"{job.exit_code or 0}:{job.signal or 0}"
 
 
-def table(jobs: list[Job], *, now: float | None = None) -> list[list[str]]:
-    """Rows of the `envctl jobs` table, header first."""
+def _clock(t: float | None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t)) if t is not None else "-"
+
+
+def format_cpu_time(seconds: float | None) -> str:
+    """sacct's UserCPU / SystemCPU: the elapsed form with milliseconds (1:02.345); '-'."""
+    if seconds is None:
+        return "-"
+    whole = int(seconds)
+    return f"{format_elapsed(whole)}.{int(round((seconds - whole) * 1000)) % 1000:03d}"
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _requested_of(key: str) -> Callable[[Job, float], str]:
+    def shown(j: Job, now: float) -> str:
+        value = (j.requested or {}).get(key)
+        if value is None:
+            return "-"
+        if key == "mem":
+            return format_mem(int(value))
+        return str(len(value)) if isinstance(value, list) else str(value)
+    return shown
+
+
+# The columns `envctl jobs --format` may pick (sacct --format / squeue -o in spirit), in the
+# order `--format help` lists them: name -> (header, what the cell shows). Times are local.
+FIELDS: dict[str, tuple[str, Callable[[Job, float], str]]] = {
+    "id": ("ID", lambda j, now: str(j.id)),
+    "name": ("NAME", lambda j, now: j.name or "-"),
+    "env": ("ENV", lambda j, now: j.env),
+    "user": ("USER", lambda j, now: j.user or str(j.uid)),
+    "uid": ("UID", lambda j, now: str(j.uid)),
+    "state": ("STATE", lambda j, now: str(j.state)),
+    "submit": ("SUBMIT", lambda j, now: _clock(j.submit_time or None)),
+    "start": ("START", lambda j, now: _clock(j.start_time)),
+    "end": ("END", lambda j, now: _clock(j.end_time)),
+    "elapsed": ("ELAPSED", lambda j, now: format_elapsed(j.elapsed(now))),
+    "time_limit": ("TIMELIMIT", lambda j, now: format_elapsed(j.time_limit)
+                   if j.time_limit else "-"),
+    "exit": ("EXIT", lambda j, now: format_exit(j)),
+    "cpus": ("CPUS", lambda j, now: format_cpu_list(j.cpus)),
+    "ncpus": ("NCPUS", lambda j, now: str(len(j.cpus)) if j.cpus else "-"),
+    "mem": ("MEM", lambda j, now: format_mem(j.mem_bytes)),
+    "gpus": ("GPUS", lambda j, now: str(len(j.gpus)) if j.gpus else "-"),
+    "gpu_ids": ("GPU_IDS", lambda j, now: ",".join(j.gpus) or "-"),
+    "req_cpus": ("REQ_CPUS", _requested_of("cpus")),
+    "req_mem": ("REQ_MEM", _requested_of("mem")),
+    "req_gpus": ("REQ_GPUS", _requested_of("gpus")),
+    "cpu_time": ("CPUTIME", lambda j, now: format_cpu_time(j.cpu_seconds)),
+    "cpu_user": ("USERCPU", lambda j, now: format_cpu_time(j.cpu_user_seconds)),
+    "cpu_sys": ("SYSCPU", lambda j, now: format_cpu_time(j.cpu_system_seconds)),
+    "maxrss": ("MAXRSS", lambda j, now: format_mem(j.peak_memory_bytes)),
+    "oom_kills": ("OOM", lambda j, now: "-" if j.oom_kills is None else str(j.oom_kills)),
+    "gpu_seconds": ("GPU_SEC", lambda j, now: _num(j.gpu_seconds)),
+    "gpu_mem": ("GPU_MAXMEM", lambda j, now: format_mem(j.gpu_peak_memory_bytes)),
+    "energy_j": ("ENERGY_J", lambda j, now: _num(j.gpu_energy_joules)),
+    "truncated": ("TRUNCATED", lambda j, now: ",".join(j.output_truncated) or "-"),
+    "program": ("PROGRAM", lambda j, now: format_program(j)),
+    "error": ("ERROR", lambda j, now: (j.error or "-").replace("\n", " ")),
+}
+# What `envctl jobs` shows without --format.
+DEFAULT_FIELDS = ("id", "name", "env", "user", "state", "elapsed", "exit", "cpus", "mem",
+                  "gpus", "start", "program")
+
+
+def parse_fields(text: str) -> tuple[str, ...]:
+    """`--format id,user,state` as field names (case and spaces ignored); UsageError (exit 2)
+    naming an unknown one and listing those allowed."""
+    names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in FIELDS]
+    if unknown or not names:
+        what = f"unknown field(s) {', '.join(unknown)}" if unknown else "no field given"
+        raise UsageError(f"--format '{text}': {what}; allowed: {', '.join(FIELDS)}")
+    return names
+
+
+def table(jobs: list[Job], *, now: float | None = None,
+          fields: tuple[str, ...] = DEFAULT_FIELDS) -> list[list[str]]:
+    """Rows of the `envctl jobs` table, header first, with the columns `fields` names."""
     now = time.time() if now is None else now
-    rows = [["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "CPUS", "MEM", "GPUS",
-             "START", "PROGRAM"]]
+    cells = [FIELDS[f] for f in fields]
+    rows = [[header for header, _ in cells]]
     for j in jobs:
-        start = (time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(j.start_time))
-                 if j.start_time is not None else "-")
-        rows.append([str(j.id), j.name or "-", j.env, j.user or str(j.uid), str(j.state),
-                     format_elapsed(j.elapsed(now)), format_exit(j), format_cpu_list(j.cpus),
-                     format_mem(j.mem_bytes), str(len(j.gpus)) if j.gpus else "-", start,
-                     format_program(j)])
+        rows.append([show(j, now) for _, show in cells])
     return rows
 
 

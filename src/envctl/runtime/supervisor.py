@@ -706,6 +706,99 @@ def _spawn(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd: int,
         os.close(r)
 
 
+# ---------------------------------------------------------------- bounded output
+
+
+class _Output:
+    """One of a job's outputs behind a pipe (jobs.max_output): the supervisor copies the pipe
+    into the file (splice: no copy through this process) up to `limit` bytes; past it one line
+    says so in the file, the copying stops and the pipe's read end is closed, so that the job's
+    next write gets EPIPE (SIGPIPE unless it ignores it) and it knows its output is gone.
+    Not RLIMIT_FSIZE: that would bound every file the job writes (a checkpoint on a data
+    mount), and tell it with EFBIG on those too."""
+
+    def __init__(self, name: str, dst: int, limit: int):
+        import fcntl
+
+        self.name, self.dst, self.limit = name, dst, limit
+        self.r, self.w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self.r, False)
+        # splice(2) refuses a destination opened O_APPEND (EINVAL); this process is the file's
+        # only writer now (an output named twice shares one _Output), so the position is it.
+        flags = fcntl.fcntl(dst, fcntl.F_GETFL)
+        if flags & os.O_APPEND:
+            fcntl.fcntl(dst, fcntl.F_SETFL, flags & ~os.O_APPEND)
+            os.lseek(dst, 0, os.SEEK_END)
+        self.copied = 0
+        self.cut = False
+        self.splice = hasattr(os, "splice")
+
+    @property
+    def open(self) -> bool:
+        return self.r >= 0
+
+    def close_write(self) -> None:
+        if self.w >= 0:
+            os.close(self.w)
+            self.w = -1
+
+    def close(self) -> None:
+        self.close_write()
+        if self.r >= 0:
+            os.close(self.r)
+            self.r = -1
+
+    def pump(self) -> bool:
+        """Copy what the pipe holds now; True when this output was cut just now. The read end
+        is closed at EOF and at the cut."""
+        while self.r >= 0:
+            room = self.limit - self.copied
+            try:
+                if room <= 0:
+                    more = os.read(self.r, 1)  # past the bound: is there anything beyond it?
+                    if more:
+                        self._cut()
+                        return True
+                    self.close()  # EOF exactly at the bound
+                    return False
+                n = self._copy(min(room, 1 << 20))
+            except BlockingIOError:
+                return False  # empty for now
+            except OSError:
+                # The file refuses (ENOSPC, EIO): keep draining so the job is not blocked, as
+                # service.log drops what it cannot write; the record says nothing was cut.
+                with contextlib.suppress(OSError):
+                    n = len(os.read(self.r, 65536))
+                    if n == 0:
+                        self.close()
+                return False
+            if n == 0:
+                self.close()
+                return False
+            self.copied += n
+        return False
+
+    def _copy(self, most: int) -> int:
+        if self.splice:
+            try:
+                return os.splice(self.r, self.dst, most, flags=os.SPLICE_F_NONBLOCK)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOSYS):
+                    raise
+                self.splice = False  # a file system without splice: read and write
+        data = os.read(self.r, min(most, 65536))
+        if data:
+            os.write(self.dst, data)
+        return len(data)
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.dst, f"\nenvctl: output truncated at {self.limit} bytes "
+                     "(jobs.max_output)\n".encode())
+        self.cut = True
+        self.close()
+
+
 # ---------------------------------------------------------------- the supervisor
 
 
@@ -722,6 +815,9 @@ class _Supervisor:
         self.cg_name = f"job-{job.id}"  # below the environment's cgroup
         self.cg_dirs: list[Path] | None = None  # made (cgroupfs driver)
         self.attempts: dict[str, int] = {}  # writes tried per state (ENVCTL_FAULT's `record`)
+        self.outputs: list[_Output] = []  # behind pipes when jobs.max_output bounds them
+        self.gpu_meter: Any = None  # a monitor.nvml.JobGpuMeter while a GPU job runs
+        self.gpu_note: str | None = None  # why there is none for a GPU job
 
     # -- talking to the CLI
     def tell(self, line: str) -> None:
@@ -836,18 +932,22 @@ class _Supervisor:
                 self.finish(None, cancelled=True)
                 self.tell("E cancelled before it started")
                 return
+            stdio = self._output_pipes()
             status_r, status_w = os.pipe()
             launch = Launch(
                 ctx=self.ctx, argv=self.job.argv, environ=self.environ, user=self.req.user,
                 cwd=self.job.workdir, cpus=tuple(self.job.cpus), cgroup_dirs=dirs,
                 binds=[Bind(str(jobs.job_dir(self.host.state_dir, self.job.id)), "/job", True)],
-                stdio=(self.devnull, self.out_fd, self.err_fd), status_fd=status_w,
+                stdio=(self.devnull, *stdio), status_fd=status_w,
+                keep_out=tuple(o.r for o in self.outputs),
                 attach=systemd_attach(self.ctx, mem=self.job.mem_bytes or 0),
                 oom_score_adj=0)
             try:
                 started = start(launch)
             finally:
                 os.close(status_w)
+                for o in self.outputs:  # the job's ends are the job's alone
+                    o.close_write()
             if scoped is not None:
                 scoped()
         except (EnvctlError, OSError) as exc:  # OSError: a cgroup or pipe the kernel refused
@@ -868,6 +968,7 @@ class _Supervisor:
         # scanned, never copied on write by a collection).
         gc.freeze()
         gc.enable()
+        self._open_gpu_meter()
         status, timed_out, cancelled = self.watch(started, status_r)
         self.finish(status, cancelled=cancelled, timed_out=timed_out)
 
@@ -878,14 +979,22 @@ class _Supervisor:
         poller.register(self.wake_r, select.POLLIN)
         poller.register(status_r, select.POLLIN)
         poller.register(started.pidfd, select.POLLIN)
+        by_fd = {o.r: o for o in self.outputs if o.open}
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
         t0 = time.monotonic()
         limit_at = t0 + self.job.time_limit if self.job.time_limit else None
         reason: str | None = None
         kill_at: float | None = None
+        sample_every = _gpu_sample_seconds() if self.gpu_meter is not None else None
+        sample_at = t0 + min(1.0, sample_every) if sample_every else None
         buf = b""
         ended = False
         while not ended:
             now = time.monotonic()
+            if sample_at is not None and sample_every and now >= sample_at:
+                self._sample_gpus()
+                sample_at = now + sample_every
             # The first cause stands, with its grace: a cancel once the time limit fired (or a
             # second cancel) changes neither the state the job ends in nor its SIGKILL's time.
             if reason is None and self.cancel_requested:
@@ -901,7 +1010,8 @@ class _Supervisor:
             if kill_at is not None and now >= kill_at:
                 kill_at = None
                 self._kill_all(started)
-            due = [t for t in (limit_at if reason is None else None, kill_at) if t is not None]
+            due = [t for t in (limit_at if reason is None else None, kill_at, sample_at)
+                   if t is not None]
             for fd, _ in poller.poll(poll_ms(min(due) - now) if due else None):
                 if fd == self.wake_r:
                     with contextlib.suppress(BlockingIOError):
@@ -912,8 +1022,18 @@ class _Supervisor:
                         buf += data
                     else:
                         poller.unregister(status_r)
+                elif fd in by_fd:
+                    self._pump(by_fd[fd])
+                    if not by_fd[fd].open:
+                        poller.unregister(fd)
+                        del by_fd[fd]
                 elif fd == started.pidfd:
                     ended = True
+        # What is still in the pipes: the namespace's processes died with the init, so nothing
+        # writes any more (EAGAIN ends it where a dying one still holds its end).
+        for o in by_fd.values():
+            self._pump(o)
+            o.close()
         from envctl.runtime.launch import final_status
 
         status: int | None = final_status(started, status_r, buf)
@@ -925,6 +1045,87 @@ class _Supervisor:
         wall = time.time()
         self.job.stopping = {"cause": cause, "since": wall, "kill_at": wall + grace}
         self.save_or_log()
+
+    def _open_gpu_meter(self) -> None:
+        """For a job holding GPUs: NVML's energy counters now, and its GPU memory sampled
+        from now on (monitor.nvml.JobGpuMeter). Nothing NVML does (missing, failing) touches
+        the job: the GPU fields stay None and `gpu_note` says why."""
+        if not self.job.gpus:
+            return
+        try:
+            from envctl.monitor.nvml import job_meter
+
+            self.gpu_meter, why = job_meter(self.host.gpu_root, list(self.job.gpus))
+            self.gpu_note = why or None
+        except Exception as exc:  # noqa: BLE001 - a broken NVML must never fail the job
+            self.gpu_meter, self.gpu_note = None, f"NVML: {exc!r}"
+
+    def _job_pids(self) -> Any:
+        """Whether a host pid is one of the job's: in its cgroup (cgroup.procs), or, where
+        envctl has no cgroup of the job's to read, any process on GPUs that are its alone."""
+        for d in self.cg_dirs or ():
+            try:
+                pids = {int(p) for p in (d / "cgroup.procs").read_text().split()}
+            except OSError:
+                continue
+            return pids.__contains__
+        exclusive = self.job.gpus_exclusive or tuple(self.job.gpus) == tuple(self.ctx.gpus)
+        return (lambda pid: True) if exclusive else (lambda pid: False)
+
+    def _sample_gpus(self) -> None:
+        """One sample of the job's GPU memory; a new peak goes into the record at once (as
+        sstat shows a running job's), other samples write nothing."""
+        try:
+            self.gpu_meter.sample(self._job_pids())
+        except Exception as exc:  # noqa: BLE001 - see _open_gpu_meter
+            self.gpu_note = f"NVML sampling failed: {exc!r}"
+            self.gpu_meter = None
+            return
+        peak = self.gpu_meter.peak_total
+        if peak is not None and peak != self.job.gpu_peak_memory_bytes:
+            self.job.gpu_peak_memory_bytes = peak
+            self.save_or_log()
+
+    def _finish_gpus(self) -> None:
+        """The record's GPU fields: GPU-seconds (elapsed x GPUs held, whatever NVML says), and
+        what the meter counted."""
+        j = self.job
+        if not j.gpus:
+            return
+        elapsed = j.elapsed()
+        j.gpu_seconds = None if elapsed is None else round(elapsed * len(j.gpus), 3)
+        got: dict[str, Any] = {}
+        if self.gpu_meter is not None:
+            try:
+                got = self.gpu_meter.finish()
+            except Exception as exc:  # noqa: BLE001 - see _open_gpu_meter
+                self.gpu_note = f"NVML: {exc!r}"
+            self.gpu_meter = None
+        j.gpu_energy_joules = got.get("gpu_energy_joules")
+        j.gpu_peak_memory_bytes = got.get("gpu_peak_memory_bytes")
+        j.gpu_usage = got.get("gpu_usage")
+        j.gpu_note = "; ".join(n for n in (self.gpu_note, got.get("gpu_note")) if n) or None
+
+    def _output_pipes(self) -> tuple[int, int]:
+        """The job's stdout and stderr: the output files themselves when jobs.max_output is
+        unbounded (0), else pipes the supervisor copies into them (_Output): one pipe when both
+        are one file (the same path, or descriptors of one inode), its bound shared."""
+        limit = self.ctx.max_output
+        if limit <= 0:
+            return self.out_fd, self.err_fd
+        out = _Output("stdout", self.out_fd, limit)
+        self.outputs.append(out)
+        a, b = os.fstat(self.out_fd), os.fstat(self.err_fd)
+        if self.err_fd == self.out_fd or (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+            return out.w, out.w
+        err = _Output("stderr", self.err_fd, limit)
+        self.outputs.append(err)
+        return out.w, err.w
+
+    def _pump(self, o: _Output) -> None:
+        if o.pump():
+            self.job.output_truncated = [*self.job.output_truncated, o.name]
+            self.save_or_log()
 
     def _cancel_grace(self) -> float:
         try:
@@ -945,6 +1146,8 @@ class _Supervisor:
     def finish(self, status: int | None, *, cancelled: bool = False, timed_out: bool = False,
                error: str | None = None, exit_code: int | None = None) -> None:
         """Read the job's usage, remove its cgroup, write the final record."""
+        for o in self.outputs:  # a job that never started: nothing more can come
+            o.close()
         problems = []
         stats = None
         cg = self._cgroups()
@@ -973,9 +1176,13 @@ class _Supervisor:
         j.end_time = time.time()
         if stats is not None:
             j.cpu_seconds = None if stats.cpu_usage_us is None else stats.cpu_usage_us / 1e6
+            j.cpu_user_seconds = None if stats.cpu_user_us is None else stats.cpu_user_us / 1e6
+            j.cpu_system_seconds = (None if stats.cpu_system_us is None
+                                    else stats.cpu_system_us / 1e6)
             j.peak_memory_bytes = stats.memory_peak
             j.oom_kills = oom
         j.error = "; ".join([p for p in [error, *problems] if p]) or None
+        self._finish_gpus()
         self.save_final()
         with contextlib.suppress(FileNotFoundError):
             jobs.cancel_path(self.host.state_dir, j.id).unlink()
@@ -1017,6 +1224,15 @@ class _Supervisor:
         extra.update(self.req.env)
         extra.update({"ENVCTL_JOB_ID": str(self.job.id), "ENVCTL_JOB_NAME": self.job.name})
         return job_environ(self.ctx, self.req.user, extra)
+
+
+def _gpu_sample_seconds() -> float:
+    """Seconds between samples of a GPU job's GPU memory (ENVCTL_JOB_GPU_SAMPLE, default 5)."""
+    try:
+        value = float(os.environ.get("ENVCTL_JOB_GPU_SAMPLE", 5.0))
+    except ValueError:
+        return 5.0
+    return value if 0.05 <= value <= 3600 else 5.0
 
 
 def _close_fds_except(keep: set[int | None]) -> None:

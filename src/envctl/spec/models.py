@@ -953,6 +953,28 @@ class Access(Strict):
     operate: Grant = Grant()
 
 
+# ---------------------------------------------------------------- jobs
+
+# A job's stdout and stderr are each cut past this many bytes unless the spec says otherwise.
+DEFAULT_MAX_OUTPUT = 1 << 30
+
+
+def _max_output(v: Any) -> Any:
+    # `0`, `none` (or YAML's null, false): no bound; else a size (512M, 1G).
+    if v is None or v is False or (isinstance(v, str) and v.strip().lower() in ("none", "0")):
+        return 0
+    return parse_size(v)
+
+
+class Jobs(Strict):
+    """Bounds on the environment's jobs (`jobs:`)."""
+
+    # The most bytes of a job's stdout and of its stderr (each; one file given for both: of
+    # it) kept in their files; past it one line says so and the job's next write gets EPIPE
+    # (docs/runtime.md, "Output bound"). 0 or `none`: unbounded (the job writes the file).
+    max_output: Annotated[int, BeforeValidator(_max_output)] = DEFAULT_MAX_OUTPUT
+
+
 # ---------------------------------------------------------------- the environment
 
 
@@ -969,6 +991,7 @@ class EnvSpec(Strict):
     service: Service | None = None
     runtime: Runtime = Runtime()
     access: Access | None = None
+    jobs: Jobs = Jobs()
 
     # Cross-field rules as field validators (fields validate in the order above, and
     # info.data holds those before that passed): each is reported at the field it is about,

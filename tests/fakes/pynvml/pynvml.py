@@ -9,11 +9,15 @@ For the monitor (envctl.monitor.nvml), a GPU may also carry what a sample reads:
 `"used"` (bytes of memory used), `"util"` / `"mem_util"` (percent), `"temp"` (C), `"power"`
 (milliwatts), `"ecc"` ({"sbe_vol", "dbe_vol", "sbe_agg", "dbe_agg"} counts, or null: "not
 supported", as on GPUs without ECC), `"processes"` ([[pid, used bytes or null], …]) and
-`"xids"` (XID numbers delivered once each through the event set, in order). A missing sample
-key makes its call raise NOT_SUPPORTED.
+`"xids"` (XID numbers delivered once each through the event set, in order). For a job's
+accounting (envctl.monitor.nvml.JobGpuMeter): `"energy"` (millijoules since the driver loaded:
+a number, or a list read one value a call, the last one staying). A missing sample key makes
+its call raise NOT_SUPPORTED.
 
-`fail_init`: true (or an NVML_ERROR_* number) makes nvmlInit raise, as on a host without
-libnvidia-ml; `"mig": null` makes nvmlDeviceGetMigMode raise NOT_SUPPORTED (a pre-Ampere GPU);
+`"live": true` makes every call read the file again (a test changes what a running job's
+supervisor sees). `fail_init`: true (or an NVML_ERROR_* number) makes nvmlInit raise, as on a
+host without libnvidia-ml; `"mig": null` makes nvmlDeviceGetMigMode raise NOT_SUPPORTED (a
+pre-Ampere GPU);
 `"fail": "nvmlDeviceGetName"` makes that call raise UNKNOWN; `bytes` returns bytes for strings,
 as pynvml did before nvidia-ml-py 11.515. Tests put this directory first on sys.path /
 PYTHONPATH so that `import pynvml` finds it. `calls` counts init and shutdown.
@@ -104,8 +108,12 @@ def _str(value: str):
 
 
 def _live() -> dict:
+    global _config
     if _config is None:
         raise NVMLError(NVML_ERROR_UNINITIALIZED)
+    if _config.get("live"):  # read afresh at every call: a test changes it while a job runs
+        with open(os.environ["FAKE_NVML_JSON"]) as f:
+            _config = json.load(f)
     return _config
 
 
@@ -215,6 +223,13 @@ def nvmlDeviceGetTotalEccErrors(handle: int, error_type: int, counter_type: int)
 def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list:  # noqa: N802
     procs = _sampled(handle, "nvmlDeviceGetComputeRunningProcesses", "processes")
     return [c_nvmlProcessInfo_t(int(pid), used) for pid, used in procs]
+
+
+def nvmlDeviceGetTotalEnergyConsumption(handle: int) -> int:  # noqa: N802
+    energy = _sampled(handle, "nvmlDeviceGetTotalEnergyConsumption", "energy")
+    if isinstance(energy, list):
+        return int(energy.pop(0) if len(energy) > 1 else energy[0])
+    return int(energy)
 
 
 _event_sets: dict[int, list[int]] = {}
