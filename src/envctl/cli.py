@@ -133,31 +133,10 @@ def _workspace(names: list[str] | None, **kwargs: Any):
 
 
 def _require_known(names: list[str], host: Any, ws: Any = None) -> None:
-    """Names that are neither a spec nor an environment with a journal are a typo (exit 2):
-    `status --check typo` must not report healthy, `down typo` must not report success."""
-    from envctl.engine.journal import Journal, journal_path
+    """envctl.known.require_known with this command's --config-dir (exit 2 for a typo)."""
+    from envctl.known import require_known
 
-    for n in names:
-        journal_path(host.state_dir, n)  # a name no environment can have: say so first
-    up = set(Journal.environments(host.state_dir))
-    unknown = [n for n in names if n not in up]
-    if not unknown:
-        return
-    if ws is None:  # `down` loads specs only now, for names no journal knows
-        from envctl.workspace import Workspace, config_dir
-
-        try:
-            ws = Workspace.open(config_dir(CTX.config_dir), pure=True)
-        except EnvctlError:
-            ws = None
-    specs = set(ws.names()) if ws is not None else set()
-    unknown = [n for n in unknown if n not in specs]
-    if unknown:
-        from envctl.errors import UsageError
-
-        known = ", ".join(sorted(up | specs)) or "none"
-        raise UsageError(f"no environment {', '.join(repr(n) for n in unknown)}: not in the "
-                         f"config directory and not up on this host (known: {known})")
+    require_known(names, host, ws, CTX.config_dir)
 
 
 def _emit_json(obj: Any) -> None:

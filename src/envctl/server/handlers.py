@@ -9,6 +9,7 @@ import os
 import select
 import socket
 
+from envctl.engine import faults
 from envctl.errors import UsageError
 from envctl.runtime import access
 from envctl.runtime import jobs as jb
@@ -98,6 +99,12 @@ def list_jobs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int
     host = _host()
     listed = jb.listing(host.state_dir, host.boot_id, env=env,
                         finished=bool(_get(req, "all", bool, False)))
+    if env is not None and not listed and not jb.listing(host.state_dir, host.boot_id,
+                                                         env=env, finished=True):
+        from envctl.known import require_known
+
+        # No job of it, ever: a typo is exit 2, as in-process (the daemon's own specs).
+        require_known([env], host)
     lists = _Lists()
     admin = access.is_admin(caller)
     out = []
@@ -153,7 +160,11 @@ def submit(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
                                "error_fd": error_fd}
     if caller.uid != 0:
         changes["submitter"] = Creds(caller.uid, caller.gid, caller.groups)
+    # Test hooks (ENVCTL_FAULT=ACTION@submit:before|after): checked, nothing written yet;
+    # the record written, not yet answered.
+    faults.maybe_fault("submit", "before", 0)
     job = sv.submit(host, ctx, request.replace(**changes))
+    faults.maybe_fault("submit", "after", 0)
     return {"job": job.to_json()}, []
 
 
