@@ -25,7 +25,8 @@ def require_known(names: list[str], host: Any, ws: Any = None,
     if not unknown:
         return
     if ws is None:  # `down`, `jobs` load specs only now, for names no journal knows
-        from envctl.workspace import Workspace, config_dir as default_dir
+        from envctl.workspace import Workspace
+        from envctl.workspace import config_dir as default_dir
 
         try:
             ws = Workspace.open(default_dir(config_dir), pure=True)

@@ -118,9 +118,10 @@ def listen(path: str) -> tuple[socket.socket, bool]:
 
 def check_directory(directory: str) -> None:
     """HostError unless only root can change what is at `directory`: it and every directory
-    above it root's (or this process's own user's: a daemon is root, tests need not be), it not writable by group or others, those above it neither or sticky
-    (/tmp: nobody else can rename a root-owned directory there). Whoever could write it could
-    put their own socket where the clients connect, or unlink the daemon's."""
+    above it root's (or this process's user's: the daemon is root, unit tests need not be),
+    it not writable by group or others, those above it neither or sticky (/tmp: nobody else
+    can rename a root-owned directory there). Whoever could write it could put their own
+    socket where the clients connect, or unlink the daemon's."""
     real = os.path.realpath(directory)
     for path in dict.fromkeys([*_prefixes(os.path.abspath(directory)), *_prefixes(real)]):
         st = os.lstat(path)
