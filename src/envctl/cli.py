@@ -642,8 +642,17 @@ def exec_(
     stdin /dev/null unless -i); signals are forwarded; death by signal N exits 128+N; a
     command not found exits 127.
 
+    A user in the spec's access.submit runs it without sudo, through the daemon (as that
+    user; a terminal is relayed, without a terminal of its own inside).
+
     Example: sudo envctl exec cpu-compute -- python3 -c 'import os; print(os.cpu_count())'
     """
+    if os.geteuid() != 0:
+        from envctl.server import client
+
+        raise typer.Exit(client.exec_(client.route(), env, command, user=user,
+                                      env_vars=env_vars, workdir=workdir,
+                                      keep_stdin=interactive))
     from envctl.runtime.exec import run
 
     raise typer.Exit(run(env, command, user=user, env_vars=env_vars, workdir=workdir,

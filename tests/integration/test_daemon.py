@@ -73,10 +73,11 @@ class Team:
             self.daemon.wait(30)
         self.daemon = None
 
-    def as_user(self, uid: int, *args: str, socket: str | None = None, timeout: float = 60):
+    def as_user(self, uid: int, *args: str, socket: str | None = None, timeout: float = 60,
+                input_: str | None = None):
         return self.sb.run(*self.argv(uid, *args),
                            env={"ENVCTL_SOCKET": socket or self.socket, "HOME": "/"},
-                           timeout=timeout)
+                           timeout=timeout, input=input_)
 
     def as_user_popen(self, uid: int, *args: str):
         return self.sb.popen(*self.argv(uid, *args),
@@ -324,3 +325,43 @@ def test_pending_waits_do_not_hold_a_users_submit(team):
             w.communicate(timeout=60)
     assert res.returncode == 0, res.stderr
     assert all(w.returncode != 0 for w in waits)  # CANCELLED: wait's exit is not 0
+
+
+def test_exec_through_the_daemon_runs_as_the_caller_with_its_stdio(team):
+    res = team.as_user(ALICE, "exec", "box", "--", "python3", "-c",
+                       "import os, sys; print(os.getuid(), os.getgid()); "
+                       "print(sys.stdin.read().upper(), file=sys.stderr); sys.exit(3)",
+                       input_="piped in")
+    assert res.returncode == 3, res.stderr
+    assert res.stdout.split() == [str(ALICE), str(ALICE)]
+    assert res.stderr.strip() == "PIPED IN"
+    # bob is not in access.submit; alice may not ask for root.
+    res = team.as_user(BOB, "exec", "box", "--", "true")
+    assert res.returncode == 1 and res.stderr.count("\n") == 1 and \
+        "bob is not in access.submit of box" in res.stderr, res.stderr
+    res = team.as_user(ALICE, "exec", "--user", "root", "box", "--", "true")
+    assert res.returncode == 1 and "may not run a job as root" in res.stderr, res.stderr
+    res = team.as_user(ALICE, "exec", "box", "--", "no-such-command")
+    assert res.returncode == 127, res.stderr
+
+
+def test_ctrl_c_of_an_exec_through_the_daemon_reaches_the_command(team):
+    client = team.as_user_popen(
+        ALICE, "exec", "box", "--", "python3", "-c",
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, lambda *a: (print('got INT', flush=True), sys.exit(7)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n")
+    assert client.stdout.readline() == "ready\n", stderr_of(client)
+    client.send_signal(signal.SIGINT)
+    out, err = client.communicate(timeout=30)
+    assert client.returncode == 7, err
+    assert out == "got INT\n"
+    # Closing the connection (the client killed) kills the command.
+    client = team.as_user_popen(ALICE, "exec", "box", "--", "python3", "-c",
+                                "import time; print('ready', flush=True); time.sleep(600)")
+    assert client.stdout.readline() == "ready\n", stderr_of(client)
+    _wait_for(team.children, "the exec's child")
+    client.kill()
+    client.communicate(timeout=30)
+    _wait_for(lambda: not team.children(), "the exec's child to end")

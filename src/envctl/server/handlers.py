@@ -242,5 +242,95 @@ def logs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
     return {"job": record.to_json()}, [fd]
 
 
+def exec_(caller: Caller, req: dict, fds: list[int], conn: socket.socket | None = None
+          ) -> tuple[dict, list[int]] | None:
+    """`envctl exec ENV -- CMD` for a user in access.submit: the same launch as in-process
+    (runtime.exec), as the caller (never root for a non-admin), with the client's stdin,
+    stdout and stderr; the reply is the command's exit code once it ended. While it runs the
+    connection carries {"op": "signal", "sig": N} frames (forwarded as envctl exec forwards
+    them); the client leaving kills the command."""
+    from envctl.runtime import exec as ex
+    from envctl.runtime.context import EnvContext
+    from envctl.runtime.launch import (
+        Launch,
+        create_cgroup,
+        job_environ,
+        remove_cgroup,
+        resolve_user,
+        start,
+        systemd_attach,
+    )
+
+    env = _get(req, "env", str, required=True)
+    argv = _strs(req, "argv")
+    if not argv:
+        raise ProtocolError("request field 'argv': the command, at least its program")
+    stdio = tuple(_fd(req, k, fds) for k in ("stdin_fd", "stdout_fd", "stderr_fd"))
+    if any(fd is None for fd in stdio):
+        raise ProtocolError("exec: stdin_fd, stdout_fd and stderr_fd are required")
+    for fd in stdio:
+        if os.isatty(fd):  # whoever holds a terminal may change its line discipline
+            raise ProtocolError("exec: a terminal is never passed (the client relays it)")
+    workdir = _get(req, "workdir", str, "/")
+    if not workdir.startswith("/"):
+        raise UsageError(f"-w/--workdir '{workdir}': an absolute path inside the environment")
+    user = _get(req, "user", str)
+    access.check_user_option(caller, user)
+    access.check_submit(env, access.load_access(env), caller)
+    variables = ex.parse_env_vars(_strs(req, "env_vars"))
+    ctx = EnvContext.load(_host(), env)
+    who = resolve_user(user, ctx, _run_as(caller, req))
+    access.check_run_as(caller, who.uid, who.gid)
+    launch = Launch(ctx, argv, job_environ(ctx, who, variables), who, cwd=workdir,
+                    attach=systemd_attach(ctx))
+    launch.stdio = stdio  # type: ignore[assignment]
+    name = f"exec-{os.getpid()}"
+    launch.cgroup_dirs = create_cgroup(ctx, name)
+    try:
+        started = start(launch)
+        for fd in fds:  # the command holds them now: the client sees EOF when it ends
+            os.close(fd)
+        fds.clear()
+        code = _attend(started, conn)
+    finally:
+        remove_cgroup(ctx, name)
+    return {"exit": code}, []
+
+
+def _attend(started: Any, conn: socket.socket | None) -> int:
+    """Wait for the command; forward the signals the client asks for; kill it when the
+    client leaves (or sends what is not a signal request)."""
+    from envctl.runtime.launch import FORWARDED_SIGNALS
+
+    from envctl.server import protocol as proto
+
+    poller = select.poll()
+    poller.register(started.pidfd, select.POLLIN)
+    if conn is not None:
+        poller.register(conn.fileno(), select.POLLIN | select.POLLRDHUP)
+        conn.settimeout(5.0)  # a signal request comes whole, or the client is gone
+    while True:
+        try:
+            events = dict(poller.poll())
+        except InterruptedError:
+            continue
+        if started.pidfd in events:
+            return started.wait()
+        if conn is not None and conn.fileno() in events:
+            try:
+                frame, got = proto.recv_frame(conn, limit=4096)
+                for fd in got:
+                    os.close(fd)
+                sig = frame.get("sig")
+                if frame.get("op") != "signal" or sig not in [int(s) for s in
+                                                              FORWARDED_SIGNALS]:
+                    raise ProtocolError("exec: only signal requests while it runs")
+                started.signal(sig)
+            except (OSError, ConnectionError, ProtocolError):
+                started.kill()  # the client left: nobody reads its output any more
+                poller.unregister(conn.fileno())
+                conn = None
+
+
 INLINE = {"ping": ping, "jobs": list_jobs}
-FORKED = {"submit": submit, "cancel": cancel, "wait": wait, "logs": logs}
+FORKED = {"submit": submit, "cancel": cancel, "wait": wait, "logs": logs, "exec": exec_}

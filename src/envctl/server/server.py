@@ -43,10 +43,11 @@ MAX_CONNS = 256
 MAX_CONNS_PER_UID = 32
 MAX_CHILDREN = 32
 MAX_CHILDREN_PER_UID = 8
-# Waits (`wait`, `logs --follow`) sleep until their jobs end: counted apart from the workers.
+# Waits (`wait`, `logs --follow`) sleep until their jobs end, and an `exec` until its command
+# does: counted apart from the workers.
 MAX_WAITS = 128
 MAX_WAITS_PER_UID = 16
-WAITS = ("wait",)
+WAITS = ("wait", "exec")
 SD_LISTEN_FDS_START = 3
 
 
@@ -394,7 +395,7 @@ def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) ->
     sock.setblocking(True)
     op = request.get("op")
     handler = handlers.FORKED[op]
-    kw = {"conn": sock} if op == "wait" else {}
+    kw = {"conn": sock} if op in ("wait", "exec") else {}
     reply = run_handler(handler, caller, request, fds, **kw)
     if not reply:
         return 0  # the client left
