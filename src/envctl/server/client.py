@@ -252,10 +252,8 @@ def exec_(client: Client, env: str, argv: list[str], *, user: str | None = None,
         stdio = []
 
         def forward(sig: int, frame: object) -> None:
-            try:
+            with contextlib.suppress(OSError):
                 proto.send_frame(sock, {"v": proto.VERSION, "op": "signal", "sig": sig})
-            except OSError:
-                pass
 
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             old[sig] = signal.signal(sig, forward)

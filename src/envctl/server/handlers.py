@@ -301,7 +301,6 @@ def _attend(started: Any, conn: socket.socket | None) -> int:
     """Wait for the command; forward the signals the client asks for; kill it when the
     client leaves (or sends what is not a signal request)."""
     from envctl.runtime.launch import FORWARDED_SIGNALS
-
     from envctl.server import protocol as proto
 
     poller = select.poll()
