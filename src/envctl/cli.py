@@ -1232,6 +1232,45 @@ def _one_line_summaries() -> None:
             cmd.short_help = " ".join(first.split())
 
 
+OPERATE_COMMANDS = ("up", "down", "status", "plan", "list")
+
+
+def _help(argv: list[str]) -> bool:
+    return any(a in ("--help", "-h") for a in argv)
+
+
+def _operate_through_daemon(argv: list[str]) -> None:
+    """A plain user's up/down (always) and status/plan/list (when the daemon answers; else
+    read-only in-process, as before) go through the daemon, which checks access.operate and
+    uses its own specs and settings: exits with the command's code, or returns."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 2 if GLOBAL_OPTIONS.get(argv[i].split("=", 1)[0]) and "=" not in argv[i] else 1
+    if i >= len(argv) or argv[i] not in OPERATE_COMMANDS:
+        return
+    from envctl.server import client
+
+    given = [a for a in argv[:i] if a != "--debug"]
+    if argv[i] in ("up", "down"):
+        if given:
+            from envctl.errors import UsageError
+
+            raise UsageError(f"envctl {argv[i]} as {os.environ.get('USER') or 'a user'}: "
+                             f"{given[0].split('=', 1)[0]} is not taken through the daemon, "
+                             "which uses its own specs and settings")
+        daemon = client.route()
+    else:
+        if given:
+            return  # the user's own read-only view, in-process
+        try:
+            daemon = client.route()
+        except client.DaemonDown:
+            return
+    assert daemon is not None  # route() returns None for root only
+    sys.stdout.flush()
+    sys.exit(client.operate(daemon, argv[i:] + (["--debug"] if "--debug" in argv[:i] else [])))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every expected error becomes one line on stderr and its exit code."""
     _one_line_summaries()
@@ -1240,6 +1279,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = hoist_global_options(split_job_args(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in argv
     try:
+        if os.geteuid() != 0 and not _help(argv):
+            _operate_through_daemon(argv)
         # prog_name: `python -m envctl` too reads _ENVCTL_COMPLETE (shell completion).
         rc = app(args=argv, standalone_mode=False, prog_name="envctl")
     except typer.Exit as exc:

@@ -23,7 +23,7 @@ from tests.integration.sandbox import stderr_of
 
 pytestmark = pytest.mark.root
 
-ALICE, BOB, TEAM = 60001, 60002, 60010
+ALICE, BOB, CAROL, TEAM = 60001, 60002, 60003, 60010
 SPEC = """
 name: box
 kind: cpu
@@ -34,6 +34,7 @@ resources:
   memory: {max: 64M}
 access:
   submit: {users: [alice]}
+  operate: {users: [carol]}
 """
 
 
@@ -111,9 +112,11 @@ def team(sandbox):
     shared.chmod(0o755)
     passwd, group = shared / "passwd", shared / "group"
     passwd.write_text(Path("/etc/passwd").read_text()
-                      + f"alice:x:{ALICE}:{ALICE}::/:/bin/sh\nbob:x:{BOB}:{BOB}::/:/bin/sh\n")
+                      + f"alice:x:{ALICE}:{ALICE}::/:/bin/sh\nbob:x:{BOB}:{BOB}::/:/bin/sh\n"
+                      f"carol:x:{CAROL}:{CAROL}::/:/bin/sh\n")
     group.write_text(Path("/etc/group").read_text()
-                     + f"alice:x:{ALICE}:\nbob:x:{BOB}:\nteam-a:x:{TEAM}:alice\n")
+                     + f"alice:x:{ALICE}:\nbob:x:{BOB}:\ncarol:x:{CAROL}:\n"
+                     f"team-a:x:{TEAM}:alice\n")
     (shared / "pyenv").mkdir()
     # The users run the test's Python, which lives under root's 0700 home: here only, a 0755
     # /root holding just that tree.
@@ -365,3 +368,31 @@ def test_ctrl_c_of_an_exec_through_the_daemon_reaches_the_command(team):
     client.kill()
     client.communicate(timeout=30)
     _wait_for(lambda: not team.children(), "the exec's child to end")
+
+
+def test_an_operator_brings_an_environment_down_and_up_without_sudo(team):
+    def state() -> str:
+        res = team.as_user(CAROL, "status", "box", "--json")
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)[0]["state"]
+
+    assert state() == "up"
+    res = team.as_user(CAROL, "down", "box", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "box" in res.stdout  # the command's own output, on carol's stdout
+    assert state() == "down" and not (team.sb.state / "journal" / "box.json").exists()
+    res = team.as_user(CAROL, "up", "box", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert state() == "up"
+    # A submit-only user: one line, exit 1, nothing changed.
+    res = team.as_user(ALICE, "down", "box")
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert "alice is not in access.operate of box (users: carol" in res.stderr, res.stderr
+    assert state() == "up"
+    # All environments: admins only; and nothing that picks other specs or settings.
+    res = team.as_user(CAROL, "down", "--all")
+    assert res.returncode == 2 and "--all" in res.stderr, res.stderr
+    res = team.as_user(CAROL, "-C", "/tmp", "down", "box")
+    assert res.returncode == 2 and "-C is not taken through the daemon" in res.stderr, \
+        res.stderr
+    assert state() == "up"

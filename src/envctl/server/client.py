@@ -311,6 +311,14 @@ def exec_(client: Client, env: str, argv: list[str], *, user: str | None = None,
                     os.close(fd)
 
 
+def operate(client: Client, argv: list[str]) -> int:
+    """`envctl up|down|status|plan|list …` through the daemon (for access.operate members):
+    it runs the command with its own settings, writing to this process's stdout and stderr;
+    its exit code. Ctrl-C closes the connection, which interrupts it there."""
+    reply, _ = client.call("operate", [1, 2], argv=list(argv), stdout_fd=0, stderr_fd=1)
+    return int(reply.get("exit", 1))
+
+
 def _copy(src: int, dst: int) -> bool:
     try:
         data = os.read(src, 65536)

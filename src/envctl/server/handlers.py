@@ -331,5 +331,76 @@ def _attend(started: Any, conn: socket.socket | None) -> int:
                 conn = None
 
 
+# Commands an operator runs through the daemon, and the only options they may carry: nothing
+# that changes which specs, state or host settings are used (--config-dir, --cgroup-driver,
+# ENVCTL_* of the client): the daemon's own are.
+OPERATE = ("up", "down", "status", "plan", "list")
+OPERATE_FLAGS = ("--json", "--force", "--check", "--dry-run", "--down", "--wide", "--debug")
+
+
+def operate(caller: Caller, req: dict, fds: list[int], conn: socket.socket | None = None
+            ) -> tuple[dict, list[int]] | None:
+    """`envctl up|down|status|plan|list NAME…` for a member of each NAME's access.operate
+    (or an admin; without names, meaning all, an admin only): the same command as root runs
+    it, in a process of the daemon's with the daemon's settings, its output on the client's
+    stdout and stderr; the reply is its exit code. The client leaving interrupts it (SIGINT:
+    up and down roll back or finish as at Ctrl-C)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from envctl.engine.journal import journal_path
+    from envctl.errors import AccessDenied
+
+    argv = _strs(req, "argv")
+    if not argv or argv[0] not in OPERATE:
+        raise ProtocolError(f"request field 'argv': one of {', '.join(OPERATE)}, then names")
+    out_fd, err_fd = _fd(req, "stdout_fd", fds), _fd(req, "stderr_fd", fds)
+    if out_fd is None or err_fd is None:
+        raise ProtocolError("operate: stdout_fd and stderr_fd are required")
+    names = []
+    for word in argv[1:]:
+        if word.startswith("-"):
+            if word not in OPERATE_FLAGS:
+                raise UsageError(f"envctl {argv[0]} {word}: not through the daemon, which "
+                                 "uses its own specs and settings (allowed: "
+                                 f"{', '.join(OPERATE_FLAGS)}); ask an admin to run it as root")
+        else:
+            journal_path(Path("/"), word)  # UsageError for what no environment is called
+            names.append(word)
+    if not names and not access.is_admin(caller):
+        raise AccessDenied(f"{caller.name} may not {argv[0]} every environment: name the "
+                           f"environments (envctl {argv[0]} NAME) whose access.operate lists "
+                           "you")
+    for name in names:
+        access.check_operate(name, access.load_access(name), caller)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SUDO_")}
+    child = subprocess.Popen([sys.executable, "-m", "envctl", *argv], stdin=subprocess.DEVNULL,
+                             stdout=out_fd, stderr=err_fd, env=environ, close_fds=True)
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+    poller = select.poll()
+    pidfd = os.pidfd_open(child.pid)
+    poller.register(pidfd, select.POLLIN)
+    if conn is not None:
+        poller.register(conn.fileno(), select.POLLIN | select.POLLRDHUP)
+    try:
+        while True:
+            events = dict(poller.poll())
+            if pidfd in events:
+                break
+            if conn is not None and conn.fileno() in events:
+                child.send_signal(signal.SIGINT)  # the client left (Ctrl-C): as at Ctrl-C
+                poller.unregister(conn.fileno())
+                conn = None
+    finally:
+        os.close(pidfd)
+    code = child.wait()
+    return {"exit": 128 - code if code < 0 else code}, []
+
+
 INLINE = {"ping": ping, "jobs": list_jobs}
-FORKED = {"submit": submit, "cancel": cancel, "wait": wait, "logs": logs, "exec": exec_}
+FORKED = {"submit": submit, "cancel": cancel, "wait": wait, "logs": logs, "exec": exec_,
+          "operate": operate}
