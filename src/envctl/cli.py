@@ -1240,9 +1240,10 @@ def _help(argv: list[str]) -> bool:
 
 
 def _operate_through_daemon(argv: list[str]) -> None:
-    """A plain user's up/down (always) and status/plan/list (when the daemon answers; else
-    read-only in-process, as before) go through the daemon, which checks access.operate and
-    uses its own specs and settings: exits with the command's code, or returns."""
+    """A plain user's up/down/status/plan/list go through the daemon when it answers (it
+    checks access.operate and uses its own specs and settings): exits with the command's
+    code. Without a daemon, returns: in-process as before (read-only views; `up` and `down`
+    say they need root)."""
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
         i += 2 if GLOBAL_OPTIONS.get(argv[i].split("=", 1)[0]) and "=" not in argv[i] else 1
@@ -1250,23 +1251,19 @@ def _operate_through_daemon(argv: list[str]) -> None:
         return
     from envctl.server import client
 
-    given = [a for a in argv[:i] if a != "--debug"]
-    if argv[i] in ("up", "down"):
-        if given:
-            from envctl.errors import UsageError
-
-            raise UsageError(f"envctl {argv[i]} as {os.environ.get('USER') or 'a user'}: "
-                             f"{given[0].split('=', 1)[0]} is not taken through the daemon, "
-                             "which uses its own specs and settings")
+    try:
         daemon = client.route()
-    else:
-        if given:
-            return  # the user's own read-only view, in-process
-        try:
-            daemon = client.route()
-        except client.DaemonDown:
-            return
+    except client.DaemonDown:
+        return
     assert daemon is not None  # route() returns None for root only
+    given = [a for a in argv[:i] if a != "--debug"]
+    if given:
+        if argv[i] not in ("up", "down"):
+            return  # the user's own read-only view, in-process
+        from envctl.errors import UsageError
+
+        raise UsageError(f"envctl {argv[i]}: {given[0].split('=', 1)[0]} is not taken through "
+                         "the daemon, which uses its own specs and settings")
     sys.stdout.flush()
     sys.exit(client.operate(daemon, argv[i:] + (["--debug"] if "--debug" in argv[:i] else [])))
 

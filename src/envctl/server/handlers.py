@@ -5,6 +5,7 @@ and the descriptors that came with it, and returns the reply's fields and descri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -70,6 +71,41 @@ def _host():
     return Host.from_env()
 
 
+_ACCESS: dict[str, tuple[tuple, Any]] = {}
+
+
+def load_access(env: str) -> Any:
+    """access.load_access(env), kept in the daemon while the spec file and its directory are
+    unchanged (inode, size, mtime, owner and mode of both: what load_access's own checks read)
+    — parsing a spec costs ~150 ms, a request's budget. The daemon fills it before it forks
+    (warm), so that every request's child starts with it."""
+    from envctl.runtime.context import config_dir
+
+    directory = config_dir()
+    path = access._spec_file(directory, env)
+    try:
+        key = tuple((st.st_ino, st.st_size, st.st_mtime_ns, st.st_uid, st.st_mode)
+                    for st in (os.stat(directory), *( [os.stat(path)] if path else [])))
+    except OSError:
+        return access.load_access(env)
+    key = (str(path), *key)
+    hit = _ACCESS.get(env)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    got = access.load_access(env)
+    _ACCESS[env] = (key, got)
+    return got
+
+
+def warm(request: dict) -> None:
+    """In the daemon, before a request's child is forked: its environment's access list."""
+    env = request.get("env")
+    if isinstance(env, str) and len(env) < 64:
+        # (an error: the child meets it again and answers it)
+        with contextlib.suppress(Exception):
+            load_access(env)
+
+
 class _Lists:
     """Each environment's access list, read once per request."""
 
@@ -78,7 +114,7 @@ class _Lists:
 
     def __call__(self, env: str) -> Any:
         if env not in self.seen:
-            self.seen[env] = access.load_access(env)
+            self.seen[env] = load_access(env)
         return self.seen[env]
 
 
@@ -142,7 +178,7 @@ def submit(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
         if path is not None and not path.startswith("/"):
             raise ProtocolError(f"request field '{name}': an absolute path")
     access.check_user_option(caller, user)
-    access.check_submit(env, access.load_access(env), caller)
+    access.check_submit(env, load_access(env), caller)
     host = _host()
     ctx = EnvContext.load(host, env)
     environ = _run_as(caller, req)
@@ -276,7 +312,7 @@ def exec_(caller: Caller, req: dict, fds: list[int], conn: socket.socket | None 
         raise UsageError(f"-w/--workdir '{workdir}': an absolute path inside the environment")
     user = _get(req, "user", str)
     access.check_user_option(caller, user)
-    access.check_submit(env, access.load_access(env), caller)
+    access.check_submit(env, load_access(env), caller)
     variables = ex.parse_env_vars(_strs(req, "env_vars"))
     ctx = EnvContext.load(_host(), env)
     who = resolve_user(user, ctx, _run_as(caller, req))
@@ -374,7 +410,7 @@ def operate(caller: Caller, req: dict, fds: list[int], conn: socket.socket | Non
                            f"environments (envctl {argv[0]} NAME) whose access.operate lists "
                            "you")
     for name in names:
-        access.check_operate(name, access.load_access(name), caller)
+        access.check_operate(name, load_access(name), caller)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SUDO_")}
     child = subprocess.Popen([sys.executable, "-m", "envctl", *argv], stdin=subprocess.DEVNULL,
                              stdout=out_fd, stderr=err_fd, env=environ, close_fds=True)

@@ -280,6 +280,7 @@ class Daemon:
                 os.close(fd)
             self.answer(conn, reply)
         elif op in handlers.FORKED:
+            handlers.warm(request)
             conn.request = request
             conn.state = "queued"
             self.sel.unregister(conn.sock)  # nothing more is read from it here
@@ -424,6 +425,7 @@ def main(path: str | None = None) -> int:
     import envctl.runtime.context  # noqa: F401
     import envctl.runtime.launch  # noqa: F401
     import envctl.runtime.supervisor  # noqa: F401
+    import envctl.spec.loader  # noqa: F401 - access lists: pydantic and the models, once
 
     listener, bound = listen(path)
     where = path if bound else "the socket systemd passed"
