@@ -133,31 +133,10 @@ def _workspace(names: list[str] | None, **kwargs: Any):
 
 
 def _require_known(names: list[str], host: Any, ws: Any = None) -> None:
-    """Names that are neither a spec nor an environment with a journal are a typo (exit 2):
-    `status --check typo` must not report healthy, `down typo` must not report success."""
-    from envctl.engine.journal import Journal, journal_path
+    """envctl.known.require_known with this command's --config-dir (exit 2 for a typo)."""
+    from envctl.known import require_known
 
-    for n in names:
-        journal_path(host.state_dir, n)  # a name no environment can have: say so first
-    up = set(Journal.environments(host.state_dir))
-    unknown = [n for n in names if n not in up]
-    if not unknown:
-        return
-    if ws is None:  # `down` loads specs only now, for names no journal knows
-        from envctl.workspace import Workspace, config_dir
-
-        try:
-            ws = Workspace.open(config_dir(CTX.config_dir), pure=True)
-        except EnvctlError:
-            ws = None
-    specs = set(ws.names()) if ws is not None else set()
-    unknown = [n for n in unknown if n not in specs]
-    if unknown:
-        from envctl.errors import UsageError
-
-        known = ", ".join(sorted(up | specs)) or "none"
-        raise UsageError(f"no environment {', '.join(repr(n) for n in unknown)}: not in the "
-                         f"config directory and not up on this host (known: {known})")
+    require_known(names, host, ws, CTX.config_dir)
 
 
 def _emit_json(obj: Any) -> None:
@@ -663,8 +642,17 @@ def exec_(
     stdin /dev/null unless -i); signals are forwarded; death by signal N exits 128+N; a
     command not found exits 127.
 
+    A user in the spec's access.submit runs it without sudo, through the daemon (as that
+    user; a terminal is relayed, without a terminal of its own inside).
+
     Example: sudo envctl exec cpu-compute -- python3 -c 'import os; print(os.cpu_count())'
     """
+    if os.geteuid() != 0:
+        from envctl.server import client
+
+        raise typer.Exit(client.exec_(client.route(), env, command, user=user,
+                                      env_vars=env_vars, workdir=workdir,
+                                      keep_stdin=interactive))
     from envctl.runtime.exec import run
 
     raise typer.Exit(run(env, command, user=user, env_vars=env_vars, workdir=workdir,
@@ -1256,6 +1244,42 @@ def _one_line_summaries() -> None:
             cmd.short_help = " ".join(first.split())
 
 
+OPERATE_COMMANDS = ("up", "down", "status", "plan", "list")
+
+
+def _help(argv: list[str]) -> bool:
+    return any(a in ("--help", "-h") for a in argv)
+
+
+def _operate_through_daemon(argv: list[str]) -> None:
+    """A plain user's up/down/status/plan/list go through the daemon when it answers (it
+    checks access.operate and uses its own specs and settings): exits with the command's
+    code. Without a daemon, returns: in-process as before (read-only views; `up` and `down`
+    say they need root)."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 2 if GLOBAL_OPTIONS.get(argv[i].split("=", 1)[0]) and "=" not in argv[i] else 1
+    if i >= len(argv) or argv[i] not in OPERATE_COMMANDS:
+        return
+    from envctl.server import client
+
+    try:
+        daemon = client.route()
+    except client.DaemonDown:
+        return
+    assert daemon is not None  # route() returns None for root only
+    given = [a for a in argv[:i] if a != "--debug"]
+    if given:
+        if argv[i] not in ("up", "down"):
+            return  # the user's own read-only view, in-process
+        from envctl.errors import UsageError
+
+        raise UsageError(f"envctl {argv[i]}: {given[0].split('=', 1)[0]} is not taken through "
+                         "the daemon, which uses its own specs and settings")
+    sys.stdout.flush()
+    sys.exit(client.operate(daemon, argv[i:] + (["--debug"] if "--debug" in argv[:i] else [])))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every expected error becomes one line on stderr and its exit code."""
     _one_line_summaries()
@@ -1264,6 +1288,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = hoist_global_options(split_job_args(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in argv
     try:
+        if os.geteuid() != 0 and not _help(argv):
+            _operate_through_daemon(argv)
         # prog_name: `python -m envctl` too reads _ENVCTL_COMPLETE (shell completion).
         rc = app(args=argv, standalone_mode=False, prog_name="envctl")
     except typer.Exit as exc:

@@ -1,6 +1,7 @@
-"""envctl's own systemd units (envctl.service, envctl-monitor.service): rendered from the
-templates in systemd/ with this installation's envctl, written to the system unit directory,
-enabled and removed again — only the files and links envctl wrote.
+"""envctl's own systemd units (envctl.service, envctl-monitor.service, envctl-daemon.socket and
+envctl-daemon.service): rendered from the templates in systemd/ with this installation's
+envctl, written to the system unit directory, enabled and removed again — only the files and
+links envctl wrote.
 
 Ownership: every file and `.wants/` link written is recorded, with the SHA-256 of the text,
 in `<state>/units.json` after it is written. A unit file is envctl's when the record says so
@@ -34,14 +35,15 @@ from typing import Any
 from envctl.errors import HostError, InputError
 from envctl.host.files import atomic_write, read_json, write_json
 
-NAMES = ("envctl.service", "envctl-monitor.service")
+NAMES = ("envctl.service", "envctl-monitor.service", "envctl-daemon.socket",
+         "envctl-daemon.service")
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
 RECORD = "units.json"
 # The settings that say which specs and which state envctl works on: the units must see the
 # same ones as the operator's shell that installed them, or `envctl status` and the boot unit
 # would disagree about what is up. Test-only knobs (fake /proc, fake systemctl) stay out.
 CARRIED = ("ENVCTL_CONFIG_DIR", "ENVCTL_STATE_DIR", "ENVCTL_RUN_DIR", "ENVCTL_CGROUP_DRIVER",
-           "ENVCTL_CGROUP_PARENT", "ENVCTL_FIREWALL")
+           "ENVCTL_CGROUP_PARENT", "ENVCTL_FIREWALL", "ENVCTL_SOCKET")
 HEADER = ("# Written by `envctl install-units` from systemd/{name}; `envctl uninstall-units` "
           "removes it.\n# Do not edit: customise it with a drop-in "
           "(systemctl edit {name}).\n")
@@ -83,7 +85,7 @@ def carried_environment(environ: Mapping[str, str], config_dir: str | None) -> d
     env = {k: environ[k] for k in CARRIED if environ.get(k)}
     if config_dir:
         env["ENVCTL_CONFIG_DIR"] = config_dir
-    for k in ("ENVCTL_CONFIG_DIR", "ENVCTL_STATE_DIR", "ENVCTL_RUN_DIR"):
+    for k in ("ENVCTL_CONFIG_DIR", "ENVCTL_STATE_DIR", "ENVCTL_RUN_DIR", "ENVCTL_SOCKET"):
         if k in env:
             env[k] = os.path.abspath(env[k])
     return env
@@ -105,9 +107,25 @@ def exec_word(word: str) -> str:
 
 
 def render(name: str, template: str, command: Sequence[str],
-           environment: Mapping[str, str] = {}) -> str:  # noqa: B006 - read only
+           environment: Mapping[str, str] = {},  # noqa: B006 - read only
+           socket: str | None = None) -> str:
     """The unit file for `template`: the header, the template with each Exec line's `envctl`
-    replaced by `command`, and `environment` as Environment= lines at the top of [Service]."""
+    replaced by `command`, and `environment` as Environment= lines at the top of [Service].
+
+    A service must run envctl; a socket unit (no [Service], no Exec lines) gets `socket`, when
+    given, as its ListenStream= instead: the path the CLI and the daemon use."""
+    if name.endswith(".socket"):
+        text = template
+        if socket is not None:
+            if not socket.startswith("/"):
+                raise InputError(f"install unit '{name}': ENVCTL_SOCKET {socket!r}: an "
+                                 "absolute path")
+            text, n = re.subn(r"^ListenStream=.*$", lambda m: "ListenStream=" + _escape(
+                socket, "ENVCTL_SOCKET"), text, flags=re.MULTILINE)
+            if n != 1:
+                raise HostError(f"install unit '{name}': the template needs one "
+                                "ListenStream= line")
+        return HEADER.format(name=name) + text
     quoted = " ".join(exec_word(w) for w in command)
     text, n = _EXEC.subn(lambda m: m.group(1) + quoted, template)
     if n == 0:
@@ -379,7 +397,8 @@ def _unlink_if(path: Path, points_to: str | None) -> bool:
 
 def render_all(command: Sequence[str], environment: Mapping[str, str],
                templates: Path | None = None) -> dict[str, str]:
-    """Every unit of NAMES rendered from its template."""
+    """Every unit of NAMES rendered from its template; the socket unit listens where
+    `environment`'s ENVCTL_SOCKET says (else the template's /run/envctl/envctl.sock)."""
     d = templates or template_dir()
     out = {}
     for name in NAMES:
@@ -387,5 +406,6 @@ def render_all(command: Sequence[str], environment: Mapping[str, str],
             template = (d / name).read_text()
         except OSError as exc:
             raise HostError(f"install unit '{name}': read {d / name}: {exc.strerror}") from exc
-        out[name] = render(name, template, command, environment)
+        out[name] = render(name, template, command, environment,
+                           socket=environment.get("ENVCTL_SOCKET"))
     return out

@@ -44,3 +44,14 @@ def test_list_speed_smoke():
     for label in ("--version", "list ", "list --json", "status"):
         assert any(f"envctl {label}" in x and " ms " in x for x in out.splitlines()), out
     assert "ratio status/list" in out and "vs target 300 ms" in out, out
+
+
+def test_daemon_bench_smoke():
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "daemon.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    for label in ("submit-job in-process", "submit-job via daemon", "no-op up in-process",
+                  "no-op up via daemon", "throughput, 8 clients"):
+        assert any(x.startswith(label) for x in out.splitlines()), out
+    assert out.count("vs target") == 3 and "submissions/s" in out, out

@@ -141,6 +141,70 @@ def test_a_second_daemon_refuses_a_live_socket_and_replaces_a_stale_one(daemon, 
     assert other.read_text() == "not mine"
 
 
+def test_the_socket_directory_must_be_roots_alone(tmp_path):
+    from envctl.errors import HostError
+    from envctl.server import server
+
+    d = tmp_path / "run"
+    d.mkdir(mode=0o755)
+    server.check_directory(str(d))  # (pytest's tmp_path: below the sticky /tmp)
+    d.chmod(0o777)
+    with pytest.raises(HostError, match=r"run is writable by others \(mode 0777\): refusing"):
+        server.listen(str(d / "envctl.sock"))
+    assert os.listdir(d) == []  # nothing bound, not even the lock
+    d.chmod(0o1777)  # sticky is enough above the socket's directory, not for it
+    with pytest.raises(HostError, match="writable by others"):
+        server.check_directory(str(d))
+    inner = d / "inner"
+    inner.mkdir(mode=0o755)
+    server.check_directory(str(inner))
+    d.chmod(0o777)
+    with pytest.raises(HostError, match="run is writable by others"):
+        server.check_directory(str(inner))
+    d.chmod(0o755)
+    link = tmp_path / "link"
+    link.symlink_to(inner)
+    server.check_directory(str(link))  # a link of ours to a good directory
+    if os.geteuid() == 0:
+        os.chown(inner, 60001, 60001)
+        with pytest.raises(HostError, match="inner is owned by uid 60001, not root"):
+            server.check_directory(str(link))
+
+
+def test_pending_waits_never_hold_the_same_users_submits(tmp_path, monkeypatch):
+    """Waits sleep until their jobs end: a user's MAX_WAITS_PER_UID of them leave that user's
+    worker slots free (and a wait past its cap waits its turn)."""
+    from envctl.runtime.access import Caller
+    from envctl.server import server
+
+    sock = socket.socket(socket.AF_UNIX)
+    d = server.Daemon(sock)
+    forked = []
+
+    def fork(conn):
+        forked.append(conn.request["op"])
+        d.children[1000 + len(forked)] = (0, conn.caller.uid, conn.request["op"] == "wait")
+
+    monkeypatch.setattr(d, "fork", fork)
+
+    def queue(op):
+        c = server.Conn(socket.socket(socket.AF_UNIX), Caller(60001, 60001, (), 1))
+        c.request = {"v": 1, "op": op}
+        d.queue.append(c)
+
+    for _ in range(server.MAX_WAITS_PER_UID + 1):
+        queue("wait")
+    for _ in range(server.MAX_CHILDREN_PER_UID + 1):
+        queue("submit")
+    d.start_queued()
+    assert forked.count("wait") == server.MAX_WAITS_PER_UID
+    assert forked.count("submit") == server.MAX_CHILDREN_PER_UID
+    assert sorted(c.request["op"] for c in d.queue) == ["submit", "wait"]
+    for c in d.queue:
+        c.sock.close()
+    sock.close()
+
+
 def test_slow_fuzzing_and_huge_clients_do_not_stop_the_others(daemon):
     path, d = daemon
     slow = socket.socket(socket.AF_UNIX)

@@ -97,6 +97,47 @@ def test_the_monitor_unit_restarts_always_after_the_boot_unit():
     assert s["[Service]ExecStart"][0].startswith("envctl monitor --listen 127.0.0.1:")
 
 
+def test_the_daemon_socket_is_the_one_the_cli_connects_to():
+    s = settings((REPO / "systemd/envctl-daemon.socket").read_text())
+    assert s["[Socket]ListenStream"] == ["/run/envctl/envctl.sock"]
+    # Anyone connects (the daemon decides by SO_PEERCRED); only root can replace the socket.
+    assert s["[Socket]SocketMode"] == ["0666"] and s["[Socket]DirectoryMode"] == ["0755"]
+    assert s["[Socket]SocketUser"] == ["root"] and s["[Socket]Accept"] == ["no"]
+    assert s["[Install]WantedBy"] == ["sockets.target"]
+    assert not any(k.startswith("[Service]") or "Exec" in k for k in s)
+
+
+def test_the_daemon_service_takes_the_socket_and_leaves_the_jobs_alone():
+    s = settings((REPO / "systemd/envctl-daemon.service").read_text())
+    assert s["[Service]ExecStart"] == ["envctl daemon"]
+    assert s["[Service]Type"] == ["simple"]
+    # Supervisors are double-forked into the unit's cgroup: a stop kills the daemon alone.
+    assert s["[Service]KillMode"] == ["process"]
+    assert s["[Service]Restart"] == ["on-failure"]
+    assert s["[Unit]Requires"] == ["envctl-daemon.socket"]
+    assert "envctl-daemon.socket" in s["[Unit]After"] and "envctl.service" in s["[Unit]After"]
+    # Ordering only: (re)starting the daemon never runs `up --all`.
+    assert "envctl.service" not in " ".join(s.get("[Unit]Wants", []) + s["[Unit]Requires"])
+    assert s["[Install]WantedBy"] == ["multi-user.target"]
+
+
+def test_the_socket_unit_listens_at_envctl_socket_and_runs_nothing():
+    t = texts(env={"ENVCTL_SOCKET": "/run/other/envctl.sock"})
+    sock = settings(t["envctl-daemon.socket"])
+    assert sock["[Socket]ListenStream"] == ["/run/other/envctl.sock"]
+    assert t["envctl-daemon.socket"].startswith("# Written by `envctl install-units`")
+    # The daemon gets the same path (its directory check, its log).
+    d = settings(t["envctl-daemon.service"])
+    assert d["[Service]ExecStart"] == ["/opt/envctl/bin/envctl daemon"]
+    assert '"ENVCTL_SOCKET=/run/other/envctl.sock"' in d["[Service]Environment"]
+    assert settings(texts()["envctl-daemon.socket"])["[Socket]ListenStream"] == [
+        "/run/envctl/envctl.sock"]
+    with pytest.raises(InputError, match="control characters"):
+        texts(env={"ENVCTL_SOCKET": "/run/x\nExecStartPre=/bin/evil"})
+    with pytest.raises(HostError, match="one ListenStream= line"):
+        un.render("envctl-daemon.socket", "[Socket]\n", [], socket="/run/x.sock")
+
+
 @pytest.mark.parametrize("name", un.NAMES)
 def test_no_hardening_that_would_break_provisioning(name):
     """Settings that give the unit its own mount namespace hide the netns and rootfs mounts
@@ -168,22 +209,26 @@ def test_install_writes_enables_reloads_and_is_idempotent(units, fake_systemctl)
     assert [(c.action, c.unit) for c in changes] == [
         ("wrote", "envctl.service"), ("enabled", "envctl.service"),
         ("wrote", "envctl-monitor.service"), ("enabled", "envctl-monitor.service"),
+        ("wrote", "envctl-daemon.socket"), ("enabled", "envctl-daemon.socket"),
+        ("wrote", "envctl-daemon.service"), ("enabled", "envctl-daemon.service"),
         ("reloaded", "systemd")]
     for name, text in texts().items():
         path = units.unit_dir / name
         assert path.read_text() == text
         assert stat.S_IMODE(path.stat().st_mode) == 0o644
-        link = units.unit_dir / "multi-user.target.wants" / name
+        target = "sockets.target" if name.endswith(".socket") else "multi-user.target"
+        link = units.unit_dir / f"{target}.wants" / name
         assert os.readlink(link) == str(path)
     assert calls() == ["daemon-reload"]
 
     again = units.install(texts())
-    assert [c.action for c in again] == ["kept", "kept"]
+    assert [c.action for c in again] == ["kept"] * 4
     assert calls() == ["daemon-reload"]  # nothing changed: no reload
 
     # Another envctl installation: envctl's own files are rewritten.
     other = units.install(texts(["/usr/local/bin/envctl"]))
-    assert [c.action for c in other] == ["rewrote", "rewrote", "reloaded"]
+    # (the socket unit runs no envctl: it is the same text, kept)
+    assert [c.action for c in other] == ["rewrote", "rewrote", "kept", "rewrote", "reloaded"]
     assert "ExecStart=/usr/local/bin/envctl up --all" in \
         (units.unit_dir / "envctl.service").read_text()
 
@@ -191,17 +236,18 @@ def test_install_writes_enables_reloads_and_is_idempotent(units, fake_systemctl)
 def test_install_now_starts_them(units, fake_systemctl):
     _, calls = fake_systemctl
     units.install(texts(), now=True)
-    assert calls() == ["daemon-reload", "start envctl.service envctl-monitor.service"]
+    assert calls() == ["daemon-reload", "start envctl.service envctl-monitor.service "
+                       "envctl-daemon.socket envctl-daemon.service"]
 
 
 def test_without_a_running_systemd_nothing_is_called(tmp_path, fake_systemctl):
     _, calls = fake_systemctl
     u = un.Units(tmp_path / "units", tmp_path / "state", systemctl=[fake_systemctl[0]],
                  booted=False)
-    assert [c.action for c in u.install(texts())] == ["wrote", "enabled", "wrote", "enabled"]
+    assert [c.action for c in u.install(texts())] == ["wrote", "enabled"] * 4
     with pytest.raises(HostError, match="systemd is not running"):
         u.install(texts(), now=True)
-    assert [c.action for c in u.uninstall()] == ["disabled", "removed", "disabled", "removed"]
+    assert [c.action for c in u.uninstall()] == ["disabled", "removed"] * 4
     assert calls() == []
 
 
@@ -235,8 +281,7 @@ def test_a_file_edited_by_hand_is_neither_overwritten_nor_removed(units):
 def test_identical_content_is_adopted(units, tmp_path):
     for name, text in texts().items():
         (units.unit_dir / name).write_text(text)  # as after a crash before the record
-    assert [c.action for c in units.install(texts())] == \
-        ["kept", "enabled", "kept", "enabled", "reloaded"]
+    assert [c.action for c in units.install(texts())] == ["kept", "enabled"] * 4 + ["reloaded"]
     assert json.loads(units.record_path.read_text())["units"].keys() == set(un.NAMES)
 
 
@@ -258,12 +303,11 @@ def test_uninstall_removes_only_what_envctl_wrote(units, fake_systemctl):
     dropin.parent.mkdir()
     dropin.write_text("[Service]\nEnvironment=X=1\n")
     changes = units.uninstall(now=True)
-    assert [(c.action, c.unit) for c in changes] == [
-        ("stopped", "envctl-monitor.service"), ("stopped", "envctl.service"),
-        ("disabled", "envctl-monitor.service"), ("removed", "envctl-monitor.service"),
-        ("disabled", "envctl.service"), ("removed", "envctl.service"),
-        ("reloaded", "systemd")]
-    assert calls()[-2:] == ["stop envctl-monitor.service envctl.service", "daemon-reload"]
+    order = ["envctl-daemon.service", "envctl-daemon.socket", "envctl-monitor.service",
+             "envctl.service"]
+    assert [(c.action, c.unit) for c in changes] == [("stopped", n) for n in order] + [
+        (a, n) for n in order for a in ("disabled", "removed")] + [("reloaded", "systemd")]
+    assert calls()[-2:] == ["stop " + " ".join(order), "daemon-reload"]
     assert sorted(str(p.relative_to(units.unit_dir)) for p in units.unit_dir.rglob("*")) == [
         "envctl.service.d", "envctl.service.d/10-local.conf", "multi-user.target.wants",
         "multi-user.target.wants/ssh.service"]

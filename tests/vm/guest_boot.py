@@ -86,7 +86,7 @@ DROPIN = "[Service]\nExecStart=\nExecStart={envctl} monitor --listen 127.0.0.1:9
 SHUTDOWN_PROBE = """\
 [Unit]
 Description=envctl VM test: what envctl left at shutdown
-Before=envctl.service envctl-monitor.service
+Before=envctl.service envctl-monitor.service envctl-daemon.service
 RequiresMountsFor=/out {repo}
 [Service]
 Type=oneshot

@@ -7,7 +7,9 @@ Syntax: comma-separated `ACTION@POINT:PATTERN` where
   POINT   before (nothing journalled yet), apply (journalled, host not yet changed),
           after (host changed, not yet journalled as applied), remove (before a removal),
           fold (after the N-th file operation of folding a journal or the ledger),
-          record (a job's supervisor about to write the job's record)
+          record (a job's supervisor about to write the job's record),
+          submit (the daemon's submit: `before` it writes anything, `after` the record,
+          before its answer)
   PATTERN a glob on the step key (`sysctl:net.*`, `netns:*`; for fold the file name,
           `alpha.json`, `shared.json`; for record the state written, `RUNNING`,
           `COMPLETED`), `#N` (the step's index, the fold's operation, the N-th attempt at
@@ -23,7 +25,7 @@ import time
 
 from envctl.errors import HostError
 
-POINTS = ("before", "apply", "after", "remove", "fold", "record")
+POINTS = ("before", "apply", "after", "remove", "fold", "record", "submit")
 
 
 class InjectedFault(HostError):

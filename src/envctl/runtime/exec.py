@@ -357,7 +357,10 @@ def parse_args(args: list[str]) -> tuple[str, list[str], dict[str, Any]] | None:
 
 def fast_entry(argv: list[str] | None = None) -> None:
     """`envctl exec …` without the typer CLI: run and leave with the command's exit code.
-    Returns, doing nothing, when the arguments are not plain `exec` ones."""
+    Returns, doing nothing, when the arguments are not plain `exec` ones, or for a user who
+    is not root (the CLI's exec goes through the daemon)."""
+    if os.geteuid() != 0:
+        return
     parsed = parse_args(list(sys.argv[1:] if argv is None else argv))
     if parsed is None:
         return

@@ -7,6 +7,7 @@ process, and passed as descriptors: the daemon never opens a user's path."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -30,7 +31,8 @@ class Refused(EnvctlError):
 
     def __init__(self, text: str, code: int):
         super().__init__(text)
-        self.exit_code = code if code in (1, 2) else 1
+        # 127/126: exec's command not found / not runnable, as a shell (and in-process) says
+        self.exit_code = code if code in (1, 2, 126, 127) else 1
 
 
 def _connect(path: str) -> socket.socket | None:
@@ -203,11 +205,136 @@ def logs(client: Client, job_id: str, stderr: bool) -> tuple[int, Job]:
     return fds[0], _job(reply["job"])
 
 
+def exec_(client: Client, env: str, argv: list[str], *, user: str | None = None,
+          env_vars: list[str] | None = None, workdir: str = "/",
+          keep_stdin: bool = False) -> int:
+    """`envctl exec` through the daemon: this process's stdin, stdout and stderr are passed
+    (a terminal among them relayed through a pipe, as in-process exec relays it: stdin only
+    with `keep_stdin`, else /dev/null); SIGINT, SIGTERM, SIGHUP and SIGQUIT go to the command
+    as requests on the connection. The command's exit code."""
+    import select
+    import signal
+
+    stdio: list[int] = []
+    outputs: dict[int, int] = {}  # pipe read end -> our terminal
+    stdin_w = -1
+    for target in (0, 1, 2):
+        try:
+            tty = os.isatty(target)
+        except OSError:
+            tty = False
+        if not tty:
+            try:
+                os.fstat(target)
+                stdio.append(os.dup(target))
+            except OSError:  # closed: the command gets /dev/null
+                stdio.append(os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC))
+            continue
+        if target == 0 and not keep_stdin:
+            stdio.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            continue
+        r, w = os.pipe2(os.O_CLOEXEC)
+        if target == 0:
+            stdio.append(r)
+            stdin_w = w
+        else:
+            stdio.append(w)
+            outputs[r] = target
+    sock = client.open()
+    old: dict[int, object] = {}
+    try:
+        proto.send_frame(sock, {"v": proto.VERSION, "op": "exec", "env": env,
+                                "argv": list(argv), "user": user,
+                                "env_vars": list(env_vars or []), "workdir": workdir,
+                                "stdin_fd": 0, "stdout_fd": 1, "stderr_fd": 2}, stdio)
+        for fd in stdio:
+            os.close(fd)
+        stdio = []
+
+        def forward(sig: int, frame: object) -> None:
+            with contextlib.suppress(OSError):
+                proto.send_frame(sock, {"v": proto.VERSION, "op": "signal", "sig": sig})
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            old[sig] = signal.signal(sig, forward)
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        for r in outputs:
+            poller.register(r, select.POLLIN)
+        if stdin_w >= 0:
+            poller.register(0, select.POLLIN)
+        while True:
+            try:
+                events = dict(poller.poll())
+            except InterruptedError:
+                continue
+            for r in [r for r in outputs if r in events]:
+                if not _copy(r, outputs[r]):
+                    poller.unregister(r)
+                    os.close(r)
+                    del outputs[r]
+            if stdin_w >= 0 and 0 in events:
+                data = b""
+                with contextlib.suppress(OSError):
+                    data = os.read(0, 65536)
+                try:
+                    if not data:
+                        raise BrokenPipeError
+                    os.write(stdin_w, data)
+                except OSError:  # the terminal's end, or the command closed its stdin
+                    poller.unregister(0)
+                    os.close(stdin_w)
+                    stdin_w = -1
+            if sock.fileno() in events:
+                break
+        try:
+            reply, got = proto.recv_frame(sock)
+        except ConnectionError:
+            raise DaemonDown("envctl: the envctl daemon closed the connection during 'exec' "
+                             "(it stopped, or was restarted): see its log") from None
+        for fd in got:
+            os.close(fd)
+        for r, dst in outputs.items():  # what it wrote last, without waiting for an EOF
+            os.set_blocking(r, False)
+            while _copy(r, dst):
+                pass
+        if not reply.get("ok"):
+            raise Refused(str(reply.get("error") or "refused"), int(reply.get("exit") or 1))
+        return int(reply.get("exit", 1))
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        sock.close()
+        for fd in [*stdio, *outputs, stdin_w]:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def operate(client: Client, argv: list[str]) -> int:
+    """`envctl up|down|status|plan|list …` through the daemon (for access.operate members):
+    it runs the command with its own settings, writing to this process's stdout and stderr;
+    its exit code. Ctrl-C closes the connection, which interrupts it there."""
+    reply, _ = client.call("operate", [1, 2], argv=list(argv), stdout_fd=0, stderr_fd=1)
+    return int(reply.get("exit", 1))
+
+
+def _copy(src: int, dst: int) -> bool:
+    try:
+        data = os.read(src, 65536)
+    except OSError:
+        return False
+    if not data:
+        return False
+    with contextlib.suppress(OSError):
+        os.write(dst, data)
+    return True
+
+
 def follow(client: Client, fd: int, job: Job, write: Callable[[bytes], None], *,
            recheck: float = 1.0) -> None:
     """Copy the output `fd` from its start, then as it grows, until the job ended: woken by
     inotify when the file changes and by the daemon's answer to a `wait` for the job."""
-    import contextlib
     import select
     import threading
 

@@ -5,10 +5,12 @@ and the descriptors that came with it, and returns the reply's fields and descri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
 
+from envctl.engine import faults
 from envctl.errors import UsageError
 from envctl.runtime import access
 from envctl.runtime import jobs as jb
@@ -69,6 +71,41 @@ def _host():
     return Host.from_env()
 
 
+_ACCESS: dict[str, tuple[tuple, Any]] = {}
+
+
+def load_access(env: str) -> Any:
+    """access.load_access(env), kept in the daemon while the spec file and its directory are
+    unchanged (inode, size, mtime, owner and mode of both: what load_access's own checks read)
+    — parsing a spec costs ~150 ms, a request's budget. The daemon fills it before it forks
+    (warm), so that every request's child starts with it."""
+    from envctl.runtime.context import config_dir
+
+    directory = config_dir()
+    path = access._spec_file(directory, env)
+    try:
+        key = tuple((st.st_ino, st.st_size, st.st_mtime_ns, st.st_uid, st.st_mode)
+                    for st in (os.stat(directory), *( [os.stat(path)] if path else [])))
+    except OSError:
+        return access.load_access(env)
+    key = (str(path), *key)
+    hit = _ACCESS.get(env)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    got = access.load_access(env)
+    _ACCESS[env] = (key, got)
+    return got
+
+
+def warm(request: dict) -> None:
+    """In the daemon, before a request's child is forked: its environment's access list."""
+    env = request.get("env")
+    if isinstance(env, str) and len(env) < 64:
+        # (an error: the child meets it again and answers it)
+        with contextlib.suppress(Exception):
+            load_access(env)
+
+
 class _Lists:
     """Each environment's access list, read once per request."""
 
@@ -77,7 +114,7 @@ class _Lists:
 
     def __call__(self, env: str) -> Any:
         if env not in self.seen:
-            self.seen[env] = access.load_access(env)
+            self.seen[env] = load_access(env)
         return self.seen[env]
 
 
@@ -98,6 +135,12 @@ def list_jobs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int
     host = _host()
     listed = jb.listing(host.state_dir, host.boot_id, env=env,
                         finished=bool(_get(req, "all", bool, False)))
+    if env is not None and not listed and not jb.listing(host.state_dir, host.boot_id,
+                                                         env=env, finished=True):
+        from envctl.known import require_known
+
+        # No job of it, ever: a typo is exit 2, as in-process (the daemon's own specs).
+        require_known([env], host)
     lists = _Lists()
     admin = access.is_admin(caller)
     out = []
@@ -135,7 +178,7 @@ def submit(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
         if path is not None and not path.startswith("/"):
             raise ProtocolError(f"request field '{name}': an absolute path")
     access.check_user_option(caller, user)
-    access.check_submit(env, access.load_access(env), caller)
+    access.check_submit(env, load_access(env), caller)
     host = _host()
     ctx = EnvContext.load(host, env)
     environ = _run_as(caller, req)
@@ -153,7 +196,11 @@ def submit(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
                                "error_fd": error_fd}
     if caller.uid != 0:
         changes["submitter"] = Creds(caller.uid, caller.gid, caller.groups)
+    # Test hooks (ENVCTL_FAULT=ACTION@submit:before|after): checked, nothing written yet;
+    # the record written, not yet answered.
+    faults.maybe_fault("submit", "before", 0)
     job = sv.submit(host, ctx, request.replace(**changes))
+    faults.maybe_fault("submit", "after", 0)
     return {"job": job.to_json()}, []
 
 
@@ -231,5 +278,165 @@ def logs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
     return {"job": record.to_json()}, [fd]
 
 
+def exec_(caller: Caller, req: dict, fds: list[int], conn: socket.socket | None = None
+          ) -> tuple[dict, list[int]] | None:
+    """`envctl exec ENV -- CMD` for a user in access.submit: the same launch as in-process
+    (runtime.exec), as the caller (never root for a non-admin), with the client's stdin,
+    stdout and stderr; the reply is the command's exit code once it ended. While it runs the
+    connection carries {"op": "signal", "sig": N} frames (forwarded as envctl exec forwards
+    them); the client leaving kills the command."""
+    from envctl.runtime import exec as ex
+    from envctl.runtime.context import EnvContext
+    from envctl.runtime.launch import (
+        Launch,
+        create_cgroup,
+        job_environ,
+        remove_cgroup,
+        resolve_user,
+        start,
+        systemd_attach,
+    )
+
+    env = _get(req, "env", str, required=True)
+    argv = _strs(req, "argv")
+    if not argv:
+        raise ProtocolError("request field 'argv': the command, at least its program")
+    stdio = tuple(_fd(req, k, fds) for k in ("stdin_fd", "stdout_fd", "stderr_fd"))
+    if any(fd is None for fd in stdio):
+        raise ProtocolError("exec: stdin_fd, stdout_fd and stderr_fd are required")
+    for fd in stdio:
+        if os.isatty(fd):  # whoever holds a terminal may change its line discipline
+            raise ProtocolError("exec: a terminal is never passed (the client relays it)")
+    workdir = _get(req, "workdir", str, "/")
+    if not workdir.startswith("/"):
+        raise UsageError(f"-w/--workdir '{workdir}': an absolute path inside the environment")
+    user = _get(req, "user", str)
+    access.check_user_option(caller, user)
+    access.check_submit(env, load_access(env), caller)
+    variables = ex.parse_env_vars(_strs(req, "env_vars"))
+    ctx = EnvContext.load(_host(), env)
+    who = resolve_user(user, ctx, _run_as(caller, req))
+    access.check_run_as(caller, who.uid, who.gid)
+    launch = Launch(ctx, argv, job_environ(ctx, who, variables), who, cwd=workdir,
+                    attach=systemd_attach(ctx))
+    launch.stdio = stdio  # type: ignore[assignment]
+    name = f"exec-{os.getpid()}"
+    launch.cgroup_dirs = create_cgroup(ctx, name)
+    try:
+        started = start(launch)
+        for fd in fds:  # the command holds them now: the client sees EOF when it ends
+            os.close(fd)
+        fds.clear()
+        code = _attend(started, conn)
+    finally:
+        remove_cgroup(ctx, name)
+    return {"exit": code}, []
+
+
+def _attend(started: Any, conn: socket.socket | None) -> int:
+    """Wait for the command; forward the signals the client asks for; kill it when the
+    client leaves (or sends what is not a signal request)."""
+    from envctl.runtime.launch import FORWARDED_SIGNALS
+    from envctl.server import protocol as proto
+
+    poller = select.poll()
+    poller.register(started.pidfd, select.POLLIN)
+    if conn is not None:
+        poller.register(conn.fileno(), select.POLLIN | select.POLLRDHUP)
+        conn.settimeout(5.0)  # a signal request comes whole, or the client is gone
+    while True:
+        try:
+            events = dict(poller.poll())
+        except InterruptedError:
+            continue
+        if started.pidfd in events:
+            return started.wait()
+        if conn is not None and conn.fileno() in events:
+            try:
+                frame, got = proto.recv_frame(conn, limit=4096)
+                for fd in got:
+                    os.close(fd)
+                sig = frame.get("sig")
+                if frame.get("op") != "signal" or sig not in [int(s) for s in
+                                                              FORWARDED_SIGNALS]:
+                    raise ProtocolError("exec: only signal requests while it runs")
+                started.signal(sig)
+            except (OSError, ConnectionError, ProtocolError):
+                started.kill()  # the client left: nobody reads its output any more
+                poller.unregister(conn.fileno())
+                conn = None
+
+
+# Commands an operator runs through the daemon, and the only options they may carry: nothing
+# that changes which specs, state or host settings are used (--config-dir, --cgroup-driver,
+# ENVCTL_* of the client): the daemon's own are.
+OPERATE = ("up", "down", "status", "plan", "list")
+OPERATE_FLAGS = ("--json", "--force", "--check", "--dry-run", "--down", "--wide", "--debug")
+
+
+def operate(caller: Caller, req: dict, fds: list[int], conn: socket.socket | None = None
+            ) -> tuple[dict, list[int]] | None:
+    """`envctl up|down|status|plan|list NAME…` for a member of each NAME's access.operate
+    (or an admin; without names, meaning all, an admin only): the same command as root runs
+    it, in a process of the daemon's with the daemon's settings, its output on the client's
+    stdout and stderr; the reply is its exit code. The client leaving interrupts it (SIGINT:
+    up and down roll back or finish as at Ctrl-C)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from envctl.engine.journal import journal_path
+    from envctl.errors import AccessDenied
+
+    argv = _strs(req, "argv")
+    if not argv or argv[0] not in OPERATE:
+        raise ProtocolError(f"request field 'argv': one of {', '.join(OPERATE)}, then names")
+    out_fd, err_fd = _fd(req, "stdout_fd", fds), _fd(req, "stderr_fd", fds)
+    if out_fd is None or err_fd is None:
+        raise ProtocolError("operate: stdout_fd and stderr_fd are required")
+    names = []
+    for word in argv[1:]:
+        if word.startswith("-"):
+            if word not in OPERATE_FLAGS:
+                raise UsageError(f"envctl {argv[0]} {word}: not through the daemon, which "
+                                 "uses its own specs and settings (allowed: "
+                                 f"{', '.join(OPERATE_FLAGS)}); ask an admin to run it as root")
+        else:
+            journal_path(Path("/"), word)  # UsageError for what no environment is called
+            names.append(word)
+    if not names and not access.is_admin(caller):
+        raise AccessDenied(f"{caller.name} may not {argv[0]} every environment: name the "
+                           f"environments (envctl {argv[0]} NAME) whose access.operate lists "
+                           "you")
+    for name in names:
+        access.check_operate(name, load_access(name), caller)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SUDO_")}
+    child = subprocess.Popen([sys.executable, "-m", "envctl", *argv], stdin=subprocess.DEVNULL,
+                             stdout=out_fd, stderr=err_fd, env=environ, close_fds=True)
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+    poller = select.poll()
+    pidfd = os.pidfd_open(child.pid)
+    poller.register(pidfd, select.POLLIN)
+    if conn is not None:
+        poller.register(conn.fileno(), select.POLLIN | select.POLLRDHUP)
+    try:
+        while True:
+            events = dict(poller.poll())
+            if pidfd in events:
+                break
+            if conn is not None and conn.fileno() in events:
+                child.send_signal(signal.SIGINT)  # the client left (Ctrl-C): as at Ctrl-C
+                poller.unregister(conn.fileno())
+                conn = None
+    finally:
+        os.close(pidfd)
+    code = child.wait()
+    return {"exit": 128 - code if code < 0 else code}, []
+
+
 INLINE = {"ping": ping, "jobs": list_jobs}
-FORKED = {"submit": submit, "cancel": cancel, "wait": wait, "logs": logs}
+FORKED = {"submit": submit, "cancel": cancel, "wait": wait, "logs": logs, "exec": exec_,
+          "operate": operate}

@@ -9,7 +9,8 @@ in all and per uid. Cheap reads (ping, jobs) answer inline through a nonblocking
 buffer; work that can block (submit, cancel, wait, logs) runs in a child forked per request,
 which answers on the connection and exits (a few ms from the warm daemon, and a crash stays
 in it). Children are capped in all and per uid (the rest wait their turn) and reaped through
-pidfds.
+pidfds; a `wait` blocks until its jobs end, so waits have caps of their own: a user's pending
+waits never hold that user's submits.
 
 Jobs outlive the daemon: a job's supervisor is double-forked by the request's child and
 detached (runtime.supervisor._spawn); nothing of it waits on the daemon, so kill -9 of the
@@ -42,6 +43,11 @@ MAX_CONNS = 256
 MAX_CONNS_PER_UID = 32
 MAX_CHILDREN = 32
 MAX_CHILDREN_PER_UID = 8
+# Waits (`wait`, `logs --follow`) sleep until their jobs end, and an `exec` until its command
+# does: counted apart from the workers.
+MAX_WAITS = 128
+MAX_WAITS_PER_UID = 16
+WAITS = ("wait", "exec")
 SD_LISTEN_FDS_START = 3
 
 
@@ -80,10 +86,14 @@ def listen(path: str) -> tuple[socket.socket, bool]:
             raise HostError("envctl daemon: the socket systemd passed is not AF_UNIX "
                             "SOCK_STREAM (see systemd/envctl-daemon.socket)")
         sock.set_inheritable(False)
+        name = sock.getsockname()
+        if isinstance(name, str) and name.startswith("/"):
+            check_directory(os.path.dirname(name))
         return sock, False
-    parent = os.path.dirname(path) or "."
+    parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         os.makedirs(parent, mode=0o755, exist_ok=True)
+    check_directory(parent)
     _lock(path)
     with contextlib.suppress(FileNotFoundError):
         st = os.lstat(path)
@@ -105,6 +115,34 @@ def listen(path: str) -> tuple[socket.socket, bool]:
     os.chmod(path, 0o666)
     sock.listen(128)
     return sock, True
+
+
+def check_directory(directory: str) -> None:
+    """HostError unless only root can change what is at `directory`: it and every directory
+    above it root's (or this process's user's: the daemon is root, unit tests need not be),
+    it not writable by group or others, those above it neither or sticky (/tmp: nobody else
+    can rename a root-owned directory there). Whoever could write it could put their own
+    socket where the clients connect, or unlink the daemon's."""
+    real = os.path.realpath(directory)
+    for path in dict.fromkeys([*_prefixes(os.path.abspath(directory)), *_prefixes(real)]):
+        st = os.lstat(path)
+        why = None
+        if st.st_uid not in (0, os.geteuid()):
+            why = f"is owned by uid {st.st_uid}, not root"
+        elif stat.S_ISLNK(st.st_mode):
+            continue  # root's link: its target is checked through the resolved path
+        elif not stat.S_ISDIR(st.st_mode):
+            why = "is not a directory"
+        elif st.st_mode & 0o022 and (path == real or not st.st_mode & stat.S_ISVTX):
+            why = f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+        if why:
+            raise HostError(f"envctl daemon: the socket's directory {path} {why}: refusing to "
+                            "serve (make it root's, mode 0755, or set ENVCTL_SOCKET)")
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.strip("/").split("/")
+    return ["/"] + ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1) if parts[0]]
 
 
 _LOCK_FD: list[int] = []
@@ -132,7 +170,7 @@ class Daemon:
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ, "listen")
         self.conns: dict[int, Conn] = {}
-        self.children: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, uid)
+        self.children: dict[int, tuple[int, int, bool]] = {}  # pidfd -> (pid, uid, a wait)
         self.queue: list[Conn] = []
         self.stopping = False
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -242,6 +280,7 @@ class Daemon:
                 os.close(fd)
             self.answer(conn, reply)
         elif op in handlers.FORKED:
+            handlers.warm(request)
             conn.request = request
             conn.state = "queued"
             self.sel.unregister(conn.sock)  # nothing more is read from it here
@@ -284,11 +323,15 @@ class Daemon:
 
     # -- children
     def start_queued(self) -> None:
+        """Fork the queued requests that fit their caps, first come first served within each
+        kind: workers (submit, cancel, logs) and waits are capped apart."""
         for conn in list(self.queue):
-            if len(self.children) >= MAX_CHILDREN:
-                return
-            uid = conn.caller.uid
-            if sum(1 for _, u in self.children.values() if u == uid) >= MAX_CHILDREN_PER_UID:
+            waits = (conn.request or {}).get("op") in WAITS
+            mine = [u for _, u, w in self.children.values() if w == waits]
+            if len(mine) >= (MAX_WAITS if waits else MAX_CHILDREN):
+                continue
+            if mine.count(conn.caller.uid) >= (MAX_WAITS_PER_UID if waits
+                                               else MAX_CHILDREN_PER_UID):
                 continue
             self.queue.remove(conn)
             self.fork(conn)
@@ -312,11 +355,11 @@ class Daemon:
         except ProcessLookupError:  # gone already: reap it now
             os.waitpid(pid, 0)
             return
-        self.children[pidfd] = (pid, conn.caller.uid)
+        self.children[pidfd] = (pid, conn.caller.uid, request.get("op") in WAITS)
         self.sel.register(pidfd, selectors.EVENT_READ, "child")
 
     def reap(self, pidfd: int) -> None:
-        pid, _ = self.children.pop(pidfd)
+        pid, _, _ = self.children.pop(pidfd)
         self.sel.unregister(pidfd)
         os.close(pidfd)
         with contextlib.suppress(ChildProcessError):
@@ -353,7 +396,7 @@ def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) ->
     sock.setblocking(True)
     op = request.get("op")
     handler = handlers.FORKED[op]
-    kw = {"conn": sock} if op == "wait" else {}
+    kw = {"conn": sock} if op in ("wait", "exec") else {}
     reply = run_handler(handler, caller, request, fds, **kw)
     if not reply:
         return 0  # the client left
@@ -382,6 +425,7 @@ def main(path: str | None = None) -> int:
     import envctl.runtime.context  # noqa: F401
     import envctl.runtime.launch  # noqa: F401
     import envctl.runtime.supervisor  # noqa: F401
+    import envctl.spec.loader  # noqa: F401 - access lists: pydantic and the models, once
 
     listener, bound = listen(path)
     where = path if bound else "the socket systemd passed"
