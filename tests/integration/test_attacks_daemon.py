@@ -1,0 +1,77 @@
+"""An attacker's review of the daemon (issue #22) and of what a host user, root inside a
+partition, or a user who controls a job's paths can do through it (issue #20). Each test makes
+one attempt on the real kernel, inside the sandbox's own mount namespace with real users made
+for the test (tests/integration/test_daemon.py's `team`), and asserts what must hold.
+
+A test marked `ATTACK (fixed)` reproduces what this review found (it failed on the daemon as
+it first landed; the commit that fixed it says how); the others record attempts the daemon
+stopped from the start and that stay real threats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+import time
+
+import pytest
+
+from tests.integration.test_daemon import ALICE, BOB, _job, team  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.root
+
+
+# A raw client: the test's Python run as `uid` (setpriv), talking to the socket byte by byte as
+# an attacker would, not through envctl's client.
+RAW = r"""
+import json, os, socket, struct, sys, time
+path = os.environ["ENVCTL_SOCKET"]
+def conn():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    return s
+def frame(obj):
+    body = json.dumps(obj).encode()
+    return struct.pack(">I", len(body)) + body
+def reply(s):
+    s.settimeout(30)
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return json.loads(data[4:]) if len(data) >= 4 else None
+"""
+
+
+def raw(team, uid: int, code: str, *, timeout: float = 60):
+    """Run `code` (after RAW's helpers) as `uid`; its stdout's last line as JSON."""
+    res = team.sb.run("setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={uid}", "--",
+                      sys.executable, "-c", RAW + code,
+                      env={"ENVCTL_SOCKET": team.socket, "HOME": "/"}, timeout=timeout)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def alive(team) -> None:
+    """The daemon still runs and still answers (a ping) as bob, who is in no access list."""
+    assert team.daemon.poll() is None, team.daemon.stderr
+    got = raw(team, BOB, 's = conn(); s.sendall(frame({"v": 1, "op": "ping"}))\n'
+                         'print(json.dumps(reply(s)))')
+    assert got["ok"] and got["uid"] == BOB, got
+
+
+@pytest.mark.xfail(strict=True, reason="ATTACK: a non-string op kills the daemon")
+def test_a_request_whose_op_is_not_a_string_does_not_kill_the_daemon(team):  # noqa: F811
+    """ATTACK (fixed): `{"v": 1, "op": []}` from any host user (bob is in no access list)
+    raised TypeError (an unhashable key) in the daemon's own loop, and the daemon exited:
+    nobody was served until root restarted it. Now: exit 2, one line, the daemon serves on."""
+    for op in ([], {}, [["x"]], 1.5, None, True):
+        got = raw(team, BOB, f's = conn(); s.sendall(frame({{"v": 1, "op": {json.dumps(op)}}}))'
+                             '\nprint(json.dumps(reply(s)))')
+        assert got is not None and got["ok"] is False and got["exit"] == 2, (op, got)
+        alive(team)
