@@ -75,3 +75,15 @@ def test_a_request_whose_op_is_not_a_string_does_not_kill_the_daemon(team):  # n
                              "print(json.dumps(reply(s)))")
         assert got is not None and got["ok"] is False and got["exit"] == 2, (op, got)
         alive(team)
+
+
+def test_a_deeply_nested_request_is_bad_input_and_the_daemon_serves_on(team):  # noqa: F811
+    """ATTACK (fixed): a 64 KiB request nesting 30,000 lists raised RecursionError in the
+    JSON decoder (not a ValueError: not caught as bad input), in the daemon's own loop. Now
+    it is exit 2, one line; the daemon serves on."""
+    got = raw(team, BOB, 'body = b\'{"v":1,"op":"ping","x":\' + b"[" * 30000 + b"]" * 30000'
+                         ' + b"}"\ns = conn(); s.sendall(struct.pack(">I", len(body)) + body)\n'
+                         "print(json.dumps(reply(s)))")
+    assert got is not None and got["ok"] is False and got["exit"] == 2, got
+    assert "JSON" in got["error"], got
+    alive(team)
