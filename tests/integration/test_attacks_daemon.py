@@ -87,3 +87,26 @@ def test_a_deeply_nested_request_is_bad_input_and_the_daemon_serves_on(team):  #
     assert got is not None and got["ok"] is False and got["exit"] == 2, got
     assert "JSON" in got["error"], got
     alive(team)
+
+
+@pytest.mark.xfail(strict=True, reason="ATTACK: a job's name reaches others' terminals raw")
+def test_a_job_name_cannot_write_to_another_users_terminal(team):  # noqa: F811
+    """ATTACK (fixed): the `envctl jobs` table printed a job's name, program and arguments as
+    they were sent; alice's job named with an escape sequence (OSC 52 writes the viewer's
+    clipboard; CSI 2J clears the screen to draw a forged table) or a newline (a forged row:
+    another user's job shown RUNNING) reached root's terminal and bob's as it is. Every cell
+    is printed with its control characters escaped."""
+    prog = team.script(ALICE, "t.py", "print('x')\n")
+    evil = "\x1b]52;c;ZWNobyBwd25lZA==\x07\x1b[2J\nforged  box  root  RUNNING"
+    res = team.as_user(ALICE, "submit-job", "--json", "--name", evil, "box", prog, "\x1b[31m")
+    job = _job(res)
+    assert job["name"] == evil  # kept as given: the record is data, not a terminal
+    assert team.as_user(ALICE, "wait", str(job["id"])).returncode == 0
+    for who in (ALICE, BOB):
+        res = team.as_user(who, "jobs", "--all")
+        assert res.returncode == 0, res.stderr
+        assert "\x1b" not in res.stdout and "\x07" not in res.stdout, repr(res.stdout)
+        assert len(res.stdout.splitlines()) == 2, res.stdout  # the header and the one job
+    res = team.sb.envctl("jobs", "--all")  # root, in-process
+    assert res.returncode == 0 and "\x1b" not in res.stdout, repr(res.stdout)
+    assert len(res.stdout.splitlines()) == 2, res.stdout
