@@ -89,7 +89,6 @@ def test_a_deeply_nested_request_is_bad_input_and_the_daemon_serves_on(team):  #
     alive(team)
 
 
-@pytest.mark.xfail(strict=True, reason="ATTACK: a job's name reaches others' terminals raw")
 def test_a_job_name_cannot_write_to_another_users_terminal(team):  # noqa: F811
     """ATTACK (fixed): the `envctl jobs` table printed a job's name, program and arguments as
     they were sent; alice's job named with an escape sequence (OSC 52 writes the viewer's

@@ -633,3 +633,9 @@ def test_a_grace_from_the_environment_is_bounded(monkeypatch):
         monkeypatch.setenv("ENVCTL_KILL_GRACE", value)
         assert kill_grace_from_env() == (5.0 if want is None else want)
         assert service._grace() == (service.DEFAULT_GRACE if want is None else want)
+
+
+def test_table_cells_are_printable():
+    # A job's name and argv are its submitter's: the table shows them escaped, one row each.
+    assert jobs.printable("train-1 ok") == "train-1 ok"
+    assert jobs.printable("a\x1b]52;c;eA==\x07b\nc\u202e") == "a\\x1b]52;c;eA==\\x07b\\nc\\u202e"

@@ -537,7 +537,23 @@ def format_exit(job: Job) -> str:
 
 
 def table(jobs: list[Job], *, now: float | None = None) -> list[list[str]]:
-    """Rows of the `envctl jobs` table, header first."""
+    """Rows of the `envctl jobs` table, header first, each cell printable (see printable):
+    a job's name, program and arguments are whatever its submitter sent, and the table is
+    printed to everyone's terminal."""
+    return [[printable(cell) for cell in row] for row in _table(jobs, now=now)]
+
+
+def printable(text: str) -> str:
+    """`text` with each character that is not printable (C0 and C1 controls, escape, DEL, line
+    and paragraph separators, bidi overrides) written as its Python escape (\\x1b, \\n,
+    \\u202e): an escape sequence in another user's job name must not act on the terminal
+    that shows it (OSC 52 writes the clipboard), nor a newline draw a forged row."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _table(jobs: list[Job], *, now: float | None = None) -> list[list[str]]:
     now = time.time() if now is None else now
     rows = [["ID", "NAME", "ENV", "USER", "STATE", "ELAPSED", "EXIT", "CPUS", "MEM", "GPUS",
              "START", "PROGRAM"]]
