@@ -109,3 +109,24 @@ def test_a_job_name_cannot_write_to_another_users_terminal(team):  # noqa: F811
     res = team.sb.envctl("jobs", "--all")  # root, in-process
     assert res.returncode == 0 and "\x1b" not in res.stdout, repr(res.stdout)
     assert len(res.stdout.splitlines()) == 2, res.stdout
+
+
+GiB = 1 << 30
+
+
+def test_a_sparse_program_cannot_fill_the_state_disk(team):  # noqa: F811
+    """ATTACK (fixed): a program is copied into `<state>/jobs/<id>/` by root, byte for byte.
+    alice's `truncate -s 100G x.py` costs her no disk, and the copy wrote every hole as zeros
+    to root's state disk (root's reserved blocks too), as many as she liked (and a file she
+    keeps extending while it is copied, without end). A program over MAX_PROGRAM (1 GiB) is
+    refused, exit 2, and nothing of it is left."""
+    from envctl.runtime.supervisor import MAX_PROGRAM
+
+    assert MAX_PROGRAM == GiB
+    prog = team.script(ALICE, "huge.py", "print('hi')\n")
+    os.truncate(prog, GiB + 1)
+    res = team.as_user(ALICE, "submit-job", "--json", "box", prog, timeout=120)
+    assert res.returncode == 2 and "1 GiB" in res.stderr, (res.returncode, res.stderr)
+    assert res.stderr.strip().count("\n") == 0, res.stderr
+    jobs = team.sb.state / "jobs"
+    assert not jobs.exists() or not [n for n in os.listdir(jobs) if n[:1].isdigit()]
