@@ -130,3 +130,25 @@ def test_a_sparse_program_cannot_fill_the_state_disk(team):  # noqa: F811
     assert res.stderr.strip().count("\n") == 0, res.stderr
     jobs = team.sb.state / "jobs"
     assert not jobs.exists() or not [n for n in os.listdir(jobs) if n[:1].isdigit()]
+
+
+def test_a_spec_linked_from_a_directory_a_user_owns_grants_nothing(team):  # noqa: F811
+    """ATTACK (fixed): the spec that holds `access:` checked for owners other than root along
+    the path as written (the config directory and the link in it), not along the path the
+    link leads to. An operator's `ln -s /home/ops/specs/box.yaml /etc/envctl/`, the file
+    root's, its directory ops's: ops swaps it between the daemon's check and its read (or
+    for any root-owned file of his choosing) and lists himself. Now every directory the link
+    leads through must be root's too, or the environment is its admins' alone."""
+    ops = team.shared / "ops"
+    ops.mkdir()
+    os.chown(ops, BOB, BOB)
+    target = ops / "box.yaml"
+    link = team.sb.config_dir / "box.yaml"
+    target.write_text(link.read_text().replace("users: [alice]", "users: [alice, bob]"))
+    target.chmod(0o644)  # root's, 0644: only its directory is bob's
+    link.unlink()
+    link.symlink_to(target)
+    prog = team.script(BOB, "b.py", "print('bob')\n")
+    res = team.as_user(BOB, "submit-job", "--json", "box", prog)
+    assert res.returncode == 1, res.stdout
+    assert "not root's alone" in res.stderr and str(ops) in res.stderr, res.stderr
