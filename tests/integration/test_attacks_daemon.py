@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from tests.integration.sandbox import stderr_of
+
 from tests.integration.test_daemon import ALICE, BOB, _job, team  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.root
@@ -152,3 +154,42 @@ def test_a_spec_linked_from_a_directory_a_user_owns_grants_nothing(team):  # noq
     res = team.as_user(BOB, "submit-job", "--json", "box", prog)
     assert res.returncode == 1, res.stdout
     assert "not root's alone" in res.stderr and str(ops) in res.stderr, res.stderr
+
+
+def test_one_user_holding_every_slot_it_may_leaves_others_served(team):  # noqa: F811
+    """Resource exhaustion by one user: alice holds 8 `wait`s of her own long job (every child
+    a uid may have) and queues more, up to the 32 connections a uid may have; one more is
+    refused at once (busy, exit 1), and meanwhile bob's ping and root's `cancel` through the
+    daemon (a forked request) are served. (Four colluding submitters would fill the daemon's
+    32 children: see the review's report.)"""
+    prog = team.script(ALICE, "forever.py", "import time\ntime.sleep(3600)\n")
+    job = _job(team.as_user(ALICE, "submit-job", "--json", "box", prog))
+    hog = team.sb.popen("setpriv", f"--reuid={ALICE}", f"--regid={ALICE}",
+                        f"--groups={ALICE}", "--", sys.executable, "-c", RAW + f"""
+held = []
+for i in range(100):
+    s = conn()
+    s.sendall(frame({{"v": 1, "op": "wait", "ids": [{job['id']}]}}))
+    held.append(s)
+    s.settimeout(0.3)
+    try:
+        got = s.recv(65536)  # a held wait says nothing; a refusal comes at once
+    except socket.timeout:
+        continue
+    print(json.dumps([i, json.loads(got[4:])]), flush=True)
+    break
+time.sleep(600)  # hold them until the test is done
+""", env={"ENVCTL_SOCKET": team.socket})
+    try:
+        line = hog.stdout.readline()
+        assert line, stderr_of(hog)
+        held, busy = json.loads(line)
+        assert held == 8 + 32, held  # 8 children, 32 connections waiting for one
+        assert busy["ok"] is False and busy["exit"] == 1 and "busy" in busy["error"], busy
+        alive(team)
+        res = team.sb.envctl("cancel", "--grace", "1", str(job["id"]),
+                             env={"ENVCTL_SOCKET": team.socket})
+        assert res.returncode == 0 and "CANCELLED" in res.stdout, res.stderr
+    finally:
+        hog.kill()
+        hog.wait()
