@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import struct
 import sys
-import time
 
 import pytest
 
 from tests.integration.sandbox import stderr_of
-
 from tests.integration.test_daemon import ALICE, BOB, _job, team  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.root
@@ -50,19 +46,19 @@ def reply(s):
 """
 
 
-def raw(team, uid: int, code: str, *, timeout: float = 60):
+def raw(t, uid: int, code: str, *, timeout: float = 60):
     """Run `code` (after RAW's helpers) as `uid`; its stdout's last line as JSON."""
-    res = team.sb.run("setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={uid}", "--",
+    res = t.sb.run("setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={uid}", "--",
                       sys.executable, "-c", RAW + code,
-                      env={"ENVCTL_SOCKET": team.socket, "HOME": "/"}, timeout=timeout)
+                      env={"ENVCTL_SOCKET": t.socket, "HOME": "/"}, timeout=timeout)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def alive(team) -> None:
+def alive(t) -> None:
     """The daemon still runs and still answers (a ping) as bob, who is in no access list."""
-    assert team.daemon.poll() is None, team.daemon.stderr
-    got = raw(team, BOB, 's = conn(); s.sendall(frame({"v": 1, "op": "ping"}))\n'
+    assert t.daemon.poll() is None, t.daemon.stderr
+    got = raw(t, BOB, 's = conn(); s.sendall(frame({"v": 1, "op": "ping"}))\n'
                          'print(json.dumps(reply(s)))')
     assert got["ok"] and got["uid"] == BOB, got
 
@@ -124,7 +120,7 @@ def test_a_sparse_program_cannot_fill_the_state_disk(team):  # noqa: F811
     refused, exit 2, and nothing of it is left."""
     from envctl.runtime.supervisor import MAX_PROGRAM
 
-    assert MAX_PROGRAM == GiB
+    assert GiB == MAX_PROGRAM
     prog = team.script(ALICE, "huge.py", "print('hi')\n")
     os.truncate(prog, GiB + 1)
     res = team.as_user(ALICE, "submit-job", "--json", "box", prog, timeout=120)
