@@ -660,3 +660,9 @@ def test_parse_fields():
     for bad in ("", ",", "id,rss"):
         with pytest.raises(UsageError, match="allowed: id, name"):
             jobs.parse_fields(bad)
+
+
+def test_table_cells_are_printable():
+    # A job's name and argv are its submitter's: the table shows them escaped, one row each.
+    assert jobs.printable("train-1 ok") == "train-1 ok"
+    assert jobs.printable("a\x1b]52;c;eA==\x07b\nc\u202e") == "a\\x1b]52;c;eA==\\x07b\\nc\\u202e"

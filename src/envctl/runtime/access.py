@@ -148,7 +148,9 @@ def load_access(env: str, config_dir: Path | None = None) -> Access | None:
     from envctl.errors import SpecError
     from envctl.spec.loader import load_spec, unsafe_spec_paths
 
-    unsafe = unsafe_spec_paths([directory, path])
+    # Along the path as written and along the one its links lead to: a link in the config
+    # directory to a file in a directory someone else owns lets them swap the file.
+    unsafe = unsafe_spec_paths([directory, path, directory.resolve(), path.resolve()])
     if unsafe:
         return Access(file=str(path), refused=f"its spec is not root's alone ({unsafe[0]})")
     try:

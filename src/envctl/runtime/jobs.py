@@ -638,7 +638,24 @@ def parse_fields(text: str) -> tuple[str, ...]:
 
 def table(jobs: list[Job], *, now: float | None = None,
           fields: tuple[str, ...] = DEFAULT_FIELDS) -> list[list[str]]:
-    """Rows of the `envctl jobs` table, header first, with the columns `fields` names."""
+    """Rows of the `envctl jobs` table, header first, with the columns `fields` names, each
+    cell printable (see printable): a job's name, program and arguments are whatever its
+    submitter sent, and the table is printed to everyone's terminal."""
+    return [[printable(cell) for cell in row] for row in _table(jobs, now=now, fields=fields)]
+
+
+def printable(text: str) -> str:
+    """`text` with each character that is not printable (C0 and C1 controls, escape, DEL, line
+    and paragraph separators, bidi overrides) written as its Python escape (\\x1b, \\n,
+    \\u202e): an escape sequence in another user's job name must not act on the terminal
+    that shows it (OSC 52 writes the clipboard), nor a newline draw a forged row."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _table(jobs: list[Job], *, now: float | None,
+           fields: tuple[str, ...]) -> list[list[str]]:
     now = time.time() if now is None else now
     cells = [FIELDS[f] for f in fields]
     rows = [[header for header, _ in cells]]

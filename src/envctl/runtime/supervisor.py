@@ -603,6 +603,16 @@ def _make_job_dir(state_dir: Path, jid: int) -> int:
     return fd
 
 
+# The most a staged program may hold. Root copies it into the state disk (root's reserved
+# blocks too) from a file the user names, whose holes cost the user nothing: `truncate -s 1T`.
+MAX_PROGRAM = 1 << 30
+
+
+def _too_big(req: Request) -> InputError:
+    return InputError(f"submit-job: {req.exe}: more than 1 GiB, the most a staged program may "
+                      "be (put big files on a data mount and give a small launcher)")
+
+
 def _stage(req: Request, jfd: int, staged: str, uid: int, gid: int) -> None:
     """Copy the program into the job's directory (descriptor `jfd`) as the submitting user can
     read it — opened with that user's rights, never root's, so the copy holds nothing that
@@ -616,8 +626,14 @@ def _stage(req: Request, jfd: int, staged: str, uid: int, gid: int) -> None:
                          | os.O_CLOEXEC, 0o600, dir_fd=jfd)
         try:
             at = 0  # by offset: a descriptor the client passed shares its file position
-            while sent := os.sendfile(fd_out, fd_in, at, 1 << 30):
+            if os.fstat(fd_in).st_size > MAX_PROGRAM:
+                raise _too_big(req)
+            # Bounded as it goes too: the user may extend the file (holes cost them nothing)
+            # while root copies it.
+            while sent := os.sendfile(fd_out, fd_in, at, MAX_PROGRAM + 1 - at):
                 at += sent
+                if at > MAX_PROGRAM:
+                    raise _too_big(req)
             os.fchown(fd_out, uid, gid)
             os.fchmod(fd_out, os.fstat(fd_in).st_mode & 0o777)
         except OSError as exc:  # sendfile's errors name no file: the copy's source is it

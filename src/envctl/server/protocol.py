@@ -46,7 +46,7 @@ def decode(body: bytes) -> dict:
     """The JSON object of one frame's body; ProtocolError for anything else."""
     try:
         obj = json.loads(body.decode())
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nesting
         raise ProtocolError(f"not a JSON frame: {exc}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("a frame must hold a JSON object")
