@@ -398,3 +398,24 @@ def test_jobs_format_refuses_an_unknown_field_listing_the_allowed(capsys, tmp_pa
     assert len(err.strip().splitlines()) == 1
     code, _, err = run(capsys, "jobs", "--format", "id", "--json")
     assert code == 2 and "--format" in err
+
+
+def test_a_spec_linked_into_a_directory_someone_else_owns_is_refused_for_up(capsys, tmp_path):
+    """The spec in the config directory is a link, through a second link in a root-owned
+    directory, to a root-owned file in uid 1000's directory: uid 1000 can swap that file (or
+    the link's target), so `up` refuses it, naming that directory; a link chain kept to
+    root's directories is fine."""
+    import os
+
+    d = tmp_path / "specs"
+    d.mkdir()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "a.yaml").write_text("name: a\nkind: cpu\n")
+    os.chown(theirs, 1000, 0)
+    hop = tmp_path / "hop"
+    hop.symlink_to(theirs)
+    (d / "a.yaml").symlink_to(hop / "a.yaml")
+    code, _, err = run(capsys, "--config-dir", str(d), "up", "a")
+    assert code == 2 and f"{theirs} is owned by uid 1000, not root" in err, err
+    assert not (tmp_path / "state").exists()

@@ -406,8 +406,7 @@ def unsafe_spec_paths(paths: list[Path]) -> list[Problem]:
         return []
     problems: list[Problem] = []
     seen: set[Path] = set()
-    for path in paths:
-        p = path.absolute()
+    for path, p in ((given, q) for given in paths for q in _walked(given.absolute())):
         chain = [p, *p.parents]
         for i, q in enumerate(chain):
             if q in seen:
@@ -432,6 +431,42 @@ def unsafe_spec_paths(paths: list[Path]) -> list[Problem]:
                     f"chown root and chmod go-w {q}")))
                 break
     return problems
+
+
+def _walked(path: Path) -> list[Path]:
+    """`path` and every path that resolving it goes through: each symlink met on the way (at
+    any component, a link's target resolved the same way in turn) and where it leads, so that
+    a link in a root-owned directory pointing into a directory someone else owns is seen (its
+    target's directory, and any link on the way there, is checked as the path itself is).
+    At most 40 links are followed, as the kernel does (ELOOP)."""
+    out = [path]
+    parts = list(path.parts[1:])
+    here = Path("/")
+    links = 0
+    while parts:
+        name = parts.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            here = here.parent
+            continue
+        nxt = here / name
+        try:
+            target = os.readlink(nxt)
+        except OSError:  # not a link, or not there: go on below it
+            here = nxt
+            continue
+        links += 1
+        if links > 40:
+            break
+        out.append(nxt)
+        if os.path.isabs(target):
+            here = Path("/")
+        parts = list(Path(target).parts[1:] if os.path.isabs(target) else
+                     Path(target).parts) + parts
+    if links:
+        out.append(here)
+    return out
 
 
 @dataclass
