@@ -666,3 +666,9 @@ def test_table_cells_are_printable():
     # A job's name and argv are its submitter's: the table shows them escaped, one row each.
     assert jobs.printable("train-1 ok") == "train-1 ok"
     assert jobs.printable("a\x1b]52;c;eA==\x07b\nc\u202e") == "a\\x1b]52;c;eA==\\x07b\\nc\\u202e"
+
+
+def test_a_duration_that_is_no_number_of_ours_is_the_usage_error():
+    for text in ("²", "1²m", "٣:00", "9" * 5000, "1" * 33 + "s"):
+        with pytest.raises(UsageError, match="--time-limit"):
+            jobs.parse_duration(text)

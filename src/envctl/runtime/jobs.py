@@ -501,7 +501,11 @@ def parse_duration(text: str) -> int:
     a limit of nothing is a typo."""
     s = text.strip().lower()
     secs: int | None = None
-    if s.isdigit():
+    if not s.isascii() or len(s) > 32:
+        # Not a duration: str.isdigit takes '²' and other digits int() refuses, and int()
+        # refuses more than 4300 digits (ValueError, not the one-line exit 2 below).
+        pass
+    elif s.isdigit():
         secs = int(s) * 60
     elif ":" in s:
         days, _, clock = s.rpartition("-")
