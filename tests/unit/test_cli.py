@@ -288,6 +288,9 @@ def test_specs_others_can_write_are_refused_for_up_but_fine_to_plan(capsys, monk
                                                                     tmp_path):
     import os
 
+    # Should the refusal ever regress, the first step fails before it changes this host.
+    monkeypatch.setenv("ENVCTL_FAULT", "fail@before:*")
+
     d = tmp_path / "specs"
     d.mkdir()
     spec = d / "a.yaml"
@@ -400,12 +403,15 @@ def test_jobs_format_refuses_an_unknown_field_listing_the_allowed(capsys, tmp_pa
     assert code == 2 and "--format" in err
 
 
-def test_a_spec_linked_into_a_directory_someone_else_owns_is_refused_for_up(capsys, tmp_path):
+def test_a_spec_linked_into_a_directory_someone_else_owns_is_refused_for_up(capsys, monkeypatch,
+                                                                           tmp_path):
     """The spec in the config directory is a link, through a second link in a root-owned
     directory, to a root-owned file in uid 1000's directory: uid 1000 can swap that file (or
-    the link's target), so `up` refuses it, naming that directory; a link chain kept to
-    root's directories is fine."""
+    the link's target), so `up` refuses it, naming that directory."""
     import os
+
+    # Should the refusal ever regress, the first step fails before it changes this host.
+    monkeypatch.setenv("ENVCTL_FAULT", "fail@before:*")
 
     d = tmp_path / "specs"
     d.mkdir()
