@@ -81,6 +81,9 @@ class Sandbox:
             "PYTHONPATH": str(REPO / "src"),
             "COLUMNS": "200",
             "ENVCTL_CGROUP_PARENT": self.cgroup_parent,
+            # A daemon of the host's own (/run/envctl/envctl.sock, the README's quick start)
+            # must not serve the sandbox's commands: none answers here unless a test starts one.
+            "ENVCTL_SOCKET": str(self.root / "envctl.sock"),
         })
         env.update(extra or {})
         return env

@@ -152,7 +152,7 @@ gpu = GpuHostFacts(driver="550.54.15", gpus=(GpuFact(0, "GPU-0", minor=0),
 facts = HostFacts(cpus=tuple(range(8)), modules={
     m: ModuleFact("available") for m in ("nvidia", "nvidia_uvm", "nvidia_modeset")},
     sysctls=frozenset(n for s in specs for n in s.host.sysctls),
-    rootfs={s.name: tree for s in specs}, gpu=gpu, groups={"video": 44},
+    rootfs={s.name: tree for s in specs}, gpu=gpu, groups={"video": 44, "users": 100},
     resolv_conf="nameserver 10.0.0.2\n")
 EVENTS = ("open", "os.listdir", "os.scandir", "os.walk", "socket.", "subprocess.", "os.system",
           "os.exec", "os.posix_spawn", "os.fork", "ctypes.", "os.chmod", "os.mkdir", "os.remove",

@@ -45,7 +45,8 @@ from envctl.spec.naming import env_of_comment, host_veth, rule_tag
 
 REPO = Path(__file__).resolve().parents[2]
 FACTS = HostFacts(sysctls=frozenset({"net.ipv4.ip_forward", "kernel.numa_balancing",
-                                      "vm.zone_reclaim_mode"}))
+                                      "vm.zone_reclaim_mode"}),
+                  groups={"users": 100})  # the shipped cpu-compute admits it
 ENV_NAMES = st.from_regex(r"[a-z](?:[a-z0-9-]{0,30}[a-z0-9])?", fullmatch=True)
 
 

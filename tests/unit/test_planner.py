@@ -14,8 +14,10 @@ from envctl.spec.loader import load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SYSCTLS = frozenset({"net.ipv4.ip_forward", "kernel.numa_balancing", "vm.zone_reclaim_mode"})
-SMALL = HostFacts(cpus=(0, 1), memory_bytes=24 << 30, sysctls=SYSCTLS)
-BIG = HostFacts(cpus=tuple(range(16)), memory_bytes=256 << 30, sysctls=SYSCTLS)
+SMALL = HostFacts(cpus=(0, 1), memory_bytes=24 << 30, sysctls=SYSCTLS,
+                  groups={"users": 100})  # the shipped cpu-compute admits it
+BIG = HostFacts(cpus=tuple(range(16)), memory_bytes=256 << 30, sysctls=SYSCTLS,
+                groups={"users": 100})
 
 
 def cpu_compute():

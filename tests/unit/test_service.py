@@ -25,7 +25,8 @@ from envctl.spec.loader import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 FACTS = HostFacts(cpus=(0, 1), memory_bytes=8 << 30, sysctls=frozenset({
-    "net.ipv4.ip_forward", "kernel.numa_balancing", "vm.zone_reclaim_mode"}))
+    "net.ipv4.ip_forward", "kernel.numa_balancing", "vm.zone_reclaim_mode"}),
+    groups={"users": 100})  # the shipped cpu-compute admits it
 EXIT0, EXIT1, KILLED = 0, 1 << 8, signal.SIGKILL  # raw wait statuses
 
 
