@@ -108,6 +108,9 @@ class EnvContext(Record, frozen=True):
     # How many host ids from `userns` on are the environment's (its block, the journal's
     # claims): none of them may be a job's own user or group.
     userns_size: int = 0
+    # The spec's jobs.max_running and jobs.max_running_per_user (0: unlimited): the queue's.
+    max_running: int = 0
+    max_running_per_user: int = 0
 
     @classmethod
     def load(cls, host: Host, env: str) -> EnvContext:
@@ -142,7 +145,10 @@ class EnvContext(Record, frozen=True):
                    nested_userns=bool(claims.get("nested_userns")), memory_max=memory_max,
                    userns=int((claims.get("userns") or {}).get("base") or 0),
                    device_rules=tuple((found.get("cgroup-devices") or {}).get("rules") or ()),
-                   userns_size=int((claims.get("userns") or {}).get("size") or 1))
+                   userns_size=int((claims.get("userns") or {}).get("size") or 1),
+                   max_running=int((claims.get("jobs") or {}).get("max_running") or 0),
+                   max_running_per_user=int(
+                       (claims.get("jobs") or {}).get("max_running_per_user") or 0))
 
 
 def _not_up(host: Host, env: str) -> UsageError:

@@ -953,6 +953,15 @@ class Access(Strict):
     operate: Grant = Grant()
 
 
+class Jobs(Strict):
+    """The environment's job queue (envctl.runtime.queue): how many of its jobs may run at
+    once, in all and per user (Slurm's MaxJobs and MaxJobsPerUser); unset: unlimited. A job
+    over a limit waits PENDING (reason MaxRunning / MaxRunningPerUser)."""
+
+    max_running: Annotated[int | None, _whole(1, 1_000_000)] = None
+    max_running_per_user: Annotated[int | None, _whole(1, 1_000_000)] = None
+
+
 # ---------------------------------------------------------------- the environment
 
 
@@ -969,6 +978,7 @@ class EnvSpec(Strict):
     service: Service | None = None
     runtime: Runtime = Runtime()
     access: Access | None = None
+    jobs: Jobs = Jobs()
 
     # Cross-field rules as field validators (fields validate in the order above, and
     # info.data holds those before that passed): each is reported at the field it is about,
