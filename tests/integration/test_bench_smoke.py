@@ -44,3 +44,13 @@ def test_list_speed_smoke():
     for label in ("--version", "list ", "list --json", "status"):
         assert any(f"envctl {label}" in x and " ms " in x for x in out.splitlines()), out
     assert "ratio status/list" in out and "vs target 300 ms" in out, out
+
+
+def test_queue_smoke():
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "queue.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    for what in ("submissions/s from 2 clients", "submit latency median", "envctl jobs",
+                 "50 PENDING shown", "daemon RSS", "one pass of the queue"):
+        assert what in out, out

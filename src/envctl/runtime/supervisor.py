@@ -1382,6 +1382,33 @@ def _cancel_queued(host: Host, job_id: int) -> Job | None:
     return done
 
 
+def _cancel_env_queue(host: Host, env: str) -> list[Job]:
+    """Cancel every job in `env`'s queue in one pass (`down --force`: 10,000 of them must
+    not rewrite the index 10,000 times); their records."""
+    from envctl.runtime import queue
+
+    if not queue.queue_dir(host.state_dir).is_dir():
+        return []
+    out = []
+    with jobs.jobs_lock(host.state_dir):
+        for e in queue.read_env(host.state_dir, env):
+            job = jobs.read(host.state_dir, e["id"])
+            if job is None or not job.queued or job.state is not State.PENDING:
+                continue
+            done = job.replace(state=State.CANCELLED, end_time=time.time(), queued=False,
+                               reason=None)
+            jobs.write(host.state_dir, done)
+            out.append(done)
+        queue.write_env(host.state_dir, env, [])
+    import shutil
+
+    for job in out:
+        with contextlib.suppress(FileNotFoundError):
+            request_path(host.state_dir, job.id).unlink()
+        shutil.rmtree(jobs.job_dir(host.state_dir, job.id), ignore_errors=True)
+    return out
+
+
 def queued_jobs(host: Host, env: str) -> list[Job]:
     """The jobs of `env` waiting in its queue."""
     from envctl.runtime import queue
@@ -1493,7 +1520,7 @@ def stop_env_jobs(host: Host, env: str, *, grace: float = jobs.KILL_GRACE) -> li
     """For `down --force`: cancel every running job of `env` (all at once, then wait for
     each); their final records."""
     # The queued ones first: none of them may start as the running ones end.
-    queued = [c for c in (_cancel_queued(host, j.id) for j in queued_jobs(host, env)) if c]
+    queued = _cancel_env_queue(host, env)
     running = jobs.active_jobs(host.state_dir, host.boot_id, env)
     for job in running:
         cancel(host, job.id, grace=grace, wait=False)
