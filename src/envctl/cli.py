@@ -807,7 +807,6 @@ def jobs_(
         listed = client.jobs(daemon, env, all_)
     else:
         from envctl.host.context import Host
-
         from envctl.runtime import queue
 
         host = Host.from_env()

@@ -155,11 +155,9 @@ def _head_fits_beside(pool: Pool, held: list[tuple[int, Slice]], ends: dict,
         return False
     if limits.max_running and len(at_shadow) + 1 > limits.max_running:
         return False
-    if limits.max_running_per_user and head.uid == uid:
-        # One more of the head's own user's jobs still running then could take the slot the
-        # head needs: conservative, never backfilled past the shadow.
-        return False
-    return True
+    # One more of the head's own user's jobs still running then could take the slot the head
+    # needs under max_running_per_user: conservative, never backfilled past the shadow.
+    return not (limits.max_running_per_user and head.uid == uid)
 
 
 # ---------------------------------------------------------------- the index on disk
@@ -275,12 +273,12 @@ def write_env(state_dir: Path, env: str, entries: list[dict]) -> None:
 
 def count(state_dir: Path) -> int:
     """How many jobs the indexes hold (their lines), without parsing them."""
+    import contextlib
+
     n = 0
     for env in envs(state_dir):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             n += queue_file(state_dir, env).read_bytes().count(b"\n")
-        except FileNotFoundError:
-            pass
     return n
 
 

@@ -646,7 +646,6 @@ def kick(host: Host) -> list[Job]:
     more) and returns at once, so that submits never wait for starts. Called after a queued
     submit, by a supervisor once its job's final record is written, after a cancel, and by
     the daemon at start and every few seconds; nothing needs the daemon."""
-    import fcntl
 
     d = jobs.jobs_dir(host.state_dir)
     if not (d / ".queue").is_dir():
