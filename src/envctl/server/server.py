@@ -447,6 +447,7 @@ def main(path: str | None = None) -> int:
     import envctl.runtime.context  # noqa: F401
     import envctl.runtime.launch  # noqa: F401
     import envctl.runtime.supervisor  # noqa: F401
+    import envctl.spec.loader  # noqa: F401 - access.load_access reads the spec per submit
 
     listener, bound = listen(path)
     where = path if bound else "the socket systemd passed"
