@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -101,11 +102,16 @@ def main() -> None:
         try:
             sb.write_spec("qbench", SPEC)
             check(sb.envctl("up", "qbench"), "up")
-            daemon = sb.popen(sys.executable, "-m", "envctl", "daemon", env=sock)
+            # Its log (a line per request) to a file: an unread pipe would fill and stop it.
+            log = open(Path(tmp) / "daemon.log", "w")  # noqa: SIM115 - closed with the run
+            daemon = subprocess.Popen(["nsenter", "-t", str(sb.pid), "-n", "-m", "--",
+                                       sys.executable, "-m", "envctl", "daemon"],
+                                      env=sb.env(sock), stdout=log, stderr=log)
             deadline = time.monotonic() + 60
             while sb.envctl("jobs", env=sock).returncode != 0:
                 if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the daemon did not start: {daemon.stderr.read()}")
+                    raise SystemExit("the daemon did not start: "
+                                     f"{(Path(tmp) / 'daemon.log').read_text()[-2000:]}")
                 time.sleep(0.05)
             check(sb.envctl("submit-job", "--user", "root", "--cpus", "1", "-t", "60",
                             "qbench", "sleep", "3600", env=sock), "the holding job")
