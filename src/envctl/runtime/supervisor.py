@@ -497,13 +497,17 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
         for fd in fds:
             os.close(fd)
     final = jobs.read(host.state_dir, jid)
-    if final is None and kind in ("E", "dead"):
+    # The record as this process wrote it, before the supervisor's own first write.
+    unclaimed = final is not None and final.active and final.supervisor == job.supervisor
+    if (final is None or unclaimed) and kind in ("E", "dead"):
         # The supervisor wrote no record (its first write failed: a full or failing state
         # disk; or it died before it) and started nothing: leave nothing, and print no id
         # that has no record.
         import shutil
 
         shutil.rmtree(jdir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            jobs.record_path(host.state_dir, jid).unlink()
         raise HostError(f"submit-job: job {jid} was not started: {text}")
     if kind == "dead" and final is not None and final.active:
         # The supervisor died before it started the job (it is gone: its pidfd said so), and
@@ -748,9 +752,11 @@ def _start_queued(host: Host, ctx: EnvContext, job: Job) -> Job:
     with contextlib.suppress(FileNotFoundError):
         request_path(host.state_dir, job.id).unlink()
     final = jobs.read(host.state_dir, job.id)
-    if kind == "dead" and final is not None and final.active:
-        final = final.replace(state=State.FAILED, end_time=time.time(),
-                              error=f"the supervisor died before it started the job ({text})")
+    unclaimed = final is not None and final.active and final.supervisor == job.supervisor
+    if final is not None and final.active and (kind == "dead" or (kind == "E" and unclaimed)):
+        why = (f"the supervisor died before it started the job ({text})" if kind == "dead"
+               else f"could not be started: {text}")
+        final = final.replace(state=State.FAILED, end_time=time.time(), error=why)
         with contextlib.suppress(OSError):
             jobs.write(host.state_dir, final, durable=True)
     return final or job
