@@ -669,12 +669,15 @@ def _kick(host: Host, d: Path, again: Path, started: list[Job]) -> list[Job]:
     import fcntl
 
     while True:
+        # Asked for first, then the lock tried: a kicker that lets go of the lock looks for
+        # the request after it did, so a request made while it held the lock is never lost
+        # (asked after its look, the lock is free and taken here).
+        os.close(os.open(again, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
         fd = os.open(d / KICK_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(os.open(again, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
                 return started
             while True:
                 with contextlib.suppress(FileNotFoundError):
