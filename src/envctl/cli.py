@@ -807,9 +807,10 @@ def jobs_(
         listed = client.jobs(daemon, env, all_)
     else:
         from envctl.host.context import Host
+        from envctl.runtime import queue
 
         host = Host.from_env()
-        listed = jb.listing(host.state_dir, host.boot_id, env=env, finished=all_)
+        listed = queue.listing(host.state_dir, host.boot_id, env=env, finished=all_)
         if env is not None and not listed and not jb.listing(host.state_dir, host.boot_id,
                                                              env=env, finished=True):
             # No job of it, ever: a name that is neither a spec nor up is a typo (exit 2).

@@ -55,3 +55,13 @@ def test_daemon_bench_smoke():
                   "no-op up via daemon", "throughput, 8 clients"):
         assert any(x.startswith(label) for x in out.splitlines()), out
     assert out.count("vs target") == 3 and "submissions/s" in out, out
+
+
+def test_queue_smoke():
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "queue.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    for what in ("submissions/s from 2 clients", "submit latency median", "envctl jobs",
+                 "50 PENDING shown", "daemon RSS", "one pass of the queue"):
+        assert what in out, out

@@ -1,7 +1,7 @@
 """Per-job slices on the real kernel: `submit-job --mem` is the job cgroup's own memory limit,
 `--cpus N` gives CPUs no other job gets, `--gpus N` GPUs no other job gets and a device
 allow-list (on the fake GPU host) that refuses the other GPUs' nodes with EPERM; what does not
-fit is refused with what is free and who holds the rest, and changes nothing."""
+fit now waits in the queue, PENDING (Resources), holding nothing."""
 
 from __future__ import annotations
 
@@ -25,6 +25,16 @@ def submit(sb, env: str, *args: str, extra=None):
 def started(res) -> dict:
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
+
+
+def pending(sb, res, reason: str = "Resources") -> dict:
+    """The record of a job `submit-job` queued: PENDING with `reason`, holding nothing, and
+    shown so by `envctl jobs`."""
+    rec = started(res)
+    assert (rec["state"], rec["queued"], rec["cpus"], rec["gpus"]) == ("PENDING", True, [], []), rec
+    listed = {j["id"]: j for j in json.loads(sb.envctl("jobs", "--json").stdout)}
+    assert listed[rec["id"]]["reason"] == reason, listed[rec["id"]]
+    return rec
 
 
 def job_file(sb, env: str, jid: int, controller: str, name: str) -> str:
@@ -62,11 +72,8 @@ def test_mem_is_the_jobs_own_memory_limit_and_shared_out_of_the_environments(box
     assert a["mem_bytes"] == 40 << 20 and a["requested"] == {"mem": 40 << 20}
     assert int(job_file(sb, "box", a["id"], "memory", "memory.limit_in_bytes"
                         if (CGROUP_ROOT / "memory").is_dir() else "memory.max")) == 40 << 20
-    res = submit(sb, "box", "--mem", "30M", hold)
-    assert res.returncode == 1, res.stderr
-    assert (f"{30 << 20} bytes of memory asked, {24 << 20} of {64 << 20} free (held by job(s) "
-            f"{a['id']} ({40 << 20}))") in res.stderr, res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
+    waiting = pending(sb, submit(sb, "box", "--mem", "30M", hold))
+    cancel_all(sb, waiting["id"])  # out of the queue: nothing waits ahead of the next
     b = started(submit(sb, "box", "--mem", "24M", hold))  # what is left fits
     # A job without --mem has no limit of its own: the environment's applies.
     c = started(submit(sb, "box", hold))
@@ -91,15 +98,12 @@ def test_cpus_by_count_are_the_jobs_alone(box):  # noqa: F811
     assert (a["cpus"], a["cpus_exclusive"], b["cpus"]) == ([0], True, [1])
     assert job_file(sb, "box", a["id"], "cpuset", "cpuset.cpus") == "0"
     assert job_file(sb, "box", b["id"], "cpuset", "cpuset.cpus") == "1"
-    res = submit(sb, "box", "--cpus", "1", hold)
-    assert res.returncode == 1, res.stderr
-    assert (f"1 CPU(s) asked, 0 free; held exclusively by job {a['id']}: 0; job {b['id']}: 1"
-            in res.stderr), res.stderr
-    # A list may not name a CPU another job holds; no --cpus finds none free.
-    res = submit(sb, "box", "--cpus", "1-1", hold)
-    assert res.returncode == 1 and f"job {b['id']}: 1" in res.stderr, res.stderr
-    res = submit(sb, "box", hold)
-    assert res.returncode == 1 and "no CPU free" in res.stderr, res.stderr
+    # Neither a count, nor a list naming a CPU another job holds, nor no --cpus (none free)
+    # fits: each waits (cancelled before the next, which would wait behind it: Priority).
+    for ask in (["--cpus", "1"], ["--cpus", "1-1"], []):
+        waiting = pending(sb, submit(sb, "box", *ask, hold))
+        cancel_all(sb, waiting["id"])
+    assert not (sb.state / "jobs" / f"{waiting['id']}").exists()  # its staged program: gone
     res = submit(sb, "box", "--cpus", "3", hold)
     assert res.returncode == 2 and "has 2 CPU(s)" in res.stderr, res.stderr
     cancel_all(sb, a["id"])
@@ -150,10 +154,9 @@ def test_a_job_opens_only_its_own_gpus_nodes(gpu_host):  # noqa: F811 - the fixt
                    f"CUDA_VISIBLE_DEVICES={b['gpus'][0]}"], out
     # Both held: a third is refused, naming who holds them.
     c_hold = started(submit(sb, "gpu-ab", "--gpus", "1", hold, extra=env))
-    res = submit(sb, "gpu-ab", "--gpus", "1", hold, extra=env)
-    assert res.returncode == 1 and "1 GPU(s) asked, 0 free" in res.stderr, res.stderr
-    assert f"job {a['id']}" in res.stderr and f"job {c_hold['id']}" in res.stderr
-    cancel_all(sb, a["id"], c_hold["id"], extra=env)
+    waiting = started(submit(sb, "gpu-ab", "--gpus", "1", hold, extra=env))
+    assert (waiting["state"], waiting["reason"], waiting["gpus"]) == ("PENDING", "Resources", [])
+    cancel_all(sb, waiting["id"], a["id"], c_hold["id"], extra=env)
     # Nobody holds a GPU: a job without --gpus is as before, every GPU's node opens.
     d = started(submit(sb, "gpu-ab", "--wait", probe, extra=env))
     out = Path(d["stdout"]).read_text().splitlines()

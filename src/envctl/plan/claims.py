@@ -88,6 +88,12 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
     if spec.jobs.max_output != DEFAULT_MAX_OUTPUT:
         # Not a claim: the output bound every job's supervisor applies (jobs.max_output).
         out["max_output"] = spec.jobs.max_output
+    limits = {k: v for k, v in (("max_running", spec.jobs.max_running),
+                                 ("max_running_per_user", spec.jobs.max_running_per_user))
+              if v is not None}
+    if limits:
+        # Not a claim: the queue's limits, read by every submit and kick (runtime.queue).
+        out["jobs"] = limits
     if spec.runtime.isolation != "native":
         # Not a claim either: how every launch enters the environment (runtime.gvisor).
         out["isolation"] = {"level": spec.runtime.isolation,

@@ -111,6 +111,9 @@ class EnvContext(Record, frozen=True):
     # The spec's jobs.max_output (bytes; 0: unbounded), recorded in the journal's claims when
     # it is not the default (spec.models.DEFAULT_MAX_OUTPUT, repeated here: no pydantic).
     max_output: int = 1 << 30
+    # The spec's jobs.max_running and jobs.max_running_per_user (0: unlimited): the queue's.
+    max_running: int = 0
+    max_running_per_user: int = 0
 
     @classmethod
     def load(cls, host: Host, env: str) -> EnvContext:
@@ -146,7 +149,10 @@ class EnvContext(Record, frozen=True):
                    userns=int((claims.get("userns") or {}).get("base") or 0),
                    device_rules=tuple((found.get("cgroup-devices") or {}).get("rules") or ()),
                    userns_size=int((claims.get("userns") or {}).get("size") or 1),
-                   max_output=int(claims.get("max_output", 1 << 30)))
+                   max_output=int(claims.get("max_output", 1 << 30)),
+                   max_running=int((claims.get("jobs") or {}).get("max_running") or 0),
+                   max_running_per_user=int(
+                       (claims.get("jobs") or {}).get("max_running_per_user") or 0))
 
 
 def _not_up(host: Host, env: str) -> UsageError:

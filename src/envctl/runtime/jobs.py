@@ -61,7 +61,7 @@ MAX_DURATION = 365 * 86400
 class State(StrEnum):
     """Slurm's job states, the subset one host needs (and LOST for a supervisor that died)."""
 
-    PENDING = "PENDING"  # the supervisor exists; the job is not started yet
+    PENDING = "PENDING"  # queued (runtime.queue), or its supervisor is starting it
     RUNNING = "RUNNING"
     COMPLETED = "COMPLETED"  # exit 0
     FAILED = "FAILED"  # exit != 0, killed by a signal, or it could not be started
@@ -139,6 +139,10 @@ class Job(Record):
     # {"rootfs": path inside} (a bare name found in the environment's PATH, run from there).
     # {} in a record of an older envctl.
     program: dict[str, str] = Factory(dict)
+    # In the queue (envctl.runtime.queue): PENDING with no supervisor yet, its request in
+    # `<id>.req`; `reason` as squeue shows it (Resources, Priority, MaxRunning, …).
+    queued: bool = False
+    reason: str | None = None
 
     # ------------------------------------------------------------------ (de)serializing
     def to_json(self, *, derived: bool = True) -> dict[str, Any]:
@@ -172,7 +176,7 @@ class Job(Record):
     def shown(self, boot_id: str) -> Job:
         """This record as `jobs`/`wait` show it: LOST when it is active but its supervisor is
         gone or it is from another boot. Never written back here (read-only commands)."""
-        if self.active and not supervisor_alive(self, boot_id):
+        if self.active and not self.queued and not supervisor_alive(self, boot_id):
             return self.replace(state=State.LOST)
         return self
 
@@ -336,11 +340,12 @@ def parse_id(text: int | str) -> int:
     return int(s)
 
 
-def all_jobs(state_dir: Path) -> list[Job]:
-    """Every record, oldest id first. A record that cannot be read is skipped (listing must
-    not fail on one damaged file; `envctl logs N` of that id names it)."""
+def all_jobs(state_dir: Path, *, skip: set[int] | frozenset[int] = frozenset()) -> list[Job]:
+    """Every record (but those in `skip`), oldest id first. A record that cannot be read is
+    skipped (listing must not fail on one damaged file; `envctl logs N` of that id names
+    it)."""
     out = []
-    for jid in sorted(set(_record_ids(state_dir))):
+    for jid in sorted(set(_record_ids(state_dir)) - skip):
         with contextlib.suppress(StateCorrupt):
             job = read(state_dir, jid)
             if job is not None:
@@ -363,12 +368,13 @@ def _record_ids(state_dir: Path) -> list[int]:
 
 
 def listing(state_dir: Path, boot_id: str, *, env: str | None = None,
-            finished: bool = False) -> list[Job]:
+            finished: bool = False, skip: set[int] | frozenset[int] = frozenset()
+            ) -> list[Job]:
     """The jobs `envctl jobs` shows, as shown (LOST where the supervisor is gone): active and
     LOST ones (those want attention: `cancel` cleans up after them), and with `finished` the
     finished ones too; of one environment when `env` is given."""
     out = []
-    for job in all_jobs(state_dir):
+    for job in all_jobs(state_dir, skip=skip):
         if env is not None and job.env != env:
             continue
         shown = job.shown(boot_id)
@@ -394,7 +400,7 @@ def keep_finished() -> int:
         return KEEP_FINISHED
 
 
-def prune(state_dir: Path, *, keep: int | None = None) -> list[int]:
+def prune(state_dir: Path, *, keep: int | None = None, queued: int = 0) -> list[int]:
     """Delete the finished records beyond the newest `keep` (by id), with their job
     directories (staged file, default outputs) and cancel files; the ids pruned. Outputs
     written elsewhere (--output/--error paths) are the user's and stay. Active records (LOST
@@ -402,9 +408,10 @@ def prune(state_dir: Path, *, keep: int | None = None) -> list[int]:
 
     In batches: nothing is read until a tenth more than `keep` records (at least 10) have
     gathered, then they go back down to `keep`; reading 1000 records at every submit would
-    cost more than starting the job."""
+    cost more than starting the job. `queued`: how many of the records are queued jobs
+    (runtime.queue's count, from its index), which are never pruned."""
     keep = keep_finished() if keep is None else keep
-    if len(_record_ids(state_dir)) <= keep + max(10, keep // 10):
+    if len(_record_ids(state_dir)) - queued <= keep + max(10, keep // 10):
         return []
     finished = [j.id for j in all_jobs(state_dir) if not j.active]
     gone = sorted(finished)[: max(0, len(finished) - keep)]
@@ -598,7 +605,10 @@ FIELDS: dict[str, tuple[str, Callable[[Job, float], str]]] = {
     "uid": ("UID", lambda j, now: str(j.uid)),
     "state": ("STATE", lambda j, now: str(j.state)),
     "submit": ("SUBMIT", lambda j, now: _clock(j.submit_time or None)),
-    "start": ("START", lambda j, now: _clock(j.start_time)),
+    # A queued job's reason where its start will be, as squeue's NODELIST(REASON).
+    "start": ("START", lambda j, now: _clock(j.start_time) if j.start_time is not None
+              else f"({j.reason})" if j.queued and j.reason else "-"),
+    "reason": ("REASON", lambda j, now: j.reason if j.queued and j.reason else "-"),
     "end": ("END", lambda j, now: _clock(j.end_time)),
     "elapsed": ("ELAPSED", lambda j, now: format_elapsed(j.elapsed(now))),
     "time_limit": ("TIMELIMIT", lambda j, now: format_elapsed(j.time_limit)

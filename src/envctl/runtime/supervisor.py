@@ -423,11 +423,13 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
                      gpu_list=req.gpus, mem=req.mem)
     pool = slices.Pool(cpus=tuple(ctx.cpus), gpus=tuple(ctx.gpus), mem=ctx.memory_max)
     slices.check_ask(pool, ask, ctx.env)
+    from envctl.runtime import queue
+
     try:
         with jobs.jobs_lock(host.state_dir):
-            jobs.prune(host.state_dir)
+            jobs.prune(host.state_dir, queued=queue.count(host.state_dir))
             # The slice is chosen and recorded under the lock: two submits never take the same.
-            got, held, listed = _take_slice(host, ctx, pool, ask)
+            got, held, listed, reason = _take_slice(host, ctx, pool, ask, req)
             jid = jobs._allocate_locked(host.state_dir)
             jdir = jobs.job_dir(host.state_dir, jid)
             stdout = req.output or jdir / "stdout"
@@ -448,18 +450,21 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
                       requested=_requested(req), cgroup=cgroup,
                       program={"rootfs": req.program} if req.program else
                       {"staged": os.path.abspath(req.exe)})
-            if got.holds:
-                # Held from now on: the record, with this process as its supervisor until the
-                # supervisor's own first write (a submit that dies meanwhile shows it LOST,
-                # which frees it), and its id in the holders' index.
+            if reason is None:
+                # Started from now on: the record, with this process as its supervisor until
+                # the supervisor's own first write (a submit that dies meanwhile shows it
+                # LOST, which frees it), and its id in the started jobs' index (which the
+                # queue counts for max_running, and whose slices it holds).
                 job.supervisor = jobs.identity()
                 jobs.write(host.state_dir, job)
-            keep = [j.id for j in held] + ([jid] if got.holds else [])
-            if sorted(keep) != sorted(listed):
-                slices.write_index(host.state_dir, keep)
+                keep = [j.id for j in held] + [jid]
+                if sorted(keep) != sorted(listed):
+                    slices.write_index(host.state_dir, keep)
     except OSError as exc:  # a full or failing state disk: no id shown, nothing started
         raise HostError(f"submit-job: {exc.filename or jobs.jobs_dir(host.state_dir)}: "
                         f"{exc.strerror}") from exc
+    if reason is not None:
+        return _enqueue(host, ctx, req, job, staged, reason)
     fds: list[int] = []
     jfd = -1
     try:
@@ -469,14 +474,7 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
         owner = _host_ids(ctx, uid, gid)
         if not req.program:
             _stage(req, jfd, staged, *owner)
-        out_fd = _open_output(stdout, owner if req.output is None else _output_creds(req),
-                              jfd if req.output is None else None, given=req.output_fd)
-        fds.append(out_fd)
-        err_fd = (out_fd if _same_file(stdout, stderr) else
-                  _open_output(stderr, owner if req.error is None else _output_creds(req),
-                               jfd if req.error is None else None, given=req.error_fd))
-        if err_fd != out_fd:
-            fds.append(err_fd)
+        out_fd, err_fd = _open_outputs(req, job, jfd, owner, fds)
         # The user's only once everything in it is made: nothing of theirs can be in the way.
         os.fchown(jfd, *owner)
     except (OSError, EnvctlError) as exc:
@@ -485,9 +483,8 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
         import shutil  # here, not at the top: it imports bz2 and lzma (~3 ms of a submit)
 
         shutil.rmtree(jdir, ignore_errors=True)
-        if got.holds:  # no job: what it held is free again
-            with contextlib.suppress(FileNotFoundError):
-                jobs.record_path(host.state_dir, jid).unlink()
+        with contextlib.suppress(FileNotFoundError):  # no job: what it held is free again
+            jobs.record_path(host.state_dir, jid).unlink()
         if isinstance(exc, EnvctlError):
             raise
         raise HostError(f"submit job {jid}: {exc.filename or jdir}: {exc.strerror}") from exc
@@ -500,13 +497,17 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
         for fd in fds:
             os.close(fd)
     final = jobs.read(host.state_dir, jid)
-    if final is None and kind in ("E", "dead"):
+    # The record as this process wrote it, before the supervisor's own first write.
+    unclaimed = final is not None and final.active and final.supervisor == job.supervisor
+    if (final is None or unclaimed) and kind in ("E", "dead"):
         # The supervisor wrote no record (its first write failed: a full or failing state
         # disk; or it died before it) and started nothing: leave nothing, and print no id
         # that has no record.
         import shutil
 
         shutil.rmtree(jdir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            jobs.record_path(host.state_dir, jid).unlink()
         raise HostError(f"submit-job: job {jid} was not started: {text}")
     if kind == "dead" and final is not None and final.active:
         # The supervisor died before it started the job (it is gone: its pidfd said so), and
@@ -522,18 +523,263 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
     return final or job
 
 
-def _take_slice(host: Host, ctx: EnvContext, pool: Any, ask: Any) -> tuple[Any, list, list]:
-    """The slice `ask` gets now, the index's active holders and the ids it listed; HostError
-    (exit 1) naming what is missing and who holds it. Call under the jobs lock."""
-    from envctl.runtime import slices
+def _take_slice(host: Host, ctx: EnvContext, pool: Any, ask: Any, req: Request
+                ) -> tuple[Any, list, list, str | None]:
+    """(the slice `ask` gets now, the index's active started jobs, the ids it listed, None),
+    or with no slice (an empty one) and the reason the job waits in the queue instead
+    (runtime.queue): a queue already there (FCFS: it goes behind; a pass may backfill it),
+    max_running or max_running_per_user reached, or what it asks for held by others. Call
+    under the jobs lock."""
+    from envctl.runtime import queue, slices
 
     held, listed = slices.holders(host.state_dir, host.boot_id)
-    got = slices.allocate(pool, [(j.id, slices.slice_of(j)) for j in held if j.env == ctx.env],
-                          ask)
-    if isinstance(got, slices.Shortage):
-        raise HostError(f"submit-job: environment '{ctx.env}' cannot give the job its slice "
-                        f"now: {got.reason}")
-    return got, held, listed
+    mine = [j for j in held if j.env == ctx.env]
+    me = req.submitter.uid if req.submitter is not None and req.submitter.uid else (
+        req.user.uid if req.user is not None else 0)
+    reason = None
+    if queue.has_pending(host.state_dir, ctx.env):
+        reason = queue.PRIORITY
+    elif ctx.max_running and len(mine) >= ctx.max_running:
+        reason = queue.MAX_RUNNING
+    elif ctx.max_running_per_user and sum(
+            1 for j in mine if queue.owner(j) == me) >= ctx.max_running_per_user:
+        reason = queue.MAX_RUNNING_PER_USER
+    else:
+        got = slices.allocate(pool, [(j.id, slices.slice_of(j)) for j in mine], ask)
+        if isinstance(got, slices.Slice):
+            return got, held, listed, None
+        reason = queue.RESOURCES
+    return slices.Slice(), held, listed, reason
+
+
+# ---------------------------------------------------------------- the queue
+
+
+def request_path(state_dir: Path, job_id: int) -> Path:
+    """A queued job's request (what its start needs beyond its record): beside the record,
+    root's and 0600 as it is, never in the job's directory, which is its user's."""
+    return jobs.jobs_dir(state_dir) / f"{job_id}.req"
+
+
+def _request_json(req: Request) -> dict[str, Any]:
+    """What of a Request a queued job's start reads back (`_request_from`). The descriptors
+    the client passed are not kept: the program is staged already, and an output the job
+    names is opened at its start with the submitter's rights (never root's by name)."""
+    u, sub = req.user, req.submitter
+    assert u is not None
+    return {"exe": str(req.exe), "program": req.program, "args": list(req.args),
+            "name": req.name, "user": [u.uid, u.gid, list(u.groups)],
+            "user_name": req.user_name, "gpus": None if req.gpus is None else list(req.gpus),
+            "env": dict(req.env), "workdir": req.workdir,
+            "output": None if req.output is None else str(req.output),
+            "error": None if req.error is None else str(req.error),
+            "time_limit": req.time_limit,
+            "submitter": None if sub is None else [sub.uid, sub.gid, list(sub.groups)]}
+
+
+def _request_from(raw: Any) -> Request:
+    from envctl.host.asuser import Creds
+    from envctl.runtime.launch import User
+
+    if not isinstance(raw, dict):
+        raise ValueError("not a job request")
+    uid, gid, groups = raw["user"]
+    sub = raw.get("submitter")
+    return Request(exe=Path(raw["exe"]), program=str(raw.get("program") or ""),
+                   args=[str(a) for a in raw.get("args") or []], name=str(raw.get("name") or ""),
+                   user=User(int(uid), int(gid), tuple(int(g) for g in groups)),
+                   user_name=str(raw.get("user_name") or ""),
+                   gpus=None if raw.get("gpus") is None else tuple(raw["gpus"]),
+                   env={str(k): str(v) for k, v in (raw.get("env") or {}).items()},
+                   workdir=str(raw.get("workdir") or "/"),
+                   output=Path(raw["output"]) if raw.get("output") else None,
+                   error=Path(raw["error"]) if raw.get("error") else None,
+                   time_limit=raw.get("time_limit"),
+                   submitter=None if not sub else Creds(int(sub[0]), int(sub[1]),
+                                                        tuple(int(g) for g in sub[2])))
+
+
+def _enqueue(host: Host, ctx: EnvContext, req: Request, job: Job, staged: str,
+             reason: str) -> Job:
+    """Queue `job` (id allocated, nothing held): its directory with its program staged, its
+    request, then (under the jobs lock) its record PENDING with `reason` and its index line;
+    then a pass of the queue (`kick`), which may start it at once. Its record, as it is
+    then."""
+    from envctl.host.files import write_json
+    from envctl.runtime import queue
+
+    jdir = jobs.job_dir(host.state_dir, job.id)
+    jfd = -1
+    try:
+        jfd = _make_job_dir(host.state_dir, job.id)
+        owner = _host_ids(ctx, job.uid, job.gid)
+        if not req.program:
+            _stage(req, jfd, staged, *owner)
+        os.fchown(jfd, *owner)
+        write_json(request_path(host.state_dir, job.id), _request_json(req), durable=False,
+                   mode=jobs.RECORD_MODE)
+        job.queued, job.reason = True, reason
+        with jobs.jobs_lock(host.state_dir):
+            jobs.write(host.state_dir, job)
+            queue.append(host.state_dir, job)
+    except (OSError, EnvctlError) as exc:
+        import shutil
+
+        shutil.rmtree(jdir, ignore_errors=True)
+        for path in (request_path(host.state_dir, job.id),
+                     jobs.record_path(host.state_dir, job.id)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        if isinstance(exc, EnvctlError):
+            raise
+        raise HostError(f"submit job {job.id}: {exc.filename or jdir}: {exc.strerror}") from exc
+    finally:
+        if jfd >= 0:
+            os.close(jfd)
+    kick(host)
+    return jobs.read(host.state_dir, job.id) or job
+
+
+KICK_LOCK, KICK_AGAIN = ".kick", ".kick-again"
+
+
+def kick(host: Host) -> list[Job]:
+    """Run the queue: pass after pass (queue.claim), start what each says, until a pass starts
+    nothing; the records of the jobs started. One kicker at a time (`<state>/jobs/.kick`,
+    flock'd): a kick that finds another running leaves `.kick-again` for it (it passes once
+    more) and returns at once, so that submits never wait for starts. Called after a queued
+    submit, by a supervisor once its job's final record is written, after a cancel, and by
+    the daemon at start and every few seconds; nothing needs the daemon."""
+
+    d = jobs.jobs_dir(host.state_dir)
+    if not (d / ".queue").is_dir():
+        return []
+    started: list[Job] = []
+    again = d / KICK_AGAIN
+    # A cancel of a job this process has claimed but whose supervisor has not yet written its
+    # record signals this process: ignored here, the supervisor reads the request's file.
+    old = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        return _kick(host, d, again, started)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def _kick(host: Host, d: Path, again: Path, started: list[Job]) -> list[Job]:
+    import fcntl
+
+    while True:
+        # Asked for first, then the lock tried: a kicker that lets go of the lock looks for
+        # the request after it did, so a request made while it held the lock is never lost
+        # (asked after its look, the lock is free and taken here).
+        os.close(os.open(again, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        fd = os.open(d / KICK_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return started
+            while True:
+                with contextlib.suppress(FileNotFoundError):
+                    again.unlink()
+                claims = _claim(host)
+                for ctx, job in claims:
+                    started.append(_start_queued(host, ctx, job))
+                if not claims and not again.exists():
+                    break
+        finally:
+            os.close(fd)
+        if not again.exists():  # left after our last look, before we unlocked
+            return started
+
+
+def _claim(host: Host) -> list:
+    from envctl.runtime import queue
+    from envctl.runtime.context import EnvContext
+
+    contexts: dict[str, Any] = {}
+
+    def load(env: str) -> Any:
+        if env not in contexts:
+            try:
+                contexts[env] = EnvContext.load(host, env)
+            except EnvctlError:
+                contexts[env] = None  # not up (or not enterable): its queue waits
+        return contexts[env]
+
+    return queue.claim(host, load)
+
+
+def _start_queued(host: Host, ctx: EnvContext, job: Job) -> Job:
+    """Start a claimed queued job as `submit` starts one: its outputs opened now (a path it
+    names with the submitter's rights), its supervisor spawned. A start that fails ends it
+    FAILED, never started, with why."""
+    fds: list[int] = []
+    jfd = -1
+    try:
+        try:
+            req = _request_from(json.loads(request_path(host.state_dir, job.id).read_bytes()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HostError(f"its request {request_path(host.state_dir, job.id)} is damaged: "
+                            f"{exc}") from None
+        if tuple(job.gpus) != tuple(ctx.gpus):
+            req = req.replace(devices=_job_devices(host, ctx, tuple(job.gpus)))
+        top = os.open(jobs.jobs_dir(host.state_dir), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            jfd = os.open(str(job.id), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, dir_fd=top)
+        finally:
+            os.close(top)
+        out_fd, err_fd = _open_outputs(req, job, jfd, _host_ids(ctx, job.uid, job.gid), fds)
+    except (OSError, EnvctlError) as exc:
+        for fd in fds:
+            os.close(fd)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        if isinstance(exc, OSError) and exc.filename:
+            why = f"{exc.filename}: {why}"
+        failed = job.replace(state=State.FAILED, end_time=time.time(),
+                             error=f"could not be started: {why}")
+        with contextlib.suppress(OSError):
+            jobs.write(host.state_dir, failed, durable=True)
+        with contextlib.suppress(FileNotFoundError):
+            request_path(host.state_dir, job.id).unlink()
+        return failed
+    finally:
+        if jfd >= 0:
+            os.close(jfd)
+    try:
+        kind, text = _spawn(host, ctx, req, job, out_fd, err_fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        request_path(host.state_dir, job.id).unlink()
+    final = jobs.read(host.state_dir, job.id)
+    unclaimed = final is not None and final.active and final.supervisor == job.supervisor
+    if final is not None and final.active and (kind == "dead" or (kind == "E" and unclaimed)):
+        why = (f"the supervisor died before it started the job ({text})" if kind == "dead"
+               else f"could not be started: {text}")
+        final = final.replace(state=State.FAILED, end_time=time.time(), error=why)
+        with contextlib.suppress(OSError):
+            jobs.write(host.state_dir, final, durable=True)
+    return final or job
+
+
+def _open_outputs(req: Request, job: Job, jfd: int, owner: tuple[int, int],
+                  fds: list[int]) -> tuple[int, int]:
+    """The job's stdout and stderr descriptors (each appended to `fds`, to close): the
+    default ones made in its directory `jfd` as `owner`'s, the ones it names opened with
+    the submitter's rights (see _open_output)."""
+    stdout, stderr = Path(job.stdout), Path(job.stderr)
+    out_fd = _open_output(stdout, owner if req.output is None else _output_creds(req),
+                          jfd if req.output is None else None, given=req.output_fd)
+    fds.append(out_fd)
+    err_fd = (out_fd if _same_file(stdout, stderr) else
+              _open_output(stderr, owner if req.error is None else _output_creds(req),
+                           jfd if req.error is None else None, given=req.error_fd))
+    if err_fd != out_fd:
+        fds.append(err_fd)
+    return out_fd, err_fd
 
 
 def _requested(req: Request) -> dict[str, Any]:
@@ -944,7 +1190,10 @@ class _Supervisor:
                                  mem=self.job.mem_bytes or 0, devices=self.req.devices)
             if self.ctx.cgroup is not None and self.ctx.cgroup.driver == "cgroupfs":
                 self.cg_dirs = dirs
-            if self.cancel_requested:  # cancelled while PENDING: never started
+            if self.cancel_requested or jobs.cancel_path(self.host.state_dir,
+                                                         self.job.id).exists():
+                # Cancelled while PENDING (the request may have gone to whoever started
+                # it, before this process was its supervisor): never started.
                 self.finish(None, cancelled=True)
                 self.tell("E cancelled before it started")
                 return
@@ -1268,6 +1517,7 @@ def _supervisor_main(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd
         sup = _Supervisor(host, ctx, req, job, report)
         sup.detach(out_fd, err_fd)
         sup.run()
+        _kick_behind(host)  # what it held is free: the queue's next jobs may start
     except BaseException as exc:  # a bug: still end the record, never leave it RUNNING
         code = 1
         if sup is not None:
@@ -1277,6 +1527,23 @@ def _supervisor_main(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd
                 sup.tell(f"E supervisor failed: {exc!r}")
     finally:
         os._exit(code)  # no flush: what the CLI had buffered is the CLI's to print
+
+
+def _kick_behind(host: Host) -> None:
+    """Run the queue (`kick`) in a child of its own, so that this supervisor ends now (`wait`
+    and `cancel` wait for it to) while the queue's next jobs start."""
+    if not (jobs.jobs_dir(host.state_dir) / ".queue").is_dir():
+        return
+    if os.fork() == 0:
+        code = 1
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
+            kick(host)
+            code = 0
+        finally:
+            os._exit(code)
 
 
 # ---------------------------------------------------------------- cancelling
@@ -1297,6 +1564,14 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
     job = jobs.get(host.state_dir, job_id)
     if not job.active:
         return job
+    if job.queued:
+        done = _cancel_queued(host, job.id)
+        if done is not None:
+            kick(host)  # it may have been the head: others may start, or backfill, now
+            return done
+        job = jobs.get(host.state_dir, job.id)  # started meanwhile: cancelled as running
+        if not job.active:
+            return job
     sup = job.supervisor or {}
     pidfd = _pin_supervisor(job, host.boot_id)
     if pidfd is None:
@@ -1322,6 +1597,65 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
         raise HostError(f"cancel job {job.id}: supervisor {sup.get('pid')} has not ended it "
                         f"{grace + CANCEL_SLACK:g} s after SIGUSR1")
     return final
+
+
+def _cancel_queued(host: Host, job_id: int) -> Job | None:
+    """Cancel a job still in the queue: CANCELLED, never started, its index line, request and
+    directory (the staged program) gone. None when it is no longer queued (a pass claimed it
+    meanwhile: it is cancelled as a running job)."""
+    from envctl.runtime import queue
+
+    with jobs.jobs_lock(host.state_dir):
+        job = jobs.read(host.state_dir, job_id)
+        if job is None or not job.queued or job.state is not State.PENDING:
+            return None
+        done = job.replace(state=State.CANCELLED, end_time=time.time(), queued=False,
+                           reason=None)
+        jobs.write(host.state_dir, done, durable=True)
+        lines = queue.read_env(host.state_dir, job.env)
+        queue.write_env(host.state_dir, job.env, [e for e in lines if e["id"] != job_id])
+    with contextlib.suppress(FileNotFoundError):
+        request_path(host.state_dir, job_id).unlink()
+    import shutil
+
+    shutil.rmtree(jobs.job_dir(host.state_dir, job_id), ignore_errors=True)
+    return done
+
+
+def _cancel_env_queue(host: Host, env: str) -> list[Job]:
+    """Cancel every job in `env`'s queue in one pass (`down --force`: 10,000 of them must
+    not rewrite the index 10,000 times); their records."""
+    from envctl.runtime import queue
+
+    if not queue.queue_dir(host.state_dir).is_dir():
+        return []
+    out = []
+    with jobs.jobs_lock(host.state_dir):
+        for e in queue.read_env(host.state_dir, env):
+            job = jobs.read(host.state_dir, e["id"])
+            if job is None or not job.queued or job.state is not State.PENDING:
+                continue
+            done = job.replace(state=State.CANCELLED, end_time=time.time(), queued=False,
+                               reason=None)
+            jobs.write(host.state_dir, done)
+            out.append(done)
+        queue.write_env(host.state_dir, env, [])
+    import shutil
+
+    for job in out:
+        with contextlib.suppress(FileNotFoundError):
+            request_path(host.state_dir, job.id).unlink()
+        shutil.rmtree(jobs.job_dir(host.state_dir, job.id), ignore_errors=True)
+    return out
+
+
+def queued_jobs(host: Host, env: str) -> list[Job]:
+    """The jobs of `env` waiting in its queue."""
+    from envctl.runtime import queue
+
+    if not queue.queue_dir(host.state_dir).is_dir():
+        return []
+    return queue.queued_jobs(host.state_dir, env)
 
 
 def cancel_jobs(host: Host, before: list[Job], *, grace: float = jobs.KILL_GRACE) -> list[Job]:
@@ -1393,37 +1727,58 @@ def wait(host: Host, job_ids: list[int], *, timeout: float | None = None) -> lis
     out = []
     for jid in job_ids:
         job = jobs.get(host.state_dir, jid)
-        if job.active:
+        while job.active:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if left == 0.0:
+                break
+            if job.queued:
+                # No supervisor to wait on yet: the record changes only when a pass of the
+                # queue starts it (or a cancel ends it), looked at twice a second.
+                time.sleep(QUEUE_POLL if left is None else min(QUEUE_POLL, left))
+                job = jobs.get(host.state_dir, jid)
+                continue
             pidfd = _pin_supervisor(job, host.boot_id)
-            if pidfd is not None:
-                try:
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    wait_fd(pidfd, left)
-                finally:
+            if pidfd is None or int((job.supervisor or {}).get("pid", 0)) == os.getpid():
+                if pidfd is not None:
                     os.close(pidfd)
+                break
+            try:
+                # Its supervisor, or whoever claimed it from the queue (then its supervisor
+                # is in the record once that one is done: looked at again).
+                wait_fd(pidfd, left)
+            finally:
+                os.close(pidfd)
             job = jobs.get(host.state_dir, jid)
         out.append(job.shown(host.boot_id))
     return out
 
 
+QUEUE_POLL = 0.5
+
+
 def stop_env_jobs(host: Host, env: str, *, grace: float = jobs.KILL_GRACE) -> list[Job]:
     """For `down --force`: cancel every running job of `env` (all at once, then wait for
     each); their final records."""
+    # The queued ones first: none of them may start as the running ones end.
+    queued = _cancel_env_queue(host, env)
     running = jobs.active_jobs(host.state_dir, host.boot_id, env)
     for job in running:
         cancel(host, job.id, grace=grace, wait=False)
-    return [cancel(host, job.id, grace=grace) for job in running]
+    return queued + [cancel(host, job.id, grace=grace) for job in running]
 
 
 def refuse_down(host: Host, env: str) -> None:
     """`down` of an environment whose jobs still run: HostError (exit 1: the command is right,
     the host's state refuses it for now)."""
     running = jobs.active_jobs(host.state_dir, host.boot_id, env)
-    if running:
-        ids = " ".join(str(j.id) for j in running)
-        raise HostError(f"down {env}: {len(running)} job(s) still running ({ids}): wait for "
-                        f"them (envctl wait {ids}), cancel them, or use --force, which "
-                        "cancels them first")
+    queued = queued_jobs(host, env)
+    if running or queued:
+        ids = " ".join(str(j.id) for j in running + queued)
+        what = " and ".join(x for x in (f"{len(running)} job(s) still running" if running
+                                        else "", f"{len(queued)} job(s) pending in its queue"
+                                        if queued else "") if x)
+        raise HostError(f"down {env}: {what} ({ids}): wait for them (envctl wait {ids}), "
+                        "cancel them, or use --force, which cancels them first")
 
 
 

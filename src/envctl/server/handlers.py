@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 # squeue's view of somebody else's job: who, where, what state, how long; not its argv,
 # program, outputs or environment.
 PUBLIC_FIELDS = ("id", "env", "name", "user", "uid", "state", "submit_time", "start_time",
-                 "end_time", "time_limit", "cpus", "gpus", "exit_code", "signal")
+                 "end_time", "time_limit", "cpus", "gpus", "exit_code", "signal", "queued",
+                 "reason")
 
 
 # ---------------------------------------------------------------- reading a request
@@ -132,9 +133,11 @@ def list_jobs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int
     """`envctl jobs`: everyone's jobs, as squeue shows them; the whole record of those the
     caller may see (its own, its environments' as an operator, all for an admin)."""
     env = _get(req, "env", str)
+    from envctl.runtime import queue
+
     host = _host()
-    listed = jb.listing(host.state_dir, host.boot_id, env=env,
-                        finished=bool(_get(req, "all", bool, False)))
+    listed = queue.listing(host.state_dir, host.boot_id, env=env,
+                           finished=bool(_get(req, "all", bool, False)))
     if env is not None and not listed and not jb.listing(host.state_dir, host.boot_id,
                                                          env=env, finished=True):
         from envctl.known import require_known

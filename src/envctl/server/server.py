@@ -49,6 +49,7 @@ MAX_WAITS = 128
 MAX_WAITS_PER_UID = 16
 WAITS = ("wait", "exec")
 SD_LISTEN_FDS_START = 3
+KICK_EVERY = 2.0  # seconds between the daemon's passes of the job queue
 
 
 class Conn:
@@ -176,6 +177,11 @@ class Daemon:
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.wake_w = wake_w
         self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
+        # The job queue's timer: a pass (in a child: starts block) at start, where the
+        # queue's index is rebuilt from the records, and every KICK_EVERY seconds.
+        self.kick_at = 0.0
+        self.kicker: int | None = None  # its pidfd while one runs
+        self.kicks = 0
 
     # -- running
     def serve(self) -> None:
@@ -192,6 +198,8 @@ class Daemon:
     def tick(self) -> None:
         now = time.monotonic()
         due = [c.deadline for c in self.conns.values() if c.state != "queued"]
+        if self.kicker is None:
+            due.append(self.kick_at)
         timeout = max(0.0, min(due) - now) if due else None
         for key, events in self.sel.select(timeout):
             what = key.data
@@ -202,6 +210,8 @@ class Daemon:
                     os.read(self.wake_r, 256)
             elif what == "child":
                 self.reap(key.fd)
+            elif what == "kicker":
+                self.reap_kicker()
             else:
                 self.serve_conn(what, events)
         now = time.monotonic()
@@ -211,6 +221,35 @@ class Daemon:
                 if conn.state == "read" else "its answer was not taken in time"))
             self.close(conn)
         self.start_queued()
+        if self.kicker is None and now >= self.kick_at:
+            self.kick()
+
+    def kick(self) -> None:
+        """A pass of the job queue (runtime.supervisor.kick) in a child of its own."""
+        rebuild = self.kicks == 0
+        self.kicks += 1
+        self.kick_at = time.monotonic() + KICK_EVERY
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = kick_child(rebuild)
+            finally:
+                os._exit(code)
+        try:
+            self.kicker = os.pidfd_open(pid)
+        except ProcessLookupError:
+            os.waitpid(pid, 0)
+            return
+        self.sel.register(self.kicker, selectors.EVENT_READ, "kicker")
+
+    def reap_kicker(self) -> None:
+        assert self.kicker is not None
+        self.sel.unregister(self.kicker)
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PIDFD, self.kicker, os.WEXITED)
+        os.close(self.kicker)
+        self.kicker = None
 
     def serve_conn(self, conn: Conn, events: int) -> None:
         """Read from or write to one connection. A bug met on one client's request drops
@@ -429,6 +468,32 @@ def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) ->
             log(f"uid {caller.uid}: {op}: reply: {exc}")
     log(f"uid {caller.uid} pid {caller.pid}: {op}: "
         + ("ok" if reply.get("ok") else f"refused: {reply.get('error')}"))
+    return 0
+
+
+def kick_child(rebuild: bool) -> int:
+    """The daemon's pass of the job queue: the index made again from the records first at
+    the daemon's start (whatever a crash left), then `kick`."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    for name in os.listdir("/proc/self/fd"):  # the listener and the connections are not its
+        if int(name) > 2:
+            with contextlib.suppress(OSError):
+                os.close(int(name))
+    from envctl.host.context import Host
+    from envctl.runtime import jobs, queue
+    from envctl.runtime import supervisor as sv
+
+    try:
+        host = Host.from_env()
+        if rebuild and jobs.jobs_dir(host.state_dir).is_dir():
+            with jobs.jobs_lock(host.state_dir):
+                queue.rebuild(host.state_dir)
+        sv.kick(host)
+    except Exception:  # a bug or a refusing disk: said in the log, the next pass tries again
+        traceback.print_exc()
+        return 1
     return 0
 
 

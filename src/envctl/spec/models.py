@@ -967,7 +967,13 @@ def _max_output(v: Any) -> Any:
 
 
 class Jobs(Strict):
-    """Bounds on the environment's jobs (`jobs:`)."""
+    """Bounds on the environment's jobs (`jobs:`): the queue's limits (envctl.runtime.queue:
+    how many of its jobs may run at once, in all and per user, Slurm's MaxJobs and
+    MaxJobsPerUser; unset: unlimited; a job over a limit waits PENDING, reason MaxRunning /
+    MaxRunningPerUser) and each job's output bound."""
+
+    max_running: Annotated[int | None, _whole(1, 1_000_000)] = None
+    max_running_per_user: Annotated[int | None, _whole(1, 1_000_000)] = None
 
     # The most bytes of a job's stdout and of its stderr (each; one file given for both: of
     # it) kept in their files; past it one line says so and the job's next write gets EPIPE

@@ -1,0 +1,153 @@
+"""Benchmark: the job queue with N jobs queued (default 10,000) behind one running job.
+
+Run as root from the repository root: `python bench/queue.py [--jobs 10000] [--clients 8]`.
+Everything runs in a throwaway net + mount namespace (the integration tests' sandbox): an
+environment with one dedicated CPU is brought up and the daemon started; a job holding that
+CPU (`--cpus 1`, an hour's time limit) runs; then `--clients` client processes submit N tiny
+jobs (`--cpus 1 -t 1`, so that each pass tries BACKFILL_DEPTH of them for backfill) through the
+daemon's socket with envctl's own client (no interpreter start per submit: the daemon's
+throughput). Reported: submissions/s, the median submit latency of the first and of the last
+hundred, `envctl jobs` with N queued (the whole process, median of 5), the daemon's RSS, and one
+pass of the queue (`kick`) over N queued. Targets (issue #22): >= 200 submissions/s from 8
+clients, `jobs` <= 300 ms and RSS <= 200 MB with 10,000 queued. Asserts nothing; `--smoke` is
+the suite's tiny run (50 jobs, 2 clients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import precompile  # noqa: E402
+from tests.integration.sandbox import Sandbox  # noqa: E402
+
+SPEC = """name: qbench
+kind: cpu
+rootfs:
+  binaries: [sh, sleep, "true"]
+resources:
+  cpu: {dedicated: "0"}
+"""
+
+# Run inside the sandbox: N submits from C processes; prints one JSON line of timings.
+CLIENTS = r"""
+import json, multiprocessing, os, sys, time
+from envctl.server import client as cl
+
+def work(n):
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        job = cl.submit(cl.route(), "qbench", "true", [], cpus="1", time_limit="1", user="root")
+        out.append((t, time.perf_counter() - t))
+        assert job.state == "PENDING", job
+    return out
+
+n, c = int(sys.argv[1]), int(sys.argv[2])
+t0 = time.perf_counter()
+with multiprocessing.Pool(c) as pool:
+    got = pool.map(work, [n // c + (i < n % c) for i in range(c)])
+wall = time.perf_counter() - t0
+lat = sorted(x for g in got for x in g)
+print(json.dumps({"wall": wall, "first": [d for _, d in lat[:100]],
+                  "last": [d for _, d in lat[-100:]]}))
+"""
+
+KICK = r"""
+import time
+from envctl.host.context import Host
+from envctl.runtime import supervisor as sv
+host = Host.from_env()
+t = time.perf_counter()
+started = sv.kick(host)
+print(time.perf_counter() - t, len(started))
+"""
+
+
+def check(res, what: str):
+    if res.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    return res
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=10_000)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--smoke", action="store_true", help="50 jobs, 2 clients")
+    args = ap.parse_args()
+    if args.smoke:
+        args.jobs, args.clients = 50, 2
+    precompile()
+    with tempfile.TemporaryDirectory(prefix="envctl-bench-queue-") as tmp:
+        sb = Sandbox(Path(tmp))
+        sock = {"ENVCTL_SOCKET": str(Path(tmp) / "envctl.sock")}
+        daemon = None
+        try:
+            sb.write_spec("qbench", SPEC)
+            check(sb.envctl("up", "qbench"), "up")
+            # Its log (a line per request) to a file: an unread pipe would fill and stop it.
+            log = open(Path(tmp) / "daemon.log", "w")  # noqa: SIM115 - closed with the run
+            daemon = subprocess.Popen(["nsenter", "-t", str(sb.pid), "-n", "-m", "--",
+                                       sys.executable, "-m", "envctl", "daemon"],
+                                      env=sb.env(sock), stdout=log, stderr=log)
+            deadline = time.monotonic() + 60
+            while sb.envctl("jobs", env=sock).returncode != 0:
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("the daemon did not start: "
+                                     f"{(Path(tmp) / 'daemon.log').read_text()[-2000:]}")
+                time.sleep(0.05)
+            check(sb.envctl("submit-job", "--user", "root", "--cpus", "1", "-t", "60",
+                            "qbench", "sleep", "3600", env=sock), "the holding job")
+            got = json.loads(check(sb.run(sys.executable, "-c", CLIENTS, str(args.jobs),
+                                          str(args.clients), env=sock, timeout=3600),
+                                   "submitting").stdout)
+            jobs_t = []
+            for _ in range(5):
+                t = time.perf_counter()
+                res = check(sb.envctl("jobs", env=sock, timeout=600), "envctl jobs")
+                jobs_t.append(time.perf_counter() - t)
+            shown = sum(1 for line in res.stdout.splitlines() if "PENDING" in line)
+            rss = rss_mb(daemon.pid)
+            kick_s, started = check(sb.run(sys.executable, "-c", KICK, timeout=600),
+                                    "a pass").stdout.split()
+            check(sb.envctl("down", "qbench", "--force", timeout=3600), "down --force")
+            assert sb.residue().get("state_dir") in (None, ["jobs", "lock"]), sb.residue()
+        finally:
+            if daemon is not None and daemon.poll() is None:
+                daemon.terminate()
+                daemon.wait(30)
+            sb.close()
+    n = args.jobs
+    rate = n / got["wall"]
+    med = statistics.median
+    print(f"{n} queued: {rate:7.0f} submissions/s from {args.clients} clients through the "
+          f"daemon (target 200: {'met' if rate >= 200 else 'MISSED'})")
+    print(f"{n} queued: submit latency median {med(got['first']) * 1000:.1f} ms (first 100), "
+          f"{med(got['last']) * 1000:.1f} ms (last 100)")
+    print(f"{n} queued: envctl jobs {med(jobs_t) * 1000:6.0f} ms  (median of 5, {shown} "
+          f"PENDING shown; target 300 ms: {'met' if med(jobs_t) <= 0.3 else 'MISSED'})")
+    print(f"{n} queued: daemon RSS {rss:6.1f} MB  (target 200 MB: "
+          f"{'met' if rss <= 200 else 'MISSED'})")
+    print(f"{n} queued: one pass of the queue {float(kick_s) * 1000:6.0f} ms "
+          f"({started} started)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,419 @@
+"""The job queue: which PENDING jobs of an environment start now, with which slice, and why
+the others wait (`schedule`, pure: first come first served with EASY backfill); the queue's
+compact index on disk; and `kick`, which runs the schedule and starts what it says.
+
+The rules (Slurm's, for one host; docs/runtime.md "Queue"):
+- Jobs are considered in submit order (their ids). The first that does not fit now is the
+  head (reason `Resources`); every later one waits behind it (`Priority`) unless it can be
+  backfilled: it fits now, has a time limit, and either ends before the head's shadow time
+  (the earliest time enough running jobs have reached their time limits for the head to fit)
+  or uses only what the head leaves free at that time. A job without a time limit is never
+  backfilled ahead, and while a running job without a time limit is needed for the head to
+  fit, the shadow time is unknown and nothing is backfilled.
+- `jobs.max_running` (reason `MaxRunning`) stops every job of the environment while that many
+  run; `jobs.max_running_per_user` (`MaxRunningPerUser`) stops only that user's jobs: the
+  others' go on past them (Slurm skips them too), and such a job is never the head.
+- At most BACKFILL_DEPTH jobs behind the head are tried for backfill per pass (Slurm's
+  bf_max_job_test default): the rest wait (`Priority`) without being looked at, so that a
+  pass over 10,000 queued jobs stays cheap.
+
+The queue on disk: each queued job's record (PENDING, `queued`), its request
+(`<id>.req`, root's), its staged program in its directory, and one line per job in
+`<state>/jobs/.queue/<env>` (what `schedule` and `envctl jobs` need, so that neither reads
+10,000 records). The index is written under the jobs lock and rebuilt from the records when
+it is missing or damaged; nothing depends on the daemon: submits, ending supervisors, cancels
+and the daemon's timer all kick.
+"""
+
+from __future__ import annotations
+
+from envctl.record import Record
+from envctl.runtime.slices import Ask, Pool, Shortage, Slice, allocate
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): see record.py
+
+# Jobs behind the head tried for backfill in one pass (Slurm's bf_max_job_test default).
+BACKFILL_DEPTH = 500
+
+RESOURCES, PRIORITY = "Resources", "Priority"
+MAX_RUNNING, MAX_RUNNING_PER_USER = "MaxRunning", "MaxRunningPerUser"
+REASONS = (RESOURCES, PRIORITY, MAX_RUNNING, MAX_RUNNING_PER_USER)
+
+
+class Limits(Record, frozen=True):
+    """The spec's jobs.max_running and jobs.max_running_per_user; 0: unlimited."""
+
+    max_running: int = 0
+    max_running_per_user: int = 0
+
+
+class Running(Record, frozen=True):
+    """A job that holds its slice: its id, its user (uid), its slice and when it is expected
+    to end (its start plus its time limit; None: no limit, never as far as we know)."""
+
+    id: int
+    uid: int
+    slice: Slice
+    end: float | None = None
+
+
+class Waiting(Record, frozen=True):
+    """A PENDING job: its id, user, request and time limit in seconds (None: none)."""
+
+    id: int
+    uid: int
+    ask: Ask
+    time_limit: int | None = None
+
+
+class Decision(Record, frozen=True):
+    """What one pass decides: the jobs to start now (id, slice), in order, and the reason of
+    every pending job that does not start."""
+
+    start: tuple[tuple[int, Slice], ...] = ()
+    reasons: dict = {}  # id -> one of REASONS
+
+
+def schedule(pool: Pool, running: list[Running], pending: list[Waiting], limits: Limits,
+             now: float) -> Decision:
+    """FCFS with EASY backfill (see the module's docstring). Pure."""
+    held = [(r.id, r.slice) for r in running]
+    ends = {r.id: r.end for r in running}
+    users: dict[int, int] = {}
+    for r in running:
+        users[r.uid] = users.get(r.uid, 0) + 1
+    start: list[tuple[int, Slice]] = []
+    reasons: dict[int, str] = {}
+    head: Waiting | None = None
+    shadow: float | None = None  # the head's shadow time; None: unknown
+    tried = 0
+
+    def full(uid: int) -> str | None:
+        if limits.max_running and len(held) >= limits.max_running:
+            return MAX_RUNNING
+        if limits.max_running_per_user and users.get(uid, 0) >= limits.max_running_per_user:
+            return MAX_RUNNING_PER_USER
+        return None
+
+    def take(job: Waiting, got: Slice) -> None:
+        start.append((job.id, got))
+        held.append((job.id, got))
+        ends[job.id] = None if job.time_limit is None else now + job.time_limit
+        users[job.uid] = users.get(job.uid, 0) + 1
+
+    for job in pending:
+        blocked = full(job.uid)
+        if blocked is not None:
+            reasons[job.id] = blocked
+            continue
+        if head is None:
+            got = allocate(pool, held, job.ask)
+            if isinstance(got, Slice):
+                take(job, got)
+                continue
+            head, reasons[job.id] = job, RESOURCES
+            shadow = shadow_time(pool, held, ends, job.ask)
+            continue
+        # Behind the head: backfill, or wait.
+        reasons[job.id] = PRIORITY
+        if job.time_limit is None or shadow is None or tried >= BACKFILL_DEPTH:
+            continue
+        tried += 1
+        got = allocate(pool, held, job.ask)
+        if isinstance(got, Shortage):
+            continue
+        end = now + job.time_limit
+        if end > shadow and not _head_fits_beside(pool, held, ends, limits, head,
+                                                  shadow, (job.id, got, job.uid)):
+            continue
+        del reasons[job.id]
+        take(job, got)
+    return Decision(start=tuple(start), reasons=reasons)
+
+
+def shadow_time(pool: Pool, held: list[tuple[int, Slice]], ends: dict[int, float | None],
+                ask: Ask) -> float | None:
+    """The earliest time `ask` fits as the jobs in `held` reach their expected ends (`ends`:
+    id -> end, None for never); None when it never does by known ends. Pure."""
+    left = list(held)
+    for end in sorted({e for e in ends.values() if e is not None}):
+        left = [(i, s) for i, s in left if ends.get(i) is None or ends[i] > end]  # type: ignore[operator]
+        if isinstance(allocate(pool, left, ask), Slice):
+            return end
+    return None
+
+
+def _head_fits_beside(pool: Pool, held: list[tuple[int, Slice]], ends: dict,
+                      limits: Limits, head: Waiting, shadow: float,
+                      extra: tuple[int, Slice, int]) -> bool:
+    """Whether the head still fits at its shadow time with `extra` (id, slice, uid: a job
+    that would run past it) holding its slice too: slices and the limits' slots."""
+    jid, got, uid = extra
+    at_shadow = [(i, s) for i, s in held if ends.get(i) is None or ends[i] > shadow]
+    at_shadow.append((jid, got))
+    if not isinstance(allocate(pool, at_shadow, head.ask), Slice):
+        return False
+    if limits.max_running and len(at_shadow) + 1 > limits.max_running:
+        return False
+    # One more of the head's own user's jobs still running then could take the slot the head
+    # needs under max_running_per_user: conservative, never backfilled past the shadow.
+    return not (limits.max_running_per_user and head.uid == uid)
+
+
+# ---------------------------------------------------------------- the index on disk
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from envctl.host.context import Host
+    from envctl.runtime.context import EnvContext
+    from envctl.runtime.jobs import Job
+
+# The record fields an index line keeps: what `schedule` and `envctl jobs` need.
+ENTRY_FIELDS = ("id", "env", "argv", "name", "user", "uid", "gid", "submitter", "state",
+                "submit_time", "boot_id", "time_limit", "requested", "program", "stdout",
+                "stderr", "workdir", "queued", "reason")
+
+
+def queue_dir(state_dir: Path) -> Path:
+    from envctl.runtime.jobs import jobs_dir
+
+    return jobs_dir(state_dir) / ".queue"
+
+
+def queue_file(state_dir: Path, env: str) -> Path:
+    # `env` is an environment's name (spec.naming: [a-z0-9-], no '/' or '.'), checked when
+    # its context was loaded from its journal.
+    return queue_dir(state_dir) / env
+
+
+def entry(job: Job) -> dict:
+    """The index line of a queued job."""
+    out = job.to_json()
+    return {k: out[k] for k in ENTRY_FIELDS if k in out}
+
+
+def ask_of(requested: dict) -> Ask:
+    """The request of a job as its record says (`requested`: submit-job's --cpus, --gpus,
+    --mem as supervisor._requested writes them)."""
+    from envctl.runtime.context import parse_cpus
+
+    cpus, gpus = requested.get("cpus"), requested.get("gpus")
+    return Ask(cpus=cpus if isinstance(cpus, int) else 0,
+               cpu_list=parse_cpus(cpus) if isinstance(cpus, str) else None,
+               gpus=gpus if isinstance(gpus, int) else 0,
+               gpu_list=tuple(gpus) if isinstance(gpus, list) else None,
+               mem=int(requested.get("mem") or 0))
+
+
+def has_pending(state_dir: Path, env: str) -> bool:
+    """Whether `env` has a queue (a non-empty index): a new job then waits its turn."""
+    try:
+        return queue_file(state_dir, env).stat().st_size > 0
+    except FileNotFoundError:
+        return False
+
+
+def append(state_dir: Path, job: Job) -> None:
+    """Add a queued job to its environment's index (one line, O_APPEND). Under the jobs lock,
+    after its record is written (the record is the truth: a torn line is rebuilt from it)."""
+    import json
+    import os
+
+    d = queue_dir(state_dir)
+    d.mkdir(mode=0o700, exist_ok=True)
+    line = json.dumps(entry(job), separators=(",", ":")).encode() + b"\n"
+    fd = os.open(queue_file(state_dir, job.env), os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                 | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_env(state_dir: Path, env: str) -> list[dict]:
+    """The index lines of `env`, oldest id first; rebuilt from the records (and rewritten)
+    when the file is damaged (a torn line after a crash). Call under the jobs lock."""
+    import json
+
+    try:
+        data = queue_file(state_dir, env).read_bytes()
+    except FileNotFoundError:
+        return []
+    body = data.rstrip(b"\n")
+    if not body:
+        return []
+    try:
+        # json.dumps never writes a raw newline inside a value: the lines are one array.
+        out = json.loads(b"[" + body.replace(b"\n", b",") + b"]")
+        if not all(isinstance(e, dict) and isinstance(e.get("id"), int) for e in out):
+            raise ValueError("not index lines")
+    except ValueError:
+        out = rebuild(state_dir).get(env, [])
+    out.sort(key=lambda e: e["id"])
+    return out
+
+
+def write_env(state_dir: Path, env: str, entries: list[dict]) -> None:
+    """Replace `env`'s index (atomically). Call under the jobs lock."""
+    import contextlib
+    import json
+
+    from envctl.host.files import atomic_write
+
+    path = queue_file(state_dir, env)
+    if not entries:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    queue_dir(state_dir).mkdir(mode=0o700, exist_ok=True)
+    body = b"".join(json.dumps(e, separators=(",", ":")).encode() + b"\n" for e in entries)
+    atomic_write(path, body, mode=0o600, durable=False)
+
+
+def count(state_dir: Path) -> int:
+    """How many jobs the indexes hold (their lines), without parsing them."""
+    import contextlib
+
+    n = 0
+    for env in envs(state_dir):
+        with contextlib.suppress(FileNotFoundError):
+            n += queue_file(state_dir, env).read_bytes().count(b"\n")
+    return n
+
+
+def envs(state_dir: Path) -> list[str]:
+    import os
+
+    try:
+        return sorted(n for n in os.listdir(queue_dir(state_dir)) if not n.startswith("."))
+    except FileNotFoundError:
+        return []
+
+
+def rebuild(state_dir: Path) -> dict[str, list[dict]]:
+    """Every environment's index made again from the records (queued PENDING ones) and
+    written; env -> its lines. Slow (every record), for a damaged index and a daemon's
+    start. Call under the jobs lock."""
+    from envctl.runtime import jobs
+
+    by_env: dict[str, list[dict]] = {}
+    for job in jobs.all_jobs(state_dir):
+        if job.queued and job.state is jobs.State.PENDING:
+            by_env.setdefault(job.env, []).append(entry(job))
+    for env in set(envs(state_dir)) | set(by_env):
+        write_env(state_dir, env, by_env.get(env, []))
+    return by_env
+
+
+def queued_jobs(state_dir: Path, env: str | None = None) -> list[Job]:
+    """The queued jobs as their index lines show them (reasons as the last pass set them),
+    without reading their records: `envctl jobs` with 10,000 queued."""
+    from envctl.runtime.jobs import Job, jobs_lock
+
+    with jobs_lock(state_dir):
+        lines = {e: read_env(state_dir, e) for e in ([env] if env else envs(state_dir))}
+    where = queue_dir(state_dir)
+    return [Job.from_json(x, where) for e in sorted(lines) for x in lines[e]]
+
+
+def listing(state_dir: Path, boot_id: str, *, env: str | None = None,
+            finished: bool = False) -> list[Job]:
+    """jobs.listing, with the queued jobs from the index instead of their records."""
+    from envctl.runtime import jobs
+
+    queued = queued_jobs(state_dir, env) if queue_dir(state_dir).is_dir() else []
+    skip = {j.id for j in queued}
+    out = jobs.listing(state_dir, boot_id, env=env, finished=finished, skip=skip) + queued
+    out.sort(key=lambda j: j.id)
+    return out
+
+
+# ---------------------------------------------------------------- one pass
+
+
+def owner(job: Job) -> int:
+    """Whose job it is for max_running_per_user: who submitted it (else its uid)."""
+    return int(job.submitter[0]) if job.submitter else job.uid
+
+
+def claim(host: Host, load: object, *, now: float | None = None) -> list[tuple[EnvContext, Job]]:
+    """One pass over every environment's queue under the jobs lock: the jobs that start now,
+    each claimed (its record no longer queued, with its slice and this process as its
+    supervisor until the supervisor's own first write, and in the holders' index), and
+    every other queued job's reason written to the index. `load(env)`: the environment's
+    context, or None when it is not up (its queue then waits as it is)."""
+    import time
+
+    from envctl.runtime import jobs, slices
+
+    now = time.time() if now is None else now
+    out: list[tuple[EnvContext, Job]] = []
+    with jobs.jobs_lock(host.state_dir):
+        names = envs(host.state_dir)
+        if not names:
+            return out
+        held, listed = slices.holders(host.state_dir, host.boot_id)
+        keep = [j.id for j in held]
+        for env in names:
+            lines = read_env(host.state_dir, env)
+            if not lines:
+                write_env(host.state_dir, env, [])
+                continue
+            ctx = load(env)  # type: ignore[operator]
+            if ctx is None:
+                continue
+            pool = Pool(cpus=tuple(ctx.cpus), gpus=tuple(ctx.gpus), mem=ctx.memory_max)
+            running = [Running(id=j.id, uid=owner(j), slice=slices.slice_of(j),
+                               end=_expected_end(j, now)) for j in held if j.env == env]
+            waiting = [Waiting(id=e["id"], uid=int((e.get("submitter") or [e["uid"]])[0]),
+                               ask=ask_of(e.get("requested") or {}),
+                               time_limit=e.get("time_limit")) for e in lines]
+            limits = Limits(max_running=ctx.max_running,
+                            max_running_per_user=ctx.max_running_per_user)
+            decision = schedule(pool, running, waiting, limits, now)
+            started = dict(decision.start)
+            left = []
+            changed = bool(started)
+            for e in lines:
+                jid = e["id"]
+                if jid in started:
+                    job = _claim_one(host, jid, started[jid])
+                    if job is not None:
+                        out.append((ctx, job))
+                        keep.append(jid)
+                    continue
+                reason = decision.reasons.get(jid)
+                if e.get("reason") != reason:
+                    e["reason"], changed = reason, True
+                left.append(e)
+            if changed:
+                write_env(host.state_dir, env, left)
+        if sorted(keep) != sorted(listed):
+            slices.write_index(host.state_dir, keep)
+    return out
+
+
+def _expected_end(job: Job, now: float) -> float | None:
+    if job.time_limit is None:
+        return None
+    return (job.start_time if job.start_time is not None else now) + job.time_limit
+
+
+def _claim_one(host: Host, jid: int, got: Slice) -> Job | None:
+    """Mark queued job `jid` started with slice `got`; None when its record is no longer a
+    queued PENDING one (cancelled meanwhile, pruned)."""
+    from envctl.errors import StateCorrupt
+    from envctl.runtime import jobs
+
+    try:
+        job = jobs.read(host.state_dir, jid)
+    except StateCorrupt:
+        return None
+    if job is None or not job.queued or job.state is not jobs.State.PENDING:
+        return None
+    job = job.replace(queued=False, reason=None, cpus=list(got.cpus), gpus=list(got.gpus),
+                      cpus_exclusive=got.cpus_exclusive, gpus_exclusive=got.gpus_exclusive,
+                      mem_bytes=got.mem or None, supervisor=jobs.identity())
+    jobs.write(host.state_dir, job)
+    return job

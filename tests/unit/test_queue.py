@@ -1,0 +1,169 @@
+"""The queue's schedule (runtime.queue.schedule), pure: FCFS, EASY backfill, the limits and
+their reasons; and properties over random pools, running jobs and queues (hypothesis): no two
+running jobs share an exclusive CPU or GPU nor exceed the memory, the head is never delayed by
+a backfilled job, a job without a time limit never passes an earlier one, the limits hold."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from envctl.runtime import queue as q
+from envctl.runtime.slices import Ask, Pool, Slice, allocate
+
+POOL = Pool(cpus=(0, 1, 2, 3), gpus=("g0", "g1"), mem=1000)
+NOW = 1000.0
+
+
+def run(jid: int, cpus: tuple[int, ...], end: float | None, uid: int = 1, mem: int = 0
+        ) -> q.Running:
+    return q.Running(id=jid, uid=uid, slice=Slice(cpus=cpus, cpus_exclusive=True, mem=mem),
+                     end=end)
+
+
+def wait(jid: int, cpus: int, limit: int | None = None, uid: int = 1) -> q.Waiting:
+    return q.Waiting(id=jid, uid=uid, ask=Ask(cpus=cpus), time_limit=limit)
+
+
+def test_fcfs_starts_what_fits_in_order():
+    d = q.schedule(POOL, [], [wait(1, 2), wait(2, 2), wait(3, 1)], q.Limits(), NOW)
+    assert [(i, s.cpus) for i, s in d.start] == [(1, (0, 1)), (2, (2, 3))]
+    assert d.reasons == {3: q.RESOURCES}
+
+
+def test_the_head_waits_for_resources_and_the_rest_for_priority():
+    running = [run(10, (0, 1, 2), end=NOW + 100)]
+    d = q.schedule(POOL, running, [wait(1, 2), wait(2, 4), wait(3, 1)], q.Limits(), NOW)
+    assert d.start == ()
+    assert d.reasons == {1: q.RESOURCES, 2: q.PRIORITY, 3: q.PRIORITY}  # 3: no time limit
+
+
+def test_backfill_of_a_job_that_ends_before_the_shadow_time():
+    running = [run(10, (0, 1, 2), end=NOW + 100)]
+    pending = [wait(1, 4, limit=50), wait(2, 1, limit=100), wait(3, 1, limit=101)]
+    d = q.schedule(POOL, running, pending, q.Limits(), NOW)
+    # The head (4 CPUs) can start at NOW+100; job 2 ends by then; job 3 would not, and it
+    # uses the CPU the head needs.
+    assert [i for i, _ in d.start] == [2]
+    assert d.reasons == {1: q.RESOURCES, 3: q.PRIORITY}
+
+
+def test_backfill_of_a_job_that_uses_only_what_the_head_leaves_free():
+    running = [run(10, (0, 1), end=NOW + 100)]
+    pending = [wait(1, 3, limit=50), wait(2, 1, limit=10_000)]
+    d = q.schedule(POOL, running, pending, q.Limits(), NOW)
+    # At NOW+100 the head takes 3 of 4 CPUs: job 2's one may run on past it.
+    assert [i for i, _ in d.start] == [2]
+
+
+def test_an_unknown_shadow_time_backfills_nothing():
+    running = [run(10, (0, 1, 2), end=None)]  # no time limit: the head's start is unknown
+    d = q.schedule(POOL, running, [wait(1, 2, limit=5), wait(2, 1, limit=1)], q.Limits(), NOW)
+    assert d.start == () and d.reasons == {1: q.RESOURCES, 2: q.PRIORITY}
+
+
+def test_max_running_and_per_user():
+    running = [run(10, (0,), end=None, uid=1)]
+    pending = [wait(1, 1, uid=1), wait(2, 1, uid=2), wait(3, 1, uid=2)]
+    d = q.schedule(POOL, running, pending, q.Limits(max_running_per_user=1), NOW)
+    # User 1 is at its limit: its job waits, and user 2's go on past it (one of theirs).
+    assert [i for i, _ in d.start] == [2]
+    assert d.reasons == {1: q.MAX_RUNNING_PER_USER, 3: q.MAX_RUNNING_PER_USER}
+    d = q.schedule(POOL, running, pending, q.Limits(max_running=2), NOW)
+    assert [i for i, _ in d.start] == [1]
+    assert d.reasons == {2: q.MAX_RUNNING, 3: q.MAX_RUNNING}
+
+
+def test_backfill_depth_bounds_a_pass():
+    running = [run(10, (0, 1, 2, 3), end=NOW + 100)]
+    pending = [wait(1, 4)] + [wait(i, 1, limit=1000) for i in range(2, 2000)]
+    d = q.schedule(POOL, running, pending, q.Limits(), NOW)
+    assert d.start == () and len(d.reasons) == 1999
+
+
+# ---------------------------------------------------------------- properties
+
+asks = st.builds(Ask, cpus=st.integers(0, 4), gpus=st.integers(0, 2),
+                 mem=st.sampled_from([0, 0, 100, 300, 600]))
+limits = st.one_of(st.none(), st.integers(1, 500))
+
+
+@st.composite
+def situations(draw):
+    """A pool, running jobs (valid: allocated one by one), a queue, limits."""
+    running: list[q.Running] = []
+    for jid in range(100, 100 + draw(st.integers(0, 5))):
+        got = allocate(POOL, [(r.id, r.slice) for r in running], draw(asks))
+        if isinstance(got, Slice):
+            end = draw(st.one_of(st.none(), st.floats(NOW + 1, NOW + 500)))
+            running.append(q.Running(id=jid, uid=draw(st.integers(1, 3)), slice=got, end=end))
+    pending = [q.Waiting(id=i, uid=draw(st.integers(1, 3)), ask=draw(asks),
+                         time_limit=draw(limits)) for i in range(1, draw(st.integers(1, 12)))]
+    lim = q.Limits(max_running=draw(st.integers(0, 6)),
+                   max_running_per_user=draw(st.integers(0, 3)))
+    return running, pending, lim
+
+
+def _valid(held: list[Slice]) -> None:
+    cpus = [c for s in held if s.cpus_exclusive for c in s.cpus]
+    gpus = [g for s in held if s.gpus_exclusive for g in s.gpus]
+    assert len(cpus) == len(set(cpus)) and len(gpus) == len(set(gpus))
+    assert sum(s.mem for s in held) <= POOL.mem
+
+
+def _shadow(running: list[q.Running], started: list[tuple[int, Slice, float | None]],
+            ask: Ask) -> float | None:
+    """The head's earliest start by known ends, computed apart from the module's own."""
+    jobs = [(r.id, r.slice, r.end) for r in running] + started
+    times = sorted({e for _, _, e in jobs if e is not None})
+    for t in [NOW, *times]:
+        left = [(i, s) for i, s, e in jobs if e is None or e > t]
+        if isinstance(allocate(POOL, left, ask), Slice):
+            return t
+    return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(situations())
+def test_schedule_keeps_slices_apart_and_limits(case):
+    running, pending, lim = case
+    d = q.schedule(POOL, running, pending, lim, NOW)
+    started = dict(d.start)
+    _valid([r.slice for r in running] + list(started.values()))
+    assert set(started) | set(d.reasons) == {w.id for w in pending}
+    assert not set(started) & set(d.reasons)
+    assert set(d.reasons.values()) <= set(q.REASONS)
+    total = len(running) + len(started)
+    if lim.max_running:
+        assert len(started) == 0 or total <= lim.max_running
+    if lim.max_running_per_user:
+        for uid in {w.uid for w in pending}:
+            mine = sum(1 for r in running if r.uid == uid)
+            new = sum(1 for w in pending if w.uid == uid and w.id in started)
+            assert new == 0 or mine + new <= lim.max_running_per_user
+
+
+@settings(max_examples=400, deadline=None)
+@given(situations())
+def test_the_head_is_never_delayed_and_no_limit_jobs_never_pass(case):
+    running, pending, lim = case
+    d = q.schedule(POOL, running, pending, lim, NOW)
+    started = dict(d.start)
+    heads = [w for w in pending if d.reasons.get(w.id) == q.RESOURCES]
+    assert len(heads) <= 1
+    if not heads:
+        return
+    head = heads[0]
+    limit_of = {w.id: w.time_limit for w in pending}
+    # Who started before the head in submit order (FCFS) and who passed it (backfill).
+    fcfs = [(i, s) for i, s in d.start if i < head.id]
+    passed = [(i, s) for i, s in d.start if i > head.id]
+    for i, _ in passed:
+        assert limit_of[i] is not None  # a job without a time limit never passes the head
+    ends = {i: None if limit_of[i] is None else NOW + limit_of[i] for i, _ in d.start}
+    without = _shadow(running, [(i, s, ends[i]) for i, s in fcfs], head.ask)
+    with_ = _shadow(running, [(i, s, ends[i]) for i, s in fcfs + passed], head.ask)
+    if passed:
+        assert without is not None  # an unknown start time backfills nothing
+        assert with_ is not None and with_ <= without
+    assert started.keys() >= {i for i, _ in fcfs}
