@@ -141,11 +141,11 @@ def test_an_operator_of_one_environment_cannot_act_on_another(team, tmp_path):  
 GATED_PROBE = "#!/bin/bash\nwhile [ ! -e /job/go ]; do sleep 0.05; done\n" + PROBE[12:]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ATTACK: a job started without --gpus holds every GPU's node; a later `--gpus 1` job is "
-    "given one of them as exclusive, yet the first job can still open it (its cgroup's device "
-    "list is the environment's): GPU exclusivity holds only against jobs started after"))
 def test_an_exclusive_gpu_is_closed_to_a_job_that_started_before_it(gpu_host):  # noqa: F811
+    """ATTACK (fixed): a job started without --gpus holds every GPU's node (its cgroup's
+    device list is the environment's, never narrowed while it runs); a later `--gpus 1` job
+    was given one of them as its own, and the first job could still open it. Now a count
+    takes only GPUs no active job can open: the later job waits (Resources)."""
     sb, env = gpu_host
     sb.write_spec("gpu-ab", GPU_SPEC)
     res = sb.envctl("up", "gpu-ab", env=env)
