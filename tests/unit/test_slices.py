@@ -97,3 +97,14 @@ def test_a_jobs_device_rules_drop_only_the_other_gpus_nodes():
 def test_a_wildcard_rule_cannot_be_narrowed(wide):
     with pytest.raises(ValueError, match="allows every"):
         job_device_rules(("c 1:3 rwm", wide), {"GPU-a": 0, "GPU-b": 1}, ("GPU-a",))
+
+
+def test_a_gpu_count_never_takes_a_gpu_another_job_can_open():
+    # A job without --gpus (every GPU, shared) or with a list: its device list has those
+    # nodes for as long as it runs, so a count must not hand them out as exclusive.
+    for shared in (Slice(cpus=(0,), gpus=("GPU-a", "GPU-b")), Slice(cpus=(0,), gpus=("GPU-a",))):
+        got = allocate(POOL, [(6, shared)], Ask(gpus=2))
+        assert isinstance(got, Shortage), got
+        assert "in use by job 6: GPU-a" in got.reason, got.reason
+    got = allocate(POOL, [(6, Slice(cpus=(0,), gpus=("GPU-a",)))], Ask(gpus=1))
+    assert got.gpus == ("GPU-b",) and got.gpus_exclusive

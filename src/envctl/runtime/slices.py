@@ -7,7 +7,9 @@ What a job holds:
   it is active. A list (`--cpus 2-3`) is those CPUs, shared, as before; it may not name a CPU
   another job holds exclusively. Without `--cpus`: every CPU of the environment that no job
   holds exclusively (all of them when none does).
-- `--gpus N` (a count): N of the environment's GPUs, exclusive; a list: those, shared;
+- `--gpus N` (a count): N of the environment's GPUs, exclusive, among those no active job
+  can open (a running job's device list is never narrowed, so a GPU another job has by a
+  list or by asking nothing is not given out by count until it ends); a list: those, shared;
   without: every GPU no job holds exclusively. A job whose GPUs are not all of the
   environment's gets a device allow-list of its own with only its GPUs' nodes.
 - `--mem SIZE`: its own memory.max; the environment's memory limit (when it has one) is
@@ -106,8 +108,12 @@ def allocate(pool: Pool, held: list[tuple[int, Slice]], ask: Ask) -> Slice | Sho
     got_cpus = _pick(ask.cpus, ask.cpu_list, pool.cpus, cpu_owner, "CPU", _cpulist)
     if isinstance(got_cpus, Shortage):
         return got_cpus
+    # A GPU given by count is the job's alone: not one whose node another active job can open
+    # already (a list's, or every GPU of a job without --gpus), since a running job's device
+    # list is never narrowed. The count waits until they end.
+    gpu_busy = gpu_owner | {g: jid for jid, s in held if not s.gpus_exclusive for g in s.gpus}
     got_gpus = _pick(ask.gpus, ask.gpu_list, pool.gpus, gpu_owner, "GPU", _gpulist,
-                     none_ok=True)  # no GPU at all is fine: a CPU job
+                     none_ok=True, busy=gpu_busy)  # no GPU at all is fine: a CPU job
     if isinstance(got_gpus, Shortage):
         return got_gpus
     if ask.mem and pool.mem:
@@ -122,14 +128,19 @@ def allocate(pool: Pool, held: list[tuple[int, Slice]], ask: Ask) -> Slice | Sho
 
 
 def _pick(count: int, listed: tuple | None, pool: tuple, owner: dict, what: str, fmt: object,
-          *, none_ok: bool = False) -> tuple[tuple, bool] | Shortage:
+          *, none_ok: bool = False, busy: dict | None = None) -> tuple[tuple, bool] | Shortage:
     """(the CPUs or GPUs a job gets, exclusive) for a count, a list or neither, or what is
-    missing; `owner`: what other jobs hold exclusively -> the holder's id."""
+    missing; `owner`: what other jobs hold exclusively -> the holder's id; `busy` (default
+    `owner`): what a count may not take -> a job that holds it."""
     free = [x for x in pool if x not in owner]
     if count:
-        if count > len(free):
-            return Shortage(f"{count} {what}(s) asked, {len(free)} free{_held_by(owner, fmt)}")
-        return tuple(free[:count]), True
+        busy = owner if busy is None else busy
+        idle = [x for x in pool if x not in busy]
+        if count > len(idle):
+            held = (_held_by(owner, fmt) if busy is owner else
+                    _held_by(busy, fmt, how="in use by"))
+            return Shortage(f"{count} {what}(s) asked, {len(idle)} free{held}")
+        return tuple(idle[:count]), True
     if listed is not None:
         if taken := [x for x in listed if x in owner]:
             return Shortage(f"{what}(s) {fmt(taken)} asked"  # type: ignore[operator]
@@ -148,15 +159,16 @@ def _gpulist(gpus: object) -> str:
     return ", ".join(gpus)  # type: ignore[call-overload]
 
 
-def _held_by(owner: dict, fmt: object) -> str:
-    """" (job 4: 0-1; job 7: 2)": which jobs hold the rest, each with what it holds."""
+def _held_by(owner: dict, fmt: object, *, how: str = "held exclusively by") -> str:
+    """"; held exclusively by job 4: 0-1; job 7: 2": which jobs hold the rest, each with
+    what it holds."""
     if not owner:
         return ""
     by_job: dict[int, list] = {}
     for thing, jid in owner.items():
         by_job.setdefault(jid, []).append(thing)
     parts = [f"job {jid}: {fmt(things)}" for jid, things in sorted(by_job.items())]  # type: ignore[operator]
-    return f"; held exclusively by {'; '.join(parts)}"
+    return f"; {how} {'; '.join(parts)}"
 
 
 def job_device_rules(env_rules: tuple[str, ...], env_minors: dict[str, int],
