@@ -87,7 +87,9 @@ def run(env: str, argv: list[str], *, user: str | None = None, host: Host | None
         launch.stdio, relays = _relayed_terminals(keep_stdin)
         launch.keep_out = tuple(fd for pair in relays for fd in pair if fd > 2
                                 and fd not in launch.stdio)
-    launch.cgroup_dirs = create_cgroup(ctx, name)
+    from envctl.runtime.supervisor import exec_devices
+
+    launch.cgroup_dirs = create_cgroup(ctx, name, devices=exec_devices(host, ctx))
     try:
         return _attached(launch, relays)
     finally:

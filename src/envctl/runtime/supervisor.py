@@ -793,6 +793,23 @@ def _requested(req: Request) -> dict[str, Any]:
     return out
 
 
+def exec_devices(host: Host, ctx: EnvContext) -> tuple[str, ...] | None:
+    """The device allow-list of an `exec` in `ctx`: the environment's, less the nodes of the
+    GPUs its active jobs hold exclusively (`--gpus N`), so that an exec cannot open a GPU a
+    job was given as its own; None (the environment's list) when no job holds one. (An exec
+    is not in the holders' index: a job submitted while it runs may still be given a GPU the
+    exec has open.)"""
+    from envctl.runtime import slices
+
+    if not ctx.gpus or not ctx.device_rules:
+        return None
+    held, _ = slices.holders(host.state_dir, host.boot_id)
+    taken = {g for j in held if j.env == ctx.env and j.gpus_exclusive for g in j.gpus}
+    if not taken:
+        return None
+    return _job_devices(host, ctx, tuple(g for g in ctx.gpus if g not in taken))
+
+
 def _job_devices(host: Host, ctx: EnvContext, gpus: tuple[str, ...]) -> tuple[str, ...] | None:
     """The device allow-list of a job holding `gpus` of the environment's GPUs (see
     slices.job_device_rules); None when the environment has no list of its own."""

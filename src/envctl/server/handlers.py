@@ -317,14 +317,17 @@ def exec_(caller: Caller, req: dict, fds: list[int], conn: socket.socket | None 
     access.check_user_option(caller, user)
     access.check_submit(env, load_access(env), caller)
     variables = ex.parse_env_vars(_strs(req, "env_vars"))
-    ctx = EnvContext.load(_host(), env)
+    host = _host()
+    ctx = EnvContext.load(host, env)
     who = resolve_user(user, ctx, _run_as(caller, req))
     access.check_run_as(caller, who.uid, who.gid)
     launch = Launch(ctx, argv, job_environ(ctx, who, variables), who, cwd=workdir,
                     attach=systemd_attach(ctx))
     launch.stdio = stdio  # type: ignore[assignment]
     name = f"exec-{os.getpid()}"
-    launch.cgroup_dirs = create_cgroup(ctx, name)
+    from envctl.runtime.supervisor import exec_devices
+
+    launch.cgroup_dirs = create_cgroup(ctx, name, devices=exec_devices(host, ctx))
     try:
         started = start(launch)
         for fd in fds:  # the command holds them now: the client sees EOF when it ends
