@@ -406,6 +406,29 @@ def report(exc: BaseException, *, json_: bool, debug: bool) -> int:
 
 # ---------------------------------------------------------------- the daemon's form
 
+# What a no-op `up` (and the other commands) import beyond the daemon's own modules: imported
+# once by the daemon (preload), so that a request's forked child does not (~140 ms of ~200).
+PRELOAD = (
+    "envctl.app", "envctl.engine.engine", "envctl.engine.signals", "envctl.host.cgroups",
+    "envctl.host.cpufreq", "envctl.host.devices", "grp", "pwd",
+    "envctl.host.elf", "envctl.host.facts", "envctl.host.firewall", "envctl.host.mounts",
+    "envctl.known", "envctl.listing", "envctl.monitor.events", "envctl.plan.planner",
+    "envctl.render", "envctl.resources.bridge", "envctl.resources.cgroup",
+    "envctl.resources.dirs", "envctl.resources.firewall", "envctl.resources.governor",
+    "envctl.resources.kmod", "envctl.resources.mounts", "envctl.resources.netns",
+    "envctl.resources.rootfs", "envctl.resources.service", "envctl.resources.sysctl",
+    "envctl.resources.veth", "envctl.workspace", "elftools.elf.elffile", "rich.console",
+    "rich.markup",
+)
+
+
+def preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+
+
 # The options each command takes through the daemon (the only ones: nothing that changes
 # which specs, state or host settings are used) -> its keyword argument.
 FLAGS: dict[str, dict[str, str]] = {

@@ -506,7 +506,9 @@ def main(path: str | None = None) -> int:
                              "it as root (systemctl start envctl-daemon.socket)")
     path = path or proto.socket_path()
     # The work of a request, loaded once here, so that each child starts warm.
-    import envctl.commands  # noqa: F401 - operate: up/down/status/plan/list, in the child
+    import envctl.commands
+
+    envctl.commands.preload()  # operate: up/down/status/plan/list, run in the child
     import envctl.host.asuser  # noqa: F401
     import envctl.runtime.context  # noqa: F401
     import envctl.runtime.launch  # noqa: F401
