@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from envctl import __version__
+from envctl.commands import GLOBAL_OPTIONS, hoist_global_options  # noqa: F401 - also theirs
 from envctl.commands import emit_json as _emit_json
 from envctl.commands import stderr as _stderr
 from envctl.errors import EnvctlError, SpecError
@@ -744,11 +745,6 @@ def daemon() -> None:
 # ---------------------------------------------------------------- entry point
 
 
-# Options of the envctl command itself, and whether each takes a value: accepted after the
-# subcommand too (`envctl plan X --config-dir D`), as operators type them.
-GLOBAL_OPTIONS = {"--config-dir": True, "-C": True, "--debug": False, "--lock-timeout": True,
-                  "--firewall": True, "--cgroup-driver": True}
-
 
 # ---------------------------------------------------------------- boot units (envctl.units)
 
@@ -971,35 +967,6 @@ def _watch_status(names: list[str] | None, interval: float) -> None:
     watch(render, interval=interval, console=_console())
 
 
-def hoist_global_options(argv: list[str]) -> list[str]:
-    """`argv` with global options given after the subcommand moved before it. Nothing after a
-    `--` moves (it belongs to the command being run)."""
-    i = 0
-    while i < len(argv):  # find the subcommand: the first word that is not a global option
-        word = argv[i]
-        name = word.split("=", 1)[0]
-        if word == "--" or not word.startswith("-"):
-            break
-        i += 2 if GLOBAL_OPTIONS.get(name) and "=" not in word else 1
-    head, rest = argv[: i + 1], argv[i + 1:]
-    moved, kept = [], []
-    j = 0
-    while j < len(rest):
-        word = rest[j]
-        if word == "--":
-            kept += rest[j:]
-            break
-        name = word.split("=", 1)[0]
-        if name in GLOBAL_OPTIONS:
-            takes = GLOBAL_OPTIONS[name] and "=" not in word
-            moved += rest[j:j + 2] if takes else [word]
-            j += 2 if takes else 1
-            continue
-        kept.append(word)
-        j += 1
-    return head[:i] + moved + head[i:] + kept
-
-
 def _one_line_summaries() -> None:
     """Each command's line in `envctl --help`: its docstring's first paragraph as one line,
     which rich wraps to the terminal (the docstring's own line breaks would cut it
@@ -1011,40 +978,17 @@ def _one_line_summaries() -> None:
             cmd.short_help = " ".join(first.split())
 
 
-OPERATE_COMMANDS = ("up", "down", "status", "plan", "list")
-
-
 def _help(argv: list[str]) -> bool:
     return any(a in ("--help", "-h") for a in argv)
 
 
 def _operate_through_daemon(argv: list[str]) -> None:
-    """A plain user's up/down/status/plan/list go through the daemon when it answers (it
-    checks access.operate and uses its own specs and settings): exits with the command's
-    code. Without a daemon, returns: in-process as before (read-only views; `up` and `down`
-    say they need root)."""
-    i = 0
-    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
-        i += 2 if GLOBAL_OPTIONS.get(argv[i].split("=", 1)[0]) and "=" not in argv[i] else 1
-    if i >= len(argv) or argv[i] not in OPERATE_COMMANDS:
-        return
-    from envctl.server import client
+    """envctl.commands.through_daemon: exits with the command's code when the daemon ran it."""
+    from envctl.commands import through_daemon
 
-    try:
-        daemon = client.route()
-    except client.DaemonDown:
-        return
-    assert daemon is not None  # route() returns None for root only
-    given = [a for a in argv[:i] if a != "--debug"]
-    if given:
-        if argv[i] not in ("up", "down"):
-            return  # the user's own read-only view, in-process
-        from envctl.errors import UsageError
-
-        raise UsageError(f"envctl {argv[i]}: {given[0].split('=', 1)[0]} is not taken through "
-                         "the daemon, which uses its own specs and settings")
-    sys.stdout.flush()
-    sys.exit(client.operate(daemon, argv[i:] + (["--debug"] if "--debug" in argv[:i] else [])))
+    code = through_daemon(argv)
+    if code is not None:
+        sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:

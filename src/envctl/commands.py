@@ -460,3 +460,89 @@ def run_argv(argv: list[str], opts: Options | None = None) -> int:
         return COMMANDS[command](names or None, opts or Options(), **kwargs)
     except (EnvctlError, KeyboardInterrupt) as exc:
         return report(exc, json_="--json" in words, debug=debug)
+
+
+# ---------------------------------------------------------------- routing a plain user's
+
+
+# Options of the envctl command itself, and whether each takes a value: accepted after the
+# subcommand too (`envctl plan X --config-dir D`), as operators type them.
+GLOBAL_OPTIONS = {"--config-dir": True, "-C": True, "--debug": False, "--lock-timeout": True,
+                  "--firewall": True, "--cgroup-driver": True}
+
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """`argv` with global options given after the subcommand moved before it. Nothing after a
+    `--` moves (it belongs to the command being run)."""
+    i = 0
+    while i < len(argv):  # find the subcommand: the first word that is not a global option
+        word = argv[i]
+        name = word.split("=", 1)[0]
+        if word == "--" or not word.startswith("-"):
+            break
+        i += 2 if GLOBAL_OPTIONS.get(name) and "=" not in word else 1
+    head, rest = argv[: i + 1], argv[i + 1:]
+    moved, kept = [], []
+    j = 0
+    while j < len(rest):
+        word = rest[j]
+        if word == "--":
+            kept += rest[j:]
+            break
+        name = word.split("=", 1)[0]
+        if name in GLOBAL_OPTIONS:
+            takes = GLOBAL_OPTIONS[name] and "=" not in word
+            moved += rest[j:j + 2] if takes else [word]
+            j += 2 if takes else 1
+            continue
+        kept.append(word)
+        j += 1
+    return head[:i] + moved + head[i:] + kept
+
+
+OPERATE_COMMANDS = ("up", "down", "status", "plan", "list")
+
+
+def through_daemon(argv: list[str]) -> int | None:
+    """A plain user's up/down/status/plan/list go through the daemon when it answers (it
+    checks access.operate and uses its own specs and settings): the command's exit code.
+    Without a daemon, None: in-process as before (read-only views; `up` and `down`
+    say they need root)."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 2 if GLOBAL_OPTIONS.get(argv[i].split("=", 1)[0]) and "=" not in argv[i] else 1
+    if i >= len(argv) or argv[i] not in OPERATE_COMMANDS:
+        return None
+    from envctl.server import client
+
+    try:
+        daemon = client.route()
+    except client.DaemonDown:
+        return None
+    assert daemon is not None  # route() returns None for root only
+    given = [a for a in argv[:i] if a != "--debug"]
+    if given:
+        if argv[i] not in ("up", "down"):
+            return None  # the user's own read-only view, in-process
+        raise UsageError(f"envctl {argv[i]}: {given[0].split('=', 1)[0]} is not taken through "
+                         "the daemon, which uses its own specs and settings")
+    sys.stdout.flush()
+    return client.operate(daemon, argv[i:] + (["--debug"] if "--debug" in argv[:i] else []))
+
+
+def fast_entry() -> None:
+    """`envctl up|down|status|plan|list …` of a plain user (envctl.entry) without the typer
+    CLI: through the daemon, leaving with its exit code. Returns, doing nothing, when the
+    daemon does not take it (not running, --help, the user's own read-only view)."""
+    argv = hoist_global_options(sys.argv[1:])
+    if os.geteuid() == 0 or any(a in ("--help", "-h") for a in argv):
+        return
+    try:
+        code = through_daemon(argv)
+    except EnvctlError as exc:
+        stderr(f"error: {exc}")
+        code = exc.exit_code
+    if code is None:
+        return
+    from envctl.runtime.fastpath import run_fast
+
+    run_fast(lambda: code)
