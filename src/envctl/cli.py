@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 from enum import StrEnum
@@ -13,6 +12,9 @@ from typing import Annotated, Any
 import typer
 
 from envctl import __version__
+from envctl.commands import GLOBAL_OPTIONS, hoist_global_options  # noqa: F401 - also theirs
+from envctl.commands import emit_json as _emit_json
+from envctl.commands import stderr as _stderr
 from envctl.errors import EnvctlError, SpecError
 
 app = typer.Typer(
@@ -111,54 +113,40 @@ def _main(
 # ---------------------------------------------------------------- helpers
 
 
+def _opts():
+    from envctl.commands import Options
+
+    return Options(CTX.config_dir, CTX.lock_timeout)
+
+
 def _split(names: list[str] | None) -> tuple[list[str], list[Path]]:
-    """Arguments naming spec files (a path that exists, or ends in .yaml) are loaded as files."""
-    env_names, files = [], []
-    for n in names or []:
-        if n.endswith((".yaml", ".yml")) or "/" in n:
-            files.append(Path(n))
-        else:
-            env_names.append(n)
-    return env_names, files
+    from envctl.commands import split
+
+    return split(names)
 
 
 def _workspace(names: list[str] | None, **kwargs: Any):
-    from envctl.workspace import Workspace, config_dir
+    from envctl.commands import workspace
 
-    env_names, files = _split(names)
-    ws = Workspace.open(config_dir(CTX.config_dir), extra_files=files, **kwargs)
-    for f in files:  # a file with problems is not among the specs (Workspace.open `collect`)
-        env_names += [ls.spec.name for ls in ws.specs if Path(ls.path).resolve() == f.resolve()]
-    return ws, env_names
+    return workspace(names, _opts(), **kwargs)
 
 
 def _require_known(names: list[str], host: Any, ws: Any = None) -> None:
     """envctl.known.require_known with this command's --config-dir (exit 2 for a typo)."""
-    from envctl.known import require_known
+    from envctl.commands import require_known
 
-    require_known(names, host, ws, CTX.config_dir)
-
-
-def _emit_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    require_known(names, host, _opts(), ws)
 
 
 def _console():
-    from rich.console import Console
+    from envctl.commands import console
 
-    # No emoji codes: a MAC address holding ":cd:" must not print as a picture.
-    console = Console(highlight=False, emoji=False)
-    if not console.is_terminal:
-        # Piped to a file or a program: one line per line, never wrapped at 80 columns.
-        console.soft_wrap = True
-    return console
+    return console()
 
 
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------- commands
+def _exit(code: int) -> None:
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -233,50 +221,16 @@ def plan(
 
     Example: envctl plan cpu-compute
     """
-    from envctl import app as ops
-    from envctl.render import render_plan
+    from envctl import commands
 
-    ws, env_names = _workspace(names)
-    engine = ws.engine()
-    out = []
-    if down_:
-        targets = ops.known_environments(ws, ws.host) if all_ else env_names
-        if not targets:
-            raise typer.BadParameter("name at least one environment, or use --all")
-        _require_known(targets, ws.host, ws)
-        for n in targets:
-            steps = engine.diff_down(n)  # each removal says what it restores
-            out.append({"env": n, "warnings": [], "resolved": {}, "steps": steps})
-    else:
-        from envctl.listing import spec_limits
-
-        for p in ws.plan_all(ws.select(env_names, all_=all_)):
-            out.append({"env": p.env, "limits": spec_limits(ws.get(p.env).spec, p.resolved),
-                        "warnings": p.warnings, "resolved": p.resolved,
-                        "steps": engine.diff(p.env, p.resources)})
-    if json_:
-        _emit_json([{**o, "steps": [s.to_json() for s in o["steps"]]} for o in out])
-    else:
-        # A warning several environments share is about this host (memory.high on cgroup
-        # v1, no cpufreq): said once, naming them, rather than under each.
-        console = _console()
-        shared = {w: envs for w, envs in _warned({o["env"]: o["warnings"] for o in out}).items()
-                  if len(envs) > 1}
-        for w, envs in shared.items():
-            from rich.markup import escape
-
-            console.print(f"[yellow]warning: {escape(w)}[/]  [dim]({', '.join(envs)})[/]")
-        render_plan(console, [{**o, "warnings": [w for w in o["warnings"] if w not in shared]}
-                              for o in out], down=down_)
+    _exit(commands.plan(names, _opts(), all_=all_, down_=down_, json_=json_))
 
 
 def _warned(warnings: dict[str, list[str]]) -> dict[str, list[str]]:
     """Each warning, once -> the environments that have it, in order."""
-    who: dict[str, list[str]] = {}
-    for env, found in warnings.items():
-        for w in dict.fromkeys(found):
-            who.setdefault(w, []).append(env)
-    return who
+    from envctl.commands import warned
+
+    return warned(warnings)
 
 
 @app.command()
@@ -290,49 +244,9 @@ def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> 
 
     Example: sudo envctl up cpu-compute
     """
-    from envctl import app as ops
-    from envctl.engine.signals import interruptible
-    from envctl.render import bar_printer, render_outcomes, step_printer
+    from envctl import commands
 
-    ws, env_names = _workspace(names, secure=os.geteuid() == 0)
-    selected = ws.select(env_names, all_=all_)
-    if all_:
-        plans, skipped = ws.plan_each(selected)
-    else:
-        plans, skipped = ws.plan_all(selected), {}
-    ops.require_root("up")
-    interruptible()  # SIGTERM / SIGHUP roll back like Ctrl-C
-    for w, envs in _warned({p.env: p.warnings for p in plans}).items():  # each once
-        _stderr(f"warning: {', '.join(envs)}: {w}")
-    for env, exc in skipped.items():
-        for problem in exc.problems:
-            _stderr(f"error: {problem}")
-        _stderr(f"skipped {env}: this host cannot serve it")
-    if not json_:
-        ws.host.progress = bar_printer(_console())
-    engine = ws.engine(lock_timeout=CTX.lock_timeout, on_wait=_stderr,
-                       progress=None if json_ else step_printer(_console()))
-    from envctl.listing import spec_digest
-
-    # With what the spec said (its digest), for `list` to tell up from not-applied quickly.
-    result = ops.up(plans, engine, {p.env: {**ws.claims(p.env),
-                                            "spec_digest": spec_digest(ws.get(p.env).spec)}
-                                    for p in plans})
-    for env, err in result.failed.items():
-        _stderr(f"error: {env}: {err}")
-    if json_:
-        _emit_json([o.to_json() for o in result.outcomes]
-                   + [{"env": env, "error": err} for env, err in result.failed.items()]
-                   + [{"env": env, "skipped": [str(p) for p in exc.problems]}
-                      for env, exc in skipped.items()])
-    else:
-        render_outcomes(_console(), result.outcomes, verb="up")
-    if result.failed or skipped:
-        # Last, in one line: what `systemctl status envctl` shows of a boot's `up --all`.
-        not_up = [f"{env} (failed)" for env in result.failed] + \
-            [f"{env} (skipped)" for env in skipped]
-        _stderr(f"not up: {', '.join(not_up)}")
-        raise typer.Exit(1)
+    _exit(commands.up(names, _opts(), all_=all_, json_=json_))
 
 
 @app.command()
@@ -358,117 +272,11 @@ def down(
 
     Example: sudo envctl down --all
     """
-    from envctl import app as ops
-    from envctl.engine.engine import Engine
-    from envctl.engine.signals import interruptible
-    from envctl.host.context import Host
-    from envctl.render import render_outcomes
+    from envctl import commands
 
-    if all_ and names:
-        raise typer.BadParameter("give environment names or --all, not both")
-    host = Host.from_env()
-    if purge:
-        host.options["purge"] = "1"
-    if all_:
-        targets = ops.known_environments(None, host)
-    elif names:
-        targets = [_split([n])[0][0] if _split([n])[0] else _name_of_file(n) for n in names]
-    else:
-        raise typer.BadParameter("name at least one environment, or use --all")
-    ops.require_root("down")
-    if not force:
-        _require_known(targets, host)
-    _jobs_before_down(host, targets, force=force)
-    interruptible()
-    engine = Engine(host, lock_timeout=CTX.lock_timeout, on_wait=_stderr)
-    if force:
-        outcomes, repair = ops.force_down(engine, targets, _planned_by_name(targets))
-        for path in repair.kept:
-            _stderr(f"kept damaged state file as {path}")
-        for env, what in repair.found.items():
-            _stderr(f"{env}: found by name: {'; '.join(what)}")
-        for env, what in repair.lost.items():
-            _stderr(f"{env}: left as found (its memo was lost with the damaged state): "
-                    f"{'; '.join(what)}")
-    else:
-        outcomes = ops.down(engine, targets)
-    if json_:
-        _emit_json([o.to_json() for o in outcomes])
-    else:
-        render_outcomes(_console(), outcomes, verb="down")
-    if any(o.errors for o in outcomes):
-        raise typer.Exit(1)
+    _exit(commands.down(names, _opts(), all_=all_, force=force, purge=purge, json_=json_))
 
 
-def _jobs_before_down(host: Any, targets: list[str], *, force: bool) -> None:
-    """Jobs still running in an environment stop its `down` (exit 1: the host's state refuses
-    it, the command is right) unless --force, which cancels them first (recorded CANCELLED)."""
-    from envctl.runtime.jobs import jobs_dir
-
-    if not jobs_dir(host.state_dir).is_dir():
-        return  # no job was ever submitted here
-    from envctl.runtime import supervisor as sv
-
-    if not force:
-        for env in targets:
-            sv.refuse_down(host, env)
-        return
-    from envctl.host.cgroups import kill_grace_from_env
-
-    for env in targets:  # with teardown's grace (ENVCTL_KILL_GRACE) between SIGTERM and SIGKILL
-        for job in sv.stop_env_jobs(host, env, grace=kill_grace_from_env()):
-            _stderr(f"{env}: job {job.id} {job.state}")
-
-
-def _planned_by_name(names: list[str]) -> dict[str, list]:
-    """For `down --force`: the resources each named environment's spec plans on this host
-    (what envctl would have made, by name), when its spec is in the config directory."""
-    from envctl.workspace import Workspace, config_dir
-
-    try:
-        ws = Workspace.open(config_dir(CTX.config_dir), pure=True)
-    except EnvctlError as exc:
-        _stderr(f"warning: specs not read ({exc}): only what the journals name is removed")
-        return {}
-    ws = ws.with_host_facts()
-    out = {}
-    for name in names:
-        if name not in ws.names():
-            _stderr(f"warning: no spec for {name}: only what its journal names is removed")
-            continue
-        try:
-            out[name] = ws.plan(ws.get(name)).resources
-        except EnvctlError as exc:
-            _stderr(f"warning: {name} cannot be planned here ({exc}): only what its journal "
-                    "names is removed")
-    return out
-
-
-def _name_of_file(path: str) -> str:
-    from envctl.spec.loader import load_spec
-
-    return load_spec(path).spec.name
-
-
-def _targets(names: list[str] | None, host: Any, *, pure: bool = False
-             ) -> tuple[Any, list[str]]:
-    """The workspace (None when its specs cannot be read) and the environments named, else
-    every one known. Read-only commands work from the journals when a spec is gone or broken:
-    a bad spec elsewhere must not make `status --check` of what is up fail. The problems are
-    still shown."""
-    from envctl import app as ops
-
-    ws = None
-    try:
-        ws, env_names = _workspace(names, pure=pure)
-    except EnvctlError as exc:
-        for line in (exc.problems if isinstance(exc, SpecError) else [exc]):
-            _stderr(f"warning: {line}")
-        _stderr("warning: specs not read: showing what the journals record")
-        env_names = [n for n in names or [] if not n.endswith((".yaml", ".yml"))]
-    if env_names:
-        _require_known(env_names, host, ws)
-    return ws, env_names or ops.known_environments(ws, host)
 
 
 @app.command()
@@ -490,40 +298,13 @@ def status(
 
     Example: envctl status cpu-compute --json
     """
-    from envctl import app as ops
-    from envctl import listing
-    from envctl.host.context import Host
-    from envctl.render import render_status
+    from envctl import commands
 
     if watch:
         if json_ or check:
             raise typer.BadParameter("--watch redraws for a person: not with --json or --check")
         return _watch_status(names, interval)
-    host = Host.from_env()
-    ws, targets = _targets(names, host)
-    rows = ops.status_rows(ws, host, targets)
-    warnings = ops.status_warnings(ws, host, targets)
-    cgroups = ops.cgroup_usage(host, rows)
-    isolation = ops.status_isolation(ws, host, list(rows))
-    descriptions = ops.status_descriptions(ws, host, list(rows))
-    states = listing.status_states(ws, host, rows)
-    limits = listing.limit_summaries(ws, host, list(rows), states)
-    events = _recent_events(host, list(rows))
-    if json_:
-        _emit_json([{"env": env, "state": states[env], "up": states[env] != "down",
-                     "description": descriptions.get(env, ""), "limits": limits.get(env),
-                     "isolation": isolation.get(env, {"level": "native"}),
-                     "steps": [s.to_json() for s in steps],
-                     "warnings": warnings.get(env, []), "cgroup": cgroups.get(env),
-                     "events": events.get(env, [])}
-                    for env, steps in rows.items()])
-    else:
-        render_status(_console(), rows, warnings, cgroups=cgroups, isolation=isolation,
-                      descriptions=descriptions, states=states, limits=limits)
-        _render_events(_console(), events)
-    if check and any(s.op != "=" for steps in rows.values() for s in steps
-                     if s.note != "not applied"):
-        raise typer.Exit(1)
+    _exit(commands.status(names, _opts(), json_=json_, check=check))
 
 
 @app.command("list")
@@ -539,17 +320,9 @@ def list_(names: EnvNames = None, json_: JsonOpt = False) -> None:
 
     Example: envctl list;  envctl ps --json | jq -r '.[] | select(.state != "up") | .name'
     """
-    from envctl import listing
-    from envctl.host.context import Host
-    from envctl.render import render_list
+    from envctl import commands
 
-    host = Host.from_env()
-    ws, targets = _targets(names, host, pure=True)  # host facts only as rows need them
-    rows = listing.rows(ws, host, targets)
-    if json_:
-        _emit_json([r.to_json() for r in rows])
-    else:
-        render_list(_console(), rows)
+    _exit(commands.list_(names, _opts(), json_=json_))
 
 
 app.command("ps", hidden=True)(list_)
@@ -972,11 +745,6 @@ def daemon() -> None:
 # ---------------------------------------------------------------- entry point
 
 
-# Options of the envctl command itself, and whether each takes a value: accepted after the
-# subcommand too (`envctl plan X --config-dir D`), as operators type them.
-GLOBAL_OPTIONS = {"--config-dir": True, "-C": True, "--debug": False, "--lock-timeout": True,
-                  "--firewall": True, "--cgroup-driver": True}
-
 
 # ---------------------------------------------------------------- boot units (envctl.units)
 
@@ -1146,21 +914,15 @@ def top(
 
 
 def _recent_events(host: Any, envs: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """The monitor's last events of each environment (for `status`)."""
-    from envctl.monitor import events
+    from envctl.commands import recent_events
 
-    return events.recent(host.state_dir, per_env=3, envs=envs)
+    return recent_events(host, envs)
 
 
 def _render_events(console: Any, recent: dict[str, list[dict[str, Any]]]) -> None:
-    from rich.markup import escape
+    from envctl.commands import render_events
 
-    from envctl.monitor.events import format_event
-
-    for env, got in recent.items():
-        console.print(f"[bold]{env}[/]  monitor events:")
-        for rec in got:
-            console.print(f"  [dim]{escape(format_event(rec))}[/]")
+    render_events(console, recent)
 
 
 def _watch_status(names: list[str] | None, interval: float) -> None:
@@ -1205,35 +967,6 @@ def _watch_status(names: list[str] | None, interval: float) -> None:
     watch(render, interval=interval, console=_console())
 
 
-def hoist_global_options(argv: list[str]) -> list[str]:
-    """`argv` with global options given after the subcommand moved before it. Nothing after a
-    `--` moves (it belongs to the command being run)."""
-    i = 0
-    while i < len(argv):  # find the subcommand: the first word that is not a global option
-        word = argv[i]
-        name = word.split("=", 1)[0]
-        if word == "--" or not word.startswith("-"):
-            break
-        i += 2 if GLOBAL_OPTIONS.get(name) and "=" not in word else 1
-    head, rest = argv[: i + 1], argv[i + 1:]
-    moved, kept = [], []
-    j = 0
-    while j < len(rest):
-        word = rest[j]
-        if word == "--":
-            kept += rest[j:]
-            break
-        name = word.split("=", 1)[0]
-        if name in GLOBAL_OPTIONS:
-            takes = GLOBAL_OPTIONS[name] and "=" not in word
-            moved += rest[j:j + 2] if takes else [word]
-            j += 2 if takes else 1
-            continue
-        kept.append(word)
-        j += 1
-    return head[:i] + moved + head[i:] + kept
-
-
 def _one_line_summaries() -> None:
     """Each command's line in `envctl --help`: its docstring's first paragraph as one line,
     which rich wraps to the terminal (the docstring's own line breaks would cut it
@@ -1245,40 +978,17 @@ def _one_line_summaries() -> None:
             cmd.short_help = " ".join(first.split())
 
 
-OPERATE_COMMANDS = ("up", "down", "status", "plan", "list")
-
-
 def _help(argv: list[str]) -> bool:
     return any(a in ("--help", "-h") for a in argv)
 
 
 def _operate_through_daemon(argv: list[str]) -> None:
-    """A plain user's up/down/status/plan/list go through the daemon when it answers (it
-    checks access.operate and uses its own specs and settings): exits with the command's
-    code. Without a daemon, returns: in-process as before (read-only views; `up` and `down`
-    say they need root)."""
-    i = 0
-    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
-        i += 2 if GLOBAL_OPTIONS.get(argv[i].split("=", 1)[0]) and "=" not in argv[i] else 1
-    if i >= len(argv) or argv[i] not in OPERATE_COMMANDS:
-        return
-    from envctl.server import client
+    """envctl.commands.through_daemon: exits with the command's code when the daemon ran it."""
+    from envctl.commands import through_daemon
 
-    try:
-        daemon = client.route()
-    except client.DaemonDown:
-        return
-    assert daemon is not None  # route() returns None for root only
-    given = [a for a in argv[:i] if a != "--debug"]
-    if given:
-        if argv[i] not in ("up", "down"):
-            return  # the user's own read-only view, in-process
-        from envctl.errors import UsageError
-
-        raise UsageError(f"envctl {argv[i]}: {given[0].split('=', 1)[0]} is not taken through "
-                         "the daemon, which uses its own specs and settings")
-    sys.stdout.flush()
-    sys.exit(client.operate(daemon, argv[i:] + (["--debug"] if "--debug" in argv[:i] else [])))
+    code = through_daemon(argv)
+    if code is not None:
+        sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1304,28 +1014,10 @@ def main(argv: list[str] | None = None) -> None:
         command = getattr(getattr(exc, "ctx", None), "command_path", "envctl")
         _stderr(f"error: {exc.format_message()} (see `{command} --help`)")
         rc = 2
-    except SpecError as exc:
-        if "--json" in argv:
-            _emit_json({"ok": False, "problems": [vars(p) for p in exc.problems],
-                        "warnings": [vars(w) for w in exc.warnings]})
-        for p in exc.problems:
-            _stderr(f"error: {p}")
-        for w in exc.warnings:
-            _stderr(f"warning: {w}")
-        _stderr(f"{len(exc.problems)} problem(s); nothing was changed")
-        rc = exc.exit_code
-    except EnvctlError as exc:
-        if debug:
-            import traceback
+    except (EnvctlError, KeyboardInterrupt) as exc:
+        from envctl.commands import report
 
-            traceback.print_exc()
-        _stderr(f"error: {exc}")
-        rc = exc.exit_code
-    except KeyboardInterrupt as exc:
-        # Outside a step (waiting for the lock, between environments, during down): what was
-        # done is journalled; running the command again finishes it.
-        _stderr("interrupted")
-        rc = 128 + getattr(exc, "signum", 2)
+        rc = report(exc, json_="--json" in argv, debug=debug)
     sys.exit(rc or 0)
 
 

@@ -1,5 +1,6 @@
 """The `envctl` command (console script and `python -m envctl`). `envctl exec …` and
-`envctl submit-job …` take a fast path that never builds the typer CLI (its import and parse
+`envctl submit-job …` (and a plain user's up/down/status/plan/list, through the daemon) take
+a fast path that never builds the typer CLI (its import and parse
 cost ~25 ms of a launch); everything else, and any `exec` or `submit-job` the fast parsers do
 not take (--help, global options, other forms), goes to envctl.cli."""
 
@@ -18,6 +19,10 @@ def main() -> None:
         from envctl.runtime.submit import fast_entry
 
         fast_entry()
+    elif command and command[0] in ("up", "down", "status", "plan", "list"):
+        from envctl.commands import fast_entry
+
+        fast_entry()  # a plain user's, through the daemon when it runs
     from envctl.cli import entry
 
     entry()

@@ -387,9 +387,6 @@ def operate(caller: Caller, req: dict, fds: list[int], conn: socket.socket | Non
     it, in a process of the daemon's with the daemon's settings, its output on the client's
     stdout and stderr; the reply is its exit code. The client leaving interrupts it (SIGINT:
     up and down roll back or finish as at Ctrl-C)."""
-    import signal
-    import subprocess
-    import sys
     from pathlib import Path
 
     from envctl.engine.journal import journal_path
@@ -417,30 +414,73 @@ def operate(caller: Caller, req: dict, fds: list[int], conn: socket.socket | Non
                            "you")
     for name in names:
         access.check_operate(name, load_access(name), caller)
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("SUDO_")}
-    child = subprocess.Popen([sys.executable, "-m", "envctl", *argv], stdin=subprocess.DEVNULL,
-                             stdout=out_fd, stderr=err_fd, env=environ, close_fds=True)
+    return {"exit": _run_operate(argv, out_fd, err_fd, fds, conn)}, []
+
+
+def _run_operate(argv: list[str], out_fd: int, err_fd: int, fds: list[int],
+                 conn: socket.socket | None) -> int:
+    """The command (envctl.commands.run_argv) here, in the request's child, as `envctl ARGV`
+    run by root would: stdin /dev/null, the client's stdout and stderr on fds 1 and 2 (the
+    child's own put back after), no SUDO_* of the daemon's, SIGINT a KeyboardInterrupt and
+    SIGPIPE ignored (as in a new Python). The client leaving sends SIGINT here, as at Ctrl-C:
+    `up` and `down` roll back or finish."""
+    import signal
+    import sys
+    import threading
+
+    from envctl import commands
+
+    for key in [k for k in os.environ if k.startswith("SUDO_")]:
+        del os.environ[key]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(0), os.dup(1), os.dup(2)]
+    null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    for src, dst in ((null, 0), (out_fd, 1), (err_fd, 2)):
+        os.dup2(src, dst)
+    os.close(null)
     for fd in fds:
         os.close(fd)
     fds.clear()
-    poller = select.poll()
-    pidfd = os.pidfd_open(child.pid)
-    poller.register(pidfd, select.POLLIN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    stop_r, stop_w = os.pipe2(os.O_CLOEXEC)
+    watcher = None
     if conn is not None:
-        poller.register(conn.fileno(), select.POLLIN | select.POLLRDHUP)
+        def watch(fileno: int = conn.fileno()) -> None:
+            poller = select.poll()
+            poller.register(fileno, select.POLLIN | select.POLLRDHUP)
+            poller.register(stop_r, select.POLLIN)
+            while True:
+                try:
+                    events = dict(poller.poll())
+                except InterruptedError:
+                    continue
+                if stop_r not in events:
+                    os.kill(os.getpid(), signal.SIGINT)  # the client left (Ctrl-C)
+                return
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
     try:
-        while True:
-            events = dict(poller.poll())
-            if pidfd in events:
-                break
-            if conn is not None and conn.fileno() in events:
-                child.send_signal(signal.SIGINT)  # the client left (Ctrl-C): as at Ctrl-C
-                poller.unregister(conn.fileno())
-                conn = None
+        code = commands.run_argv(argv)
+    except SystemExit as exc:  # pragma: no cover - the commands return their status
+        code = exc.code if isinstance(exc.code, int) else 1
     finally:
-        os.close(pidfd)
-    code = child.wait()
-    return {"exit": 128 - code if code < 0 else code}, []
+        os.write(stop_w, b"x")
+        if watcher is not None:
+            watcher.join()
+        os.close(stop_r)
+        os.close(stop_w)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        with contextlib.suppress(OSError):
+            sys.stdout.flush()
+        with contextlib.suppress(OSError):
+            sys.stderr.flush()
+        for fd, dst in zip(saved, (0, 1, 2), strict=True):
+            os.dup2(fd, dst)
+            os.close(fd)
+    return code
 
 
 INLINE = {"ping": ping, "jobs": list_jobs}

@@ -455,7 +455,7 @@ def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) ->
     sock.setblocking(True)
     op = request.get("op")
     handler = handlers.FORKED[op]
-    kw = {"conn": sock} if op in ("wait", "exec") else {}
+    kw = {"conn": sock} if op in ("wait", "exec", "operate") else {}
     reply = run_handler(handler, caller, request, fds, **kw)
     if not reply:
         return 0  # the client left
@@ -506,6 +506,9 @@ def main(path: str | None = None) -> int:
                              "it as root (systemctl start envctl-daemon.socket)")
     path = path or proto.socket_path()
     # The work of a request, loaded once here, so that each child starts warm.
+    import envctl.commands
+
+    envctl.commands.preload()  # operate: up/down/status/plan/list, run in the child
     import envctl.host.asuser  # noqa: F401
     import envctl.runtime.context  # noqa: F401
     import envctl.runtime.launch  # noqa: F401
