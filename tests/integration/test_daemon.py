@@ -274,7 +274,9 @@ def test_a_kill_9_of_the_daemon_mid_submit_loses_nothing(team):
     team.start({"ENVCTL_FAULT": f"until={flag}@submit:before"})
     prog = team.script(ALICE, "hi.py", "print('hi')\n")
     client = team.as_user_popen(ALICE, "submit-job", "--json", "box", prog)
-    _wait_for(team.children, "the submit's child", client)
+    # The submit's child is held at the fault (the daemon's other children, its queue
+    # passes, come and go: counting children would be luck).
+    _wait_for(lambda: Path(f"{flag}.waiting").exists(), "the submit's child", client)
     team.kill(signal.SIGKILL)  # in the middle of the submit: nothing written yet
     assert client.poll() is None and _job_ids(team) == []
     flag.touch()

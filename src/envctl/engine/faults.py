@@ -2,7 +2,8 @@
 
 Syntax: comma-separated `ACTION@POINT:PATTERN` where
   ACTION  fail | kill | sleep<SECONDS> | until=<PATH> (block until PATH exists: a test
-          holds envctl at a point for exactly as long as it needs, without timing luck) |
+          holds envctl at a point for exactly as long as it needs, without timing luck;
+          PATH.waiting is made first, so that the test knows the point is reached) |
           errno=<NAME> (raise OSError NAME, e.g. errno=ENOSPC: what a full disk does)
   POINT   before (nothing journalled yet), apply (journalled, host not yet changed),
           after (host changed, not yet journalled as applied), remove (before a removal),
@@ -69,6 +70,9 @@ def maybe_fault(point: str, key: str, index: int) -> None:
         if action.startswith("sleep"):
             time.sleep(float(action[5:] or 1))
         if action.startswith("until="):
+            # PATH.waiting says the point is reached: a test waits for that, not for luck.
+            with open(action[6:] + ".waiting", "w"):
+                pass
             deadline = time.monotonic() + 600
             while not os.path.exists(action[6:]) and time.monotonic() < deadline:
                 time.sleep(0.01)
