@@ -83,7 +83,10 @@ class Sandbox:
             "ENVCTL_CGROUP_PARENT": self.cgroup_parent,
             # A daemon of the host's own (/run/envctl/envctl.sock, the README's quick start)
             # must not serve the sandbox's commands: none answers here unless a test starts one.
-            "ENVCTL_SOCKET": str(self.root / "envctl.sock"),
+            # A path nobody makes, below a directory every user may search: a plain user's
+            # client finds no daemon there (ENOENT), as on a host without one, rather than a
+            # socket it may not reach (EACCES below the test's 0700 directory).
+            "ENVCTL_SOCKET": f"/run/{self.cgroup_parent}-no-daemon/envctl.sock",
         })
         env.update(extra or {})
         return env
