@@ -167,3 +167,97 @@ def test_the_head_is_never_delayed_and_no_limit_jobs_never_pass(case):
         assert without is not None  # an unknown start time backfills nothing
         assert with_ is not None and with_ <= without
     assert started.keys() >= {i for i, _ in fcfs}
+
+
+# ---------------------------------------------------------------- a submit's pass skipped
+
+
+def _index(tmp, lines: list[dict]) -> None:
+    q.queue_dir(tmp).parent.mkdir(exist_ok=True)
+    q.write_env(tmp, "e", lines)
+
+
+def _line(jid: int, limit: int | None, reason: str | None, name: str = "x") -> dict:
+    # An index line as `entry` orders it (id first), with only what could_start reads.
+    return {"id": jid, "env": "e", "name": name, "time_limit": limit, "reason": reason}
+
+
+def _new(jid: int, limit: int | None, reason: str):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(id=jid, env="e", time_limit=limit, reason=reason)
+
+
+def test_a_submit_behind_a_deep_queue_needs_no_pass(tmp_path):
+    lines = [_line(1, 60, q.RESOURCES)] + [_line(i, 60, q.PRIORITY)
+                                           for i in range(2, q.BACKFILL_DEPTH + 2)]
+    _index(tmp_path, lines)
+    assert not q.could_start(tmp_path, _new(10_000, 60, q.PRIORITY))
+    assert not q.could_start(tmp_path, _new(10_000, None, q.PRIORITY))  # never backfilled
+    # One fewer timed job before it: it is tried for backfill.
+    _index(tmp_path, lines[:-1])
+    assert q.could_start(tmp_path, _new(10_000, 60, q.PRIORITY))
+    # Only the lines ahead of it count: a lower id appended after higher ones.
+    _index(tmp_path, lines)
+    assert q.could_start(tmp_path, _new(3, 60, q.PRIORITY))
+    assert not q.could_start(tmp_path, _new(3, None, q.PRIORITY))
+
+
+def test_a_submit_needs_a_pass_without_a_head_or_past_a_limit(tmp_path):
+    assert q.could_start(tmp_path, _new(5, None, q.RESOURCES))  # an empty queue
+    assert not q.could_start(tmp_path, _new(5, None, q.MAX_RUNNING))
+    assert not q.could_start(tmp_path, _new(5, 60, q.MAX_RUNNING_PER_USER))
+    # No head (its line not yet passed): a pass decides.
+    _index(tmp_path, [_line(1, None, q.PRIORITY)])
+    assert q.could_start(tmp_path, _new(5, None, q.PRIORITY))
+    # Jobs a per-user limit holds: the new one of another user may be the head.
+    _index(tmp_path, [_line(1, None, q.MAX_RUNNING_PER_USER), _line(2, None, q.RESOURCES)])
+    assert q.could_start(tmp_path, _new(5, None, q.PRIORITY))
+    # The head is behind it (a lower id appended late): it may start first.
+    _index(tmp_path, [_line(7, None, q.RESOURCES)])
+    assert q.could_start(tmp_path, _new(5, None, q.PRIORITY))
+    # A name a user chose cannot forge a head (json.dumps escapes its quotes).
+    _index(tmp_path, [_line(1, None, q.PRIORITY, name='"reason":"Resources"')])
+    assert q.could_start(tmp_path, _new(5, None, q.PRIORITY))
+    # A damaged index: a pass rebuilds it.
+    (q.queue_file(tmp_path, "e")).write_bytes(b'{"id":1,"reason":"Resources"}\ngarbage\n')
+    assert q.could_start(tmp_path, _new(5, None, q.PRIORITY))
+
+
+@settings(max_examples=400, deadline=None)
+@given(situations(), asks, limits, st.integers(1, 3), st.integers(0, 4))
+def test_a_skipped_pass_would_not_have_started_the_new_job(case, ask, limit, uid, depth):
+    """Whenever could_start says no, a pass over the queue with the new job would not have
+    started it (the queue as the last pass left it, its reasons in the index)."""
+    import tempfile
+    from pathlib import Path
+
+    running, pending, lim = case
+    old_depth, q.BACKFILL_DEPTH = q.BACKFILL_DEPTH, depth
+    try:
+        first = q.schedule(POOL, running, pending, lim, NOW)
+        started = dict(first.start)
+        limit_of = {w.id: w.time_limit for w in pending}
+        running = running + [q.Running(id=i, uid=w.uid, slice=started[i],
+                                       end=None if limit_of[i] is None else NOW + limit_of[i])
+                             for w in pending if (i := w.id) in started]
+        left = [w for w in pending if w.id not in started]
+        if not left:
+            return  # an empty queue: its submit always passes
+        # Its reason as supervisor._take_slice gives it.
+        if lim.max_running and len(running) >= lim.max_running:
+            reason = q.MAX_RUNNING
+        elif lim.max_running_per_user and sum(
+                1 for r in running if r.uid == uid) >= lim.max_running_per_user:
+            reason = q.MAX_RUNNING_PER_USER
+        else:
+            reason = q.PRIORITY
+        new = q.Waiting(id=1000, uid=uid, ask=ask, time_limit=limit)
+        with tempfile.TemporaryDirectory() as tmp:
+            _index(Path(tmp), [_line(w.id, w.time_limit, first.reasons[w.id]) for w in left])
+            could = q.could_start(Path(tmp), _new(new.id, limit, reason))
+        if not could:
+            again = q.schedule(POOL, running, left + [new], lim, NOW)
+            assert new.id not in dict(again.start)
+    finally:
+        q.BACKFILL_DEPTH = old_depth

@@ -510,8 +510,11 @@ def main(path: str | None = None) -> int:
 
     envctl.commands.preload()  # operate: up/down/status/plan/list, run in the child
     import envctl.host.asuser  # noqa: F401
+    import envctl.host.context  # noqa: F401
+    import envctl.host.safepath  # noqa: F401
     import envctl.runtime.context  # noqa: F401
     import envctl.runtime.launch  # noqa: F401
+    import envctl.runtime.queue  # noqa: F401 - and slices: what every submit's child imported
     import envctl.runtime.supervisor  # noqa: F401
     import envctl.spec.loader  # noqa: F401 - access lists: pydantic and the models, once
 
