@@ -482,6 +482,10 @@ def create_cgroup(ctx: EnvContext, name: str, *, cpus: tuple[int, ...] | None = 
                 for rule in devices:
                     _write(d / "devices.allow", rule)
                 devices_set = True
+            elif devices is not None and ctx.cgroup.version == 2 and \
+                    ctx.cgroup.driver == "cgroupfs":
+                _attach_devices_v2(ctx, name, d, devices)
+                devices_set = True
         cgroupfs = ctx.cgroup.driver == "cgroupfs"
         if cgroupfs and mem and not mem_set:
             raise HostError(f"create cgroup '{ctx.env}/{name}': no memory controller in the "
@@ -497,6 +501,19 @@ def create_cgroup(ctx: EnvContext, name: str, *, cpus: tuple[int, ...] | None = 
         _rmdirs(made)
         raise
     return dirs
+
+
+def _attach_devices_v2(ctx: EnvContext, name: str, d: Path, devices: tuple[str, ...]) -> None:
+    """The launch's own device program on its (new, empty) v2 cgroup `d`: the kernel runs it
+    and the environment's, and allows what both allow. It goes with the cgroup (rmdir)."""
+    from envctl.host import bpf
+
+    if not bpf.allows_children(d.parent):
+        raise HostError(f"create cgroup '{ctx.env}/{name}': the environment's device program "
+                        "was attached without BPF_F_ALLOW_MULTI (by an earlier envctl), which "
+                        "lets no cgroup below it narrow its devices: `envctl up "
+                        f"{ctx.env}` replaces it")
+    bpf.attach_device_program(d, devices, name=f"{ctx.env}/{name}")
 
 
 def remove_cgroup(ctx: EnvContext, name: str) -> None:

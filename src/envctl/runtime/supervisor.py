@@ -835,12 +835,6 @@ def _job_devices(host: Host, ctx: EnvContext, gpus: tuple[str, ...]) -> tuple[st
         raise HostError(f"submit-job: environment '{ctx.env}' uses the systemd cgroup driver, "
                         "where envctl does not yet narrow a job's devices: give the job every "
                         "GPU of the environment (no --gpus)")
-    if rules is not None and ctx.cgroup is not None and ctx.cgroup.version == 2:
-        # A child cannot attach its own device program below the environment's, which is
-        # attached without BPF_F_ALLOW_MULTI (cgroup v2 refuses it with EPERM).
-        raise HostError(f"submit-job: environment '{ctx.env}' is on cgroup v2, where envctl "
-                        "does not yet narrow a job's devices: give the job every GPU of the "
-                        "environment (no --gpus), or run on cgroup v1")
     return rules
 
 
