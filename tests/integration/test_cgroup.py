@@ -485,3 +485,154 @@ def test_v2_device_program_stays_until_the_processes_are_gone(v2only):
         assert kid.wait(timeout=30) == -9
     finally:
         stop(kid)
+
+
+# A launch's cgroup of its own below the environment's, with its own device list (what a job
+# with --gpus and an exec get), made by launch.create_cgroup; a child in it, then one in the
+# environment's cgroup, each try /dev/null (both lists), /dev/urandom (the environment's only)
+# and /dev/kmsg (neither).
+OWN_DEVICES = r"""
+import errno, json, os, sys
+from pathlib import Path
+from envctl.runtime.context import EnvCgroup, EnvContext
+from envctl.runtime import launch as rl
+
+parent = sys.argv[1]
+ctx = EnvContext(env="lim", root=Path("/"), mntns=Path("/"), netns=None, hostname="lim",
+                 cgroup=EnvCgroup("cgroupfs", parent, 2))
+
+def probe(cgroup):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        with open(cgroup / "cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+        out = []
+        for path in ("/dev/null", "/dev/urandom", "/dev/kmsg"):
+            try:
+                os.close(os.open(path, os.O_RDONLY))
+                out.append("ok")
+            except OSError as exc:
+                out.append(errno.errorcode[exc.errno])
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    text = os.read(r, 4096).decode()
+    os.waitpid(pid, 0)
+    return json.loads(text)
+
+dirs = rl.create_cgroup(ctx, "job-1", devices=("c 1:3 rwm",))
+try:
+    job = probe(dirs[0])
+finally:
+    rl.remove_cgroup(ctx, "job-1")
+gone = not dirs[0].exists()
+# The environment's own cgroup holds no process once down runs: a sibling for the check.
+sib = dirs[0].parent / "plain"
+sib.mkdir()
+try:
+    env = probe(sib)
+finally:
+    sib.rmdir()
+print(json.dumps({"job": job, "env": env, "gone": gone}))
+"""
+
+
+def test_v2_a_launch_cgroup_gets_its_own_device_program_below_the_environments(v2only):
+    sb = v2only
+    env = {"ENVCTL_CGROUP_ROOT": str(UNIFIED)}
+    assert up(sb, "", env=env).returncode == 0
+    from envctl.host import bpf
+
+    path = UNIFIED / sb.cgroup_parent / "lim"
+    flags, _ = bpf.device_programs(path)
+    assert flags & bpf.BPF_F_ALLOW_MULTI
+    res = sb.run(sys.executable, "-c", OWN_DEVICES, sb.cgroup_parent, env=env)
+    assert res.returncode == 0, res.stderr
+    import json
+
+    got = json.loads(res.stdout)
+    assert got["job"] == ["ok", "EPERM", "EPERM"]  # its own list narrows the environment's
+    assert got["env"] == ["ok", "ok", "EPERM"]
+    assert got["gone"]
+    sb.envctl("down", "lim", env=env, check=True)
+
+
+def _attach_legacy(path: Path, rules: tuple[str, ...]) -> None:
+    """What an envctl before per-job device lists did: one program, no BPF_F_ALLOW_MULTI."""
+    import os
+
+    from envctl.host import bpf
+
+    bpf.detach_device_programs(path, name="lim")
+    cg = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    prog = bpf.load(rules)
+    try:
+        bpf._attach(cg, prog, 0, "lim")
+    finally:
+        os.close(prog)
+        os.close(cg)
+
+
+def test_v2_up_swaps_a_legacy_program_with_the_environments_processes_kept(v2only):
+    sb = v2only
+    env = {"ENVCTL_CGROUP_ROOT": str(UNIFIED), "ENVCTL_KILL_GRACE": "1"}
+    assert up(sb, "", env=env).returncode == 0
+    from envctl.host import bpf
+    from envctl.plan.cgroup import DEFAULT_DEVICES
+
+    path = UNIFIED / sb.cgroup_parent / "lim"
+    _attach_legacy(path, DEFAULT_DEVICES)
+    assert bpf.device_programs(path) == (0, [bpf.program_name(DEFAULT_DEVICES)])
+    status = sb.envctl_json("status", "lim", env=env)[0]
+    drift = [s for s in status["steps"] if s["status"] != "ok"]
+    assert [s["key"] for s in drift] == ["cgroup-devices:lim"], status
+    assert not bpf.allows_children(path)
+    res = sb.run(sys.executable, "-c", OWN_DEVICES, sb.cgroup_parent, env=env)
+    assert res.returncode != 0 and "envctl up lim" in res.stderr
+    assert not (path / "job-1").exists()
+    kid = spawn(sb, "lim", KMSG_PROBE, env)
+    try:
+        expect(kid, "attached")
+        expect(kid, "ready")
+        assert ask(kid) == "kmsg EPERM"
+        res = sb.envctl("up", "lim", env=env)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert bpf.device_programs(path) == (bpf.BPF_F_ALLOW_MULTI,
+                                              [bpf.program_name(DEFAULT_DEVICES)])
+        assert (path / "cgroup.freeze").read_text().strip() == "0"
+        assert not bpf.left_frozen(path)
+        assert ask(kid) == "kmsg EPERM"  # running through the swap, and never unlisted
+        status = sb.envctl_json("status", "lim", env=env)[0]
+        assert {s["status"] for s in status["steps"]} == {"ok"}
+        res = sb.run(sys.executable, "-c", OWN_DEVICES, sb.cgroup_parent, env=env)
+        assert res.returncode == 0, res.stderr
+        sb.envctl("down", "lim", env=env, check=True)
+        assert kid.wait(timeout=30) == -9
+    finally:
+        stop(kid)
+
+
+def test_v2_up_thaws_a_cgroup_a_cut_short_swap_left_frozen(v2only):
+    sb = v2only
+    env = {"ENVCTL_CGROUP_ROOT": str(UNIFIED)}
+    assert up(sb, "", env=env).returncode == 0
+    import os
+
+    from envctl.host import bpf
+
+    path = UNIFIED / sb.cgroup_parent / "lim"
+    # As a run killed between its attach and its thaw leaves it.
+    os.setxattr(path, bpf.THAW_XATTR, b"1")
+    (path / "cgroup.freeze").write_text("1")
+    status = sb.envctl_json("status", "lim", env=env)[0]
+    assert [s["key"] for s in status["steps"] if s["status"] != "ok"] == ["cgroup-devices:lim"]
+    assert sb.envctl("up", "lim", env=env).returncode == 0
+    assert (path / "cgroup.freeze").read_text().strip() == "0" and not bpf.left_frozen(path)
+    # Frozen by its operator (no marker): envctl leaves it so.
+    (path / "cgroup.freeze").write_text("1")
+    status = sb.envctl_json("status", "lim", env=env)[0]
+    assert {s["status"] for s in status["steps"]} == {"ok"}
+    (path / "cgroup.freeze").write_text("0")
+    sb.envctl("down", "lim", env=env, check=True)

@@ -3,10 +3,12 @@ syscall number only on architectures envctl knows (a wrong number is another sys
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +36,12 @@ class FakeLibc:
         attr = ref._obj  # the buffer behind ctypes.byref
         self.calls.append((nr, cmd, bytes(attr.raw)))
         return self.answer(cmd, attr)
+
+
+def _none_attached(attr) -> int:
+    struct.pack_into("<I", attr, 12, 0)  # attach_flags
+    struct.pack_into("<I", attr, 24, 0)  # prog_cnt
+    return 0
 
 
 def _fail(code: int) -> int:
@@ -95,6 +103,8 @@ def test_retry_keeps_the_first_errno(monkeypatch, x86_64):
 
 def test_attach_failure_names_the_cgroup_and_carries_the_log(tmp_path, monkeypatch, x86_64):
     def answer(cmd, attr):
+        if cmd == bpf.BPF_PROG_QUERY:
+            return _none_attached(attr)
         if _log_fields(attr.raw)[0]:
             _write_log(attr, VERIFIER)
         return _fail(errno.EACCES)
@@ -184,3 +194,211 @@ def test_the_kernel_loads_without_a_log_and_explains_a_refusal(monkeypatch):
         bpf.load(RULES)
     assert excinfo.value.errno == errno.EACCES and "R0 !read_ok" in str(excinfo.value)
     assert [level for level, _, _ in rec.loads] == [0, 1]
+
+
+# ---------------------------------------------------------------- attach flags, against a model
+# of the kernel's cgroup-bpf rules (kernel/bpf/cgroup.c): one cgroup's programs share their
+# flags; without BPF_F_ALLOW_MULTI a cgroup holds one program, which a new attach replaces;
+# BPF_F_REPLACE needs BPF_F_ALLOW_MULTI; a multi detach names the program by descriptor.
+
+
+class FakeKernel:
+    def __init__(self, cgroup: Path):
+        self.cgroup = cgroup
+        self.flags = 0
+        self.attached: list[int] = []  # program ids, in order
+        self.fds: dict[int, int] = {}  # our descriptor -> program id
+        self.names: dict[int, str] = {}
+        self.log: list[tuple[str, int, str]] = []  # (op, flags or id, cgroup.freeze then)
+        self.next_id = 100
+
+    def _fd_for(self, prog_id: int) -> int:
+        fd = os.open("/dev/null", os.O_RDONLY)
+        self.fds[fd] = prog_id
+        return fd
+
+    def program(self, name: str) -> int:
+        self.next_id += 1
+        self.names[self.next_id] = name
+        return self.next_id
+
+    def syscall(self, nr, cmd, ref, size):
+        attr = ref._obj
+        u32 = lambda off: struct.unpack_from("<I", attr, off)[0]  # noqa: E731
+        freeze = (self.cgroup / "cgroup.freeze").read_text().strip()
+        if cmd == bpf.BPF_PROG_LOAD:
+            name = attr.raw[48:64].split(b"\0")[0].decode()
+            return self._fd_for(self.program(name))
+        if cmd == bpf.BPF_PROG_QUERY:
+            struct.pack_into("<I", attr, 12, self.flags if self.attached else 0)
+            buf = struct.unpack_from("<Q", attr, 16)[0]
+            ids = struct.pack(f"<{len(self.attached)}I", *self.attached)
+            ctypes.memmove(buf, ids, len(ids))
+            struct.pack_into("<I", attr, 24, len(self.attached))
+            return 0
+        if cmd == bpf.BPF_PROG_GET_FD_BY_ID:
+            prog_id = u32(0)
+            return self._fd_for(prog_id) if prog_id in self.names else _fail(errno.ENOENT)
+        if cmd == bpf.BPF_OBJ_GET_INFO_BY_FD:
+            buf = struct.unpack_from("<Q", attr, 8)[0]
+            name = self.names[self.fds[u32(0)]].encode()
+            ctypes.memmove(buf + 64, name + b"\0", len(name) + 1)
+            return 0
+        if cmd == bpf.BPF_PROG_ATTACH:
+            prog, flags, replace = self.fds[u32(4)], u32(12), u32(16)
+            multi = flags & bpf.BPF_F_ALLOW_MULTI
+            if flags & bpf.BPF_F_REPLACE and not multi:
+                return _fail(errno.EINVAL)
+            if self.attached and flags & ~bpf.BPF_F_REPLACE != self.flags:
+                return _fail(errno.EPERM)  # "attach flags has to match"
+            self.log.append(("attach", flags, freeze))
+            self.flags = flags & ~bpf.BPF_F_REPLACE
+            if not multi:
+                self.attached = [prog]
+            elif flags & bpf.BPF_F_REPLACE:
+                self.attached[self.attached.index(self.fds[replace])] = prog
+            else:
+                self.attached.append(prog)
+            return 0
+        if cmd == bpf.BPF_PROG_DETACH:
+            prog = self.fds.get(u32(4))
+            if not self.attached:
+                return _fail(errno.ENOENT)
+            if self.flags & bpf.BPF_F_ALLOW_MULTI and prog is None:
+                return _fail(errno.EINVAL)
+            self.log.append(("detach", prog or 0, freeze))
+            self.attached.remove(prog if prog in self.attached else self.attached[0])
+            return 0
+        raise AssertionError(f"bpf command {cmd}")
+
+    def close_all(self):
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch, x86_64):
+    (tmp_path / "cgroup.freeze").write_text("0\n")
+    (tmp_path / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    fake = FakeKernel(tmp_path)
+    monkeypatch.setattr(bpf, "_libc", fake)
+    xattrs: dict[str, bytes] = {}
+
+    def getxattr(path, key):
+        if key not in xattrs:
+            raise OSError(errno.ENODATA, "No data available")
+        return xattrs[key]
+
+    # The frozen state follows cgroup.freeze at once, as for a cgroup of idle tasks.
+    real_write = bpf._write_at
+
+    def write_at(dir_fd, file, value):
+        real_write(dir_fd, file, value)
+        if file == "cgroup.freeze":
+            (tmp_path / "cgroup.events").write_text(f"populated 1\nfrozen {value}\n")
+
+    monkeypatch.setattr(bpf, "_write_at", write_at)
+    monkeypatch.setattr(os, "setxattr", lambda path, key, value: xattrs.__setitem__(key, value))
+    monkeypatch.setattr(os, "getxattr", getxattr)
+    monkeypatch.setattr(os, "removexattr", lambda path, key: xattrs.pop(key))
+    fake.xattrs = xattrs
+    yield fake
+    fake.close_all()
+
+
+OTHER = ("c 1:3 rwm",)
+
+
+def test_a_first_attach_allows_programs_below(kernel, tmp_path):
+    bpf.attach_device_program(tmp_path, RULES, name="gpu")
+    assert kernel.flags == bpf.BPF_F_ALLOW_MULTI
+    assert bpf.device_programs(tmp_path) == (bpf.BPF_F_ALLOW_MULTI, [bpf.program_name(RULES)])
+    assert bpf.allows_children(tmp_path)
+
+
+def test_the_same_rules_again_change_nothing(kernel, tmp_path):
+    bpf.attach_device_program(tmp_path, RULES, name="gpu")
+    before = list(kernel.attached)
+    bpf.attach_device_program(tmp_path, RULES, name="gpu")
+    assert kernel.attached == before and len(kernel.log) == 1
+
+
+def test_new_rules_replace_the_program_in_place(kernel, tmp_path):
+    bpf.attach_device_program(tmp_path, RULES, name="gpu")
+    bpf.attach_device_program(tmp_path, OTHER, name="gpu")
+    # One attach with BPF_F_REPLACE: never a moment with both programs, nor with none.
+    assert kernel.log[1] == ("attach", bpf.BPF_F_ALLOW_MULTI | bpf.BPF_F_REPLACE, "0")
+    assert bpf.attached_device_programs(tmp_path) == [bpf.program_name(OTHER)]
+
+
+def test_a_program_of_someone_else_is_kept(kernel, tmp_path):
+    kernel.flags = bpf.BPF_F_ALLOW_MULTI
+    kernel.attached = [kernel.program("theirs")]
+    bpf.attach_device_program(tmp_path, RULES, name="gpu")
+    assert bpf.attached_device_programs(tmp_path) == ["theirs", bpf.program_name(RULES)]
+    bpf.detach_device_programs(tmp_path, name="gpu")
+    assert bpf.attached_device_programs(tmp_path) == ["theirs"]
+
+
+def test_a_legacy_program_is_swapped_while_the_cgroup_is_frozen(kernel, tmp_path):
+    old = kernel.program(bpf.program_name(RULES))
+    kernel.attached = [old]  # flags 0: an older envctl's
+    assert not bpf.allows_children(tmp_path)
+    bpf.attach_device_program(tmp_path, RULES, name="gpu")
+    assert kernel.log == [("detach", old, "1"), ("attach", bpf.BPF_F_ALLOW_MULTI, "1")]
+    assert kernel.flags == bpf.BPF_F_ALLOW_MULTI and bpf.allows_children(tmp_path)
+    assert (tmp_path / "cgroup.freeze").read_text().strip() == "0"
+    assert kernel.xattrs == {} and not bpf.left_frozen(tmp_path)
+
+
+def test_a_failed_swap_puts_the_old_program_back_before_thawing(kernel, tmp_path, monkeypatch):
+    old = kernel.program(bpf.program_name(RULES))
+    kernel.attached = [old]
+    real = kernel.syscall
+
+    def refuse_multi(nr, cmd, ref, size):
+        if cmd == bpf.BPF_PROG_ATTACH and struct.unpack_from("<I", ref._obj, 12)[0]:
+            return _fail(errno.ENOMEM)
+        return real(nr, cmd, ref, size)
+
+    monkeypatch.setattr(kernel, "syscall", refuse_multi)
+    with pytest.raises(HostError, match=r"^set device rules of cgroup 'gpu': attach bpf program"):
+        bpf.attach_device_program(tmp_path, OTHER, name="gpu")
+    assert kernel.attached == [old] and kernel.flags == 0
+    assert kernel.log[-1] == ("attach", 0, "1")  # put back while still frozen
+    assert (tmp_path / "cgroup.freeze").read_text().strip() == "0" and kernel.xattrs == {}
+
+
+def test_a_cgroup_frozen_by_its_operator_stays_frozen(kernel, tmp_path):
+    (tmp_path / "cgroup.freeze").write_text("1\n")
+    (tmp_path / "cgroup.events").write_text("populated 1\nfrozen 1\n")
+    kernel.attached = [kernel.program(bpf.program_name(RULES))]
+    bpf.attach_device_program(tmp_path, OTHER, name="gpu")
+    assert kernel.flags == bpf.BPF_F_ALLOW_MULTI
+    assert (tmp_path / "cgroup.freeze").read_text().strip() == "1"
+
+
+def test_a_swap_cut_short_is_thawed_by_the_next_attach(kernel, tmp_path):
+    bpf.attach_device_program(tmp_path, RULES, name="gpu")
+    kernel.xattrs[bpf.THAW_XATTR] = b"1"  # a run killed between its attach and its thaw
+    (tmp_path / "cgroup.freeze").write_text("1\n")
+    assert bpf.left_frozen(tmp_path)
+    bpf.attach_device_program(tmp_path, RULES, name="gpu")
+    assert (tmp_path / "cgroup.freeze").read_text().strip() == "0" and kernel.xattrs == {}
+
+
+def test_a_legacy_program_envctl_did_not_attach_is_left(kernel, tmp_path):
+    kernel.attached = [kernel.program("theirs")]
+    with pytest.raises(HostError, match="a device program envctl did not attach .theirs."):
+        bpf.attach_device_program(tmp_path, RULES, name="gpu")
+    assert kernel.log == []
+
+
+def test_a_cgroup_that_will_not_freeze_keeps_its_program(kernel, tmp_path, monkeypatch):
+    kernel.attached = [kernel.program(bpf.program_name(RULES))]
+    monkeypatch.setattr(bpf, "_write_at", lambda fd, file, value: None)  # never frozen
+    with pytest.raises(HostError, match=r"not all frozen after 0.05 s; the device program is "
+                                        "unchanged"):
+        bpf.attach_device_program(tmp_path, OTHER, name="gpu", freeze_timeout=0.05)
+    assert kernel.log == [] and kernel.xattrs == {}

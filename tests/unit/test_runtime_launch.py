@@ -548,3 +548,54 @@ def test_a_launcher_that_fails_while_it_is_attached_reports_its_own_step(tmp_pat
     assert err.value.step == "setns mnt", err.value
     assert str(err.value).startswith("enter environment 'box': setns mnt: ")
     assert str(holder) in str(err.value)
+
+
+def test_a_scope_with_its_own_devices_and_cpus_asks_systemd_for_them(tmp_path, monkeypatch):
+    """A narrowing job's or exec's scope (systemd driver): DevicePolicy=closed, one
+    DeviceAllow= per rule spelled as the slice spells them, and on v2 AllowedCPUs= as the
+    D-Bus byte mask; v1 gets no AllowedCPUs (systemd has no cpuset to write there)."""
+    from envctl.errors import HostError
+    from envctl.runtime.context import EnvCgroup, EnvContext
+
+    _refusing_busctl(tmp_path, monkeypatch, "refused")
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "devices").write_text("Character devices:\n136 pts\n195 nvidia-frontend\n")
+    rules = ("c 195:1 rw", "c 195:255 rw", "c 136:* rwm")
+    for version in (2, 1):
+        ctx = EnvContext(env="box", root=tmp_path, mntns=tmp_path / "mnt", netns=None,
+                         hostname="box", cgroup=EnvCgroup("systemd", "", version))
+        with pytest.raises(HostError):
+            rl.systemd_attach(ctx, mem=1 << 20, devices=rules, cpus=(1, 9), proc=proc)(4242)
+        argv = (tmp_path / "argv").read_text().split()
+        props = argv[argv.index("ssa(sv)a(sa(sv))") + 3:]  # after the name and "fail"
+        count = int(props[0])
+        text = " ".join(props[1:])
+        assert "MemoryMax t 1048576" in text
+        assert "DevicePolicy s closed" in text
+        assert ("DeviceAllow a(ss) 3 /dev/char/195:1 rw /dev/char/195:255 rw char-pts rwm"
+                in text)
+        if version == 2:
+            assert "AllowedCPUs ay 2 2 2" in text  # CPU 1: byte 0 bit 1; CPU 9: byte 1 bit 1
+            assert count == 3 + 4
+        else:
+            assert "AllowedCPUs" not in text and count == 3 + 3
+    # Without a list of its own: no device properties (the slice's list applies).
+    rl.systemd_attach(ctx)
+    with pytest.raises(HostError):
+        rl.systemd_attach(ctx)(4242)
+    assert "Device" not in (tmp_path / "argv").read_text()
+
+
+def test_a_scope_list_naming_a_major_systemd_cannot_name_is_refused_before_the_launch(
+        tmp_path):
+    from envctl.errors import HostError
+    from envctl.runtime.context import EnvCgroup, EnvContext
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "devices").write_text("Character devices:\n1 mem\n")
+    ctx = EnvContext(env="box", root=tmp_path, mntns=tmp_path / "mnt", netns=None,
+                     hostname="box", cgroup=EnvCgroup("systemd", "", 2))
+    with pytest.raises(HostError, match="major 250 is not in /proc/devices"):
+        rl.systemd_attach(ctx, devices=("c 250:* rw",), proc=proc)

@@ -9,6 +9,7 @@ import hashlib
 import os
 import platform
 import struct
+import time
 from pathlib import Path
 
 from envctl.errors import HostError
@@ -182,30 +183,200 @@ def _open_dir(path: Path, action: str, name: str) -> int:
         raise HostError(f"{action} cgroup '{name}': open {path}: {exc.strerror}") from exc
 
 
-def attach_device_program(cgroup: Path, rules: tuple[str, ...], *, name: str) -> None:
-    """Load and attach the program; an earlier envctl program there is replaced atomically
-    (attach without BPF_F_ALLOW_MULTI replaces the cgroup's one program)."""
+# Attach flags (uapi bpf.h). One cgroup's programs all have the same flags; a cgroup whose
+# program is attached without ALLOW_MULTI (or OVERRIDE) lets no cgroup below it attach one.
+BPF_F_ALLOW_MULTI, BPF_F_REPLACE = 2, 4
+PREFIX = "envdev_"  # every program envctl loads (program_name); others' are left alone
+THAW_XATTR = "trusted.envctl.thaw"  # on a cgroup envctl froze to swap its program (see below)
+FREEZE_TIMEOUT = 10.0
+
+
+def attach_device_program(cgroup: Path, rules: tuple[str, ...], *, name: str,
+                          freeze_timeout: float = FREEZE_TIMEOUT) -> None:
+    """Make `rules` the cgroup's envctl device program, attached with BPF_F_ALLOW_MULTI so that
+    a cgroup below (a job's, an exec's) can attach its own: the kernel runs every program on
+    the path and allows an access only when all do, so a child's list can only narrow.
+
+    - none attached: attach it;
+    - envctl's already (multi): replaced in place with BPF_F_REPLACE, never a moment without;
+    - one attached without BPF_F_ALLOW_MULTI (an environment an earlier envctl brought up):
+      the kernel refuses to mix flags on one cgroup, so there is no atomic swap. The cgroup
+      is frozen (no task of it runs, so none opens a device), the old program detached, the
+      new one attached, then thawed; a failed attach puts the old one back first. A marker
+      xattr on the cgroup says envctl froze it, so a run killed in between is finished by
+      the next (`finish_swap`)."""
     cg = _open_dir(cgroup, "set device rules of", name)
     try:
+        flags, progs = _query(cg, name)
+        want = program_name(rules)
+        ours = [(i, n) for i, n in progs if n.startswith(PREFIX)]
+        if progs and flags & BPF_F_ALLOW_MULTI and [n for _, n in ours] == [want]:
+            _finish_swap(cg, cgroup, name)
+            return  # already so
         try:
             prog = load(rules)
         except OSError as exc:
             raise HostError(f"set device rules of cgroup '{name}': load bpf program: "
                             f"{exc.strerror}") from exc
         try:
-            _bpf(BPF_PROG_ATTACH, _attr((0, "I", cg), (4, "I", prog),
-                                        (8, "I", BPF_CGROUP_DEVICE), (12, "I", 0)))
-        except OSError as exc:
-            raise HostError(f"set device rules of cgroup '{name}': attach bpf program: "
-                            f"{exc.strerror}") from exc
+            if progs and not flags & BPF_F_ALLOW_MULTI:
+                if not ours:
+                    raise HostError(f"set device rules of cgroup '{name}': a device program "
+                                    f"envctl did not attach ({progs[0][1]}) holds it without "
+                                    "BPF_F_ALLOW_MULTI; envctl leaves it alone")
+                _swap_frozen(cg, cgroup, prog, progs[0][0], name, freeze_timeout)
+            elif ours:
+                old = _prog_fd(ours[0][0], name)
+                try:
+                    _attach(cg, prog, BPF_F_ALLOW_MULTI | BPF_F_REPLACE, name, replace=old)
+                finally:
+                    os.close(old)
+                for prog_id, _ in ours[1:]:
+                    _detach_id(cg, prog_id, name)
+            else:
+                _attach(cg, prog, BPF_F_ALLOW_MULTI, name)
         finally:
             os.close(prog)  # the cgroup holds its own reference
+        _finish_swap(cg, cgroup, name)
     finally:
         os.close(cg)
 
 
+def _attach(cg: int, prog: int, flags: int, name: str, *, replace: int = 0) -> None:
+    try:
+        _bpf(BPF_PROG_ATTACH, _attr((0, "I", cg), (4, "I", prog), (8, "I", BPF_CGROUP_DEVICE),
+                                    (12, "I", flags), (16, "I", replace)))
+    except OSError as exc:
+        raise HostError(f"set device rules of cgroup '{name}': attach bpf program: "
+                        f"{exc.strerror}") from exc
+
+
+def _detach_fd(cg: int, prog: int) -> None:
+    _bpf(BPF_PROG_DETACH, _attr((0, "I", cg), (4, "I", prog), (8, "I", BPF_CGROUP_DEVICE)))
+
+
+def _detach_id(cg: int, prog_id: int, name: str) -> None:
+    """Detach program `prog_id` (a multi cgroup's detach names the program by descriptor); one
+    detached meanwhile is success (ENOENT)."""
+    try:
+        fd = _bpf(BPF_PROG_GET_FD_BY_ID, _attr((0, "I", prog_id)))
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            return
+        raise HostError(f"remove device rules of cgroup '{name}': program {prog_id}: "
+                        f"{exc.strerror}") from exc
+    try:
+        _detach_fd(cg, fd)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise HostError(f"remove device rules of cgroup '{name}': detach: "
+                            f"{exc.strerror}") from exc
+    finally:
+        os.close(fd)
+
+
+def _prog_fd(prog_id: int, name: str) -> int:
+    try:
+        return _bpf(BPF_PROG_GET_FD_BY_ID, _attr((0, "I", prog_id)))
+    except OSError as exc:
+        raise HostError(f"set device rules of cgroup '{name}': program {prog_id}: "
+                        f"{exc.strerror}") from exc
+
+
+def _swap_frozen(cg: int, path: Path, prog: int, old_id: int, name: str,
+                 timeout: float) -> None:
+    """Replace the cgroup's one non-multi program `old_id` by `prog` (multi) while no task of
+    the cgroup runs: frozen, swapped, thawed."""
+    old = _prog_fd(old_id, name)
+    try:
+        _freeze(cg, path, name, timeout)
+        try:
+            _detach_fd(cg, old)
+        except OSError as exc:
+            _thaw(cg, path, name)
+            raise HostError(f"set device rules of cgroup '{name}': detach the program attached "
+                            f"without BPF_F_ALLOW_MULTI: {exc.strerror}") from exc
+        try:
+            _attach(cg, prog, BPF_F_ALLOW_MULTI, name)
+        except HostError:
+            try:
+                _bpf(BPF_PROG_ATTACH, _attr((0, "I", cg), (4, "I", old),
+                                            (8, "I", BPF_CGROUP_DEVICE), (12, "I", 0)))
+            except OSError as exc:
+                # Thawed now, its tasks would open any device: it stays frozen.
+                raise HostError(f"set device rules of cgroup '{name}': attach failed and the "
+                                f"old program could not be put back ({exc.strerror}): the "
+                                f"cgroup stays frozen; `envctl up` tries again") from exc
+            _thaw(cg, path, name)
+            raise
+    finally:
+        os.close(old)
+
+
+def _freeze(cg: int, path: Path, name: str, timeout: float) -> None:
+    """Freeze the cgroup (marking it as envctl's to thaw) and wait until every task is frozen.
+    A cgroup frozen already (by its operator) is left frozen afterwards: no marker."""
+    if _read_at(cg, "cgroup.freeze").strip() != "1":
+        os.setxattr(path, THAW_XATTR, b"1")
+        _write_at(cg, "cgroup.freeze", "1")
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while "frozen 1" not in _read_at(cg, "cgroup.events").splitlines():
+        if time.monotonic() > deadline:
+            _thaw(cg, path, name)
+            raise HostError(f"set device rules of cgroup '{name}': its tasks were not all "
+                            f"frozen after {timeout:g} s; the device program is unchanged")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def _thaw(cg: int, path: Path, name: str) -> None:
+    """Thaw the cgroup if envctl froze it (the marker), then drop the marker."""
+    try:
+        os.getxattr(path, THAW_XATTR)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOENT):
+            return  # not frozen by envctl (or the cgroup is gone)
+        raise HostError(f"set device rules of cgroup '{name}': read {THAW_XATTR}: "
+                        f"{exc.strerror}") from exc
+    _write_at(cg, "cgroup.freeze", "0")
+    os.removexattr(path, THAW_XATTR)
+
+
+def _finish_swap(cg: int, path: Path, name: str) -> None:
+    # A run killed while the cgroup was frozen: its new program is there (checked by the
+    # caller), so it is safe to thaw.
+    _thaw(cg, path, name)
+
+
+def left_frozen(cgroup: Path) -> bool:
+    """Whether an interrupted swap left the cgroup frozen by envctl (the marker is there)."""
+    try:
+        os.getxattr(cgroup, THAW_XATTR)
+    except OSError:
+        return False
+    return True
+
+
+def _read_at(dir_fd: int, file: str) -> str:
+    fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        return os.read(fd, 4096).decode()
+    finally:
+        os.close(fd)
+
+
+def _write_at(dir_fd: int, file: str, value: str) -> None:
+    fd = os.open(file, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
 def detach_device_programs(cgroup: Path, *, name: str) -> None:
-    """Detach the cgroup's device program; a cgroup or program already gone is success."""
+    """Detach envctl's device programs from the cgroup (others' are left); a cgroup or program
+    already gone is success."""
     try:
         cg = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
@@ -214,35 +385,55 @@ def detach_device_programs(cgroup: Path, *, name: str) -> None:
         raise HostError(f"remove device rules of cgroup '{name}': open {cgroup}: "
                         f"{exc.strerror}") from exc
     try:
-        _bpf(BPF_PROG_DETACH, _attr((0, "I", cg), (4, "I", 0), (8, "I", BPF_CGROUP_DEVICE)))
+        _, progs = _query(cg, name, action="remove")
+        for prog_id, prog_name in progs:
+            if prog_name.startswith(PREFIX):
+                _detach_id(cg, prog_id, name)
+    finally:
+        os.close(cg)
+
+
+def _query(cg: int, name: str, *, action: str = "set") -> tuple[int, list[tuple[int, str]]]:
+    """The cgroup's attach flags and its (id, name) device programs, attached directly."""
+    ids = (ctypes.c_uint32 * 16)()
+    attr = _attr((0, "I", cg), (4, "I", BPF_CGROUP_DEVICE), (16, "Q", ctypes.addressof(ids)),
+                 (24, "I", 16))
+    try:
+        _bpf(BPF_PROG_QUERY, attr)
     except OSError as exc:
-        # ENOENT: nothing attached. Anything else is a real refusal.
-        if exc.errno != errno.ENOENT:
-            raise HostError(f"remove device rules of cgroup '{name}': detach: "
-                            f"{exc.strerror}") from exc
+        raise HostError(f"{action} device rules of cgroup '{name}': query: "
+                        f"{exc.strerror}") from exc
+    flags, = struct.unpack_from("<I", attr, 12)
+    count = struct.unpack_from("<I", attr, 24)[0]
+    return flags, [(ids[i], _prog_name(ids[i])) for i in range(min(count, 16))]
+
+
+def device_programs(cgroup: Path) -> tuple[int, list[str]] | None:
+    """(attach flags, names) of the device programs attached directly to `cgroup`; None when
+    the cgroup is gone."""
+    try:
+        cg = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return None
+    try:
+        flags, progs = _query(cg, cgroup.name, action="check")
+        return flags, [n for _, n in progs]
     finally:
         os.close(cg)
 
 
 def attached_device_programs(cgroup: Path) -> list[str]:
     """Names of the device programs attached directly to `cgroup` (empty when none)."""
-    try:
-        cg = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return []
-    try:
-        ids = (ctypes.c_uint32 * 16)()
-        attr = _attr((0, "I", cg), (4, "I", BPF_CGROUP_DEVICE), (16, "Q", ctypes.addressof(ids)),
-                     (24, "I", 16))
-        try:
-            _bpf(BPF_PROG_QUERY, attr)
-        except OSError as exc:
-            raise HostError(f"check device rules of cgroup '{cgroup.name}': query: "
-                            f"{exc.strerror}") from exc
-        count = struct.unpack_from("<I", attr, 24)[0]
-        return [_prog_name(ids[i]) for i in range(min(count, 16))]
-    finally:
-        os.close(cg)
+    found = device_programs(cgroup)
+    return [] if found is None else found[1]
+
+
+def allows_children(cgroup: Path) -> bool:
+    """Whether a cgroup below `cgroup` may attach a device program of its own: no program on
+    `cgroup`, or its programs were attached with BPF_F_ALLOW_MULTI. (Only `cgroup` itself is
+    asked: envctl's parents carry no program.)"""
+    found = device_programs(cgroup)
+    return found is None or not found[1] or bool(found[0] & BPF_F_ALLOW_MULTI)
 
 
 def _prog_name(prog_id: int) -> str:

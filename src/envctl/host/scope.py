@@ -31,14 +31,15 @@ def run(argv: list[str]) -> subprocess.CompletedProcess:
 def attach_scope(unit: str, cgroup: str, pid: int, *, busctl: Sequence[str] = ("busctl",),
                  proc: str = "/proc", v1_mounts: Mapping[str, str] | None = None,
                  runner: Runner = run, timeout: float = 10.0,
-                 properties: Sequence[tuple[str, str, str]] = ()) -> str:
+                 properties: Sequence[tuple[str, ...]] = ()) -> str:
     """Move running process `pid` into slice `unit` (whose cgroup is `cgroup`, relative to the
     hierarchy's root) as a transient scope made with D-Bus StartTransientUnit (busctl);
     returns the scope's name once systemd has moved it (`v1_mounts`: v1 controller -> mount
     point, on a hybrid host; see `attached`). A slice holds no process itself: the scope does,
     and goes away when its processes have exited. ScopeError when systemd refuses or `pid`
     has ended (a zombie's pid is accepted and never moved). `properties`: more of the
-    scope's, (name, D-Bus signature, value), e.g. ("MemoryMax", "t", "1073741824")."""
+    scope's, (name, D-Bus signature, value words...), e.g. ("MemoryMax", "t", "1073741824")
+    or ("DeviceAllow", "a(ss)", "1", "/dev/char/195:0", "rw") as busctl takes them."""
     scope = f"{unit.removesuffix('.slice')}-{pid}.scope"
     argv = _call(busctl, unit, scope, pid, properties)
     try:
@@ -86,7 +87,7 @@ def begin_scope(unit: str, cgroup: str, pid: int, scope: str, *,
 
 
 def _call(busctl: Sequence[str], unit: str, scope: str, pid: int,
-          properties: Sequence[tuple[str, str, str]] = ()) -> list[str]:
+          properties: Sequence[tuple[str, ...]] = ()) -> list[str]:
     more = [word for prop in properties for word in prop]
     return [*busctl, "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
             "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",

@@ -248,11 +248,19 @@ class CgroupDevices(Resource):
         path = cg.path(self.env, "")
         if not path.is_dir():
             return Check.absent()
-        names = bpf.attached_device_programs(path)
+        found = bpf.device_programs(path)
+        flags, names = found if found is not None else (0, [])
         want = bpf.program_name(rules)
         if not names:
             return Check.absent(f"no device program on {path}")
-        return Check.compare({"program": want}, {"program": ",".join(names)})
+        # Attached without BPF_F_ALLOW_MULTI (by an envctl before per-job device lists), the
+        # program lets no job's cgroup attach its own: `up` swaps it (bpf.attach_device_program).
+        # A swap cut short leaves the cgroup frozen by envctl: `up` thaws it.
+        return Check.compare(
+            {"program": want, "multi": True, "frozen by envctl": False},
+            {"program": ",".join(n for n in names if n.startswith(bpf.PREFIX)) or ",".join(names),
+             "multi": bool(flags & bpf.BPF_F_ALLOW_MULTI),
+             "frozen by envctl": bpf.left_frozen(path)})
 
     def apply(self, host: Host, memo: dict[str, Any]) -> None:
         cg = _cgroups(host, self.parent)

@@ -75,21 +75,22 @@ def run(env: str, argv: list[str], *, user: str | None = None, host: Host | None
         raise NeedsRootError("envctl exec enters the environment's namespaces and needs root: "
                              "run it with sudo")
     who = resolve_user(user, ctx, environ)
+    from envctl.runtime.supervisor import exec_devices
+
+    devices = exec_devices(host, ctx)
     interactive = os.isatty(0) and os.isatty(1)
     extra = {"TERM": environ.get("TERM") or "xterm"} if interactive else {}
     launch = Launch(ctx, list(argv), job_environ(ctx, who, {**extra, **variables}), who,
                     cwd=workdir, pty=interactive,
                     winsize=_winsize(1) if interactive else None,
-                    attach=systemd_attach(ctx))
+                    attach=systemd_attach(ctx, devices=devices))
     name = f"exec-{os.getpid()}"
     relays: list[tuple[int, int]] = []
     if not interactive:
         launch.stdio, relays = _relayed_terminals(keep_stdin)
         launch.keep_out = tuple(fd for pair in relays for fd in pair if fd > 2
                                 and fd not in launch.stdio)
-    from envctl.runtime.supervisor import exec_devices
-
-    launch.cgroup_dirs = create_cgroup(ctx, name, devices=exec_devices(host, ctx))
+    launch.cgroup_dirs = create_cgroup(ctx, name, devices=devices)
     try:
         return _attached(launch, relays)
     finally:

@@ -482,6 +482,10 @@ def create_cgroup(ctx: EnvContext, name: str, *, cpus: tuple[int, ...] | None = 
                 for rule in devices:
                     _write(d / "devices.allow", rule)
                 devices_set = True
+            elif devices is not None and ctx.cgroup.version == 2 and \
+                    ctx.cgroup.driver == "cgroupfs":
+                _attach_devices_v2(ctx, name, d, devices)
+                devices_set = True
         cgroupfs = ctx.cgroup.driver == "cgroupfs"
         if cgroupfs and mem and not mem_set:
             raise HostError(f"create cgroup '{ctx.env}/{name}': no memory controller in the "
@@ -497,6 +501,19 @@ def create_cgroup(ctx: EnvContext, name: str, *, cpus: tuple[int, ...] | None = 
         _rmdirs(made)
         raise
     return dirs
+
+
+def _attach_devices_v2(ctx: EnvContext, name: str, d: Path, devices: tuple[str, ...]) -> None:
+    """The launch's own device program on its (new, empty) v2 cgroup `d`: the kernel runs it
+    and the environment's, and allows what both allow. It goes with the cgroup (rmdir)."""
+    from envctl.host import bpf
+
+    if not bpf.allows_children(d.parent):
+        raise HostError(f"create cgroup '{ctx.env}/{name}': the environment's device program "
+                        "was attached without BPF_F_ALLOW_MULTI (by an earlier envctl), which "
+                        "lets no cgroup below it narrow its devices: `envctl up "
+                        f"{ctx.env}` replaces it")
+    bpf.attach_device_program(d, devices, name=f"{ctx.env}/{name}")
 
 
 def remove_cgroup(ctx: EnvContext, name: str) -> None:
@@ -551,11 +568,18 @@ def _env_slice(ctx: EnvContext) -> tuple[str, str] | None:
     return env_slice(ctx.env, parent), slice_cgroup(ctx.env, parent)
 
 
-def systemd_attach(ctx: EnvContext, *, mem: int = 0) -> Callable[[int], None] | None:
+def systemd_attach(ctx: EnvContext, *, mem: int = 0, devices: Sequence[str] | None = None,
+                   cpus: Sequence[int] = (), proc: Path = Path("/proc")
+                   ) -> Callable[[int], None] | None:
     """For the systemd driver: Launch.attach putting the launcher into a transient scope of
     the environment's slice (systemd owns that tree: envctl writes none of it); the scope
     goes when its processes have. `mem` (bytes; 0: none) is the scope's MemoryMax= (systemd
-    writes memory.max, or memory.limit_in_bytes on v1). None for the cgroupfs driver."""
+    writes memory.max, or memory.limit_in_bytes on v1). `devices` (numbered rules, as
+    create_cgroup's; None: the slice's apply) become the scope's DevicePolicy=closed and one
+    DeviceAllow= each: systemd gives the scope its own list below the slice's, which the
+    kernel applies as well (so it only narrows). `cpus`, on cgroup v2, the scope's
+    AllowedCPUs= (its own cpuset.cpus; v1 has no cpuset for systemd to write: affinity only).
+    None for the cgroupfs driver."""
     where = _env_slice(ctx)
     if where is None:
         return None
@@ -563,14 +587,39 @@ def systemd_attach(ctx: EnvContext, *, mem: int = 0) -> Callable[[int], None] | 
 
     unit, cgroup = where
     v1, _ = _cgroup_mounts()
+    props: list[tuple[str, ...]] = [("MemoryMax", "t", str(mem))] if mem else []
+    if devices is not None:
+        props += _scope_devices(devices, proc)
+    if cpus and ctx.cgroup is not None and ctx.cgroup.version == 2:
+        props.append(("AllowedCPUs", "ay", *_cpu_mask(cpus)))
 
     def attach(pid: int) -> None:
         try:
-            attach_scope(unit, cgroup, pid, v1_mounts=v1,
-                         properties=(("MemoryMax", "t", str(mem)),) if mem else ())
+            attach_scope(unit, cgroup, pid, v1_mounts=v1, properties=props)
         except ScopeError as exc:
             raise HostError(f"attach to slice '{unit}': {exc}") from None
     return attach
+
+
+def _scope_devices(devices: Sequence[str], proc: Path) -> list[tuple[str, ...]]:
+    """DevicePolicy= and DeviceAllow= (D-Bus a(ss)) of a scope allowing `devices`, spelled as
+    the environment's slice spells them (envctl.host.systemd.device_allow). That module costs
+    ~20 ms to import: only a launch with a list of its own pays it."""
+    from envctl.host.systemd import device_allow, read_proc_devices
+
+    names = read_proc_devices(proc)
+    pairs = [device_allow(rule, names).split() for rule in devices]
+    return [("DevicePolicy", "s", "closed"),
+            ("DeviceAllow", "a(ss)", str(len(pairs)), *(w for pair in pairs for w in pair))]
+
+
+def _cpu_mask(cpus: Sequence[int]) -> list[str]:
+    """A CPU set as D-Bus `ay` words for busctl: the byte count, then each byte of the bitmask
+    (CPU n is bit n % 8 of byte n // 8), as systemd's AllowedCPUs= takes it."""
+    mask = bytearray(max(cpus) // 8 + 1)
+    for c in cpus:
+        mask[c // 8] |= 1 << (c % 8)
+    return [str(len(mask)), *(str(b) for b in mask)]
 
 
 def supervisor_scope(ctx: EnvContext, what: str) -> Callable[[], str] | None:

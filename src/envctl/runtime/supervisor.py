@@ -837,16 +837,6 @@ def _job_devices(host: Host, ctx: EnvContext, gpus: tuple[str, ...]) -> tuple[st
     except ValueError as exc:
         raise HostError(f"submit-job: {exc}: a job's GPUs cannot be kept apart from the "
                         "others'") from None
-    if rules is not None and ctx.cgroup is not None and ctx.cgroup.driver == "systemd":
-        raise HostError(f"submit-job: environment '{ctx.env}' uses the systemd cgroup driver, "
-                        "where envctl does not yet narrow a job's devices: give the job every "
-                        "GPU of the environment (no --gpus)")
-    if rules is not None and ctx.cgroup is not None and ctx.cgroup.version == 2:
-        # A child cannot attach its own device program below the environment's, which is
-        # attached without BPF_F_ALLOW_MULTI (cgroup v2 refuses it with EPERM).
-        raise HostError(f"submit-job: environment '{ctx.env}' is on cgroup v2, where envctl "
-                        "does not yet narrow a job's devices: give the job every GPU of the "
-                        "environment (no --gpus), or run on cgroup v1")
     return rules
 
 
@@ -1228,7 +1218,8 @@ class _Supervisor:
                 binds=[Bind(str(jobs.job_dir(self.host.state_dir, self.job.id)), "/job", True)],
                 stdio=(self.devnull, *stdio), status_fd=status_w,
                 keep_out=tuple(o.r for o in self.outputs),
-                attach=systemd_attach(self.ctx, mem=self.job.mem_bytes or 0),
+                attach=systemd_attach(self.ctx, mem=self.job.mem_bytes or 0,
+                                      devices=self.req.devices, cpus=tuple(self.job.cpus)),
                 oom_score_adj=0)
             try:
                 started = start(launch)

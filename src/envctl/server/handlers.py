@@ -321,13 +321,14 @@ def exec_(caller: Caller, req: dict, fds: list[int], conn: socket.socket | None 
     ctx = EnvContext.load(host, env)
     who = resolve_user(user, ctx, _run_as(caller, req))
     access.check_run_as(caller, who.uid, who.gid)
-    launch = Launch(ctx, argv, job_environ(ctx, who, variables), who, cwd=workdir,
-                    attach=systemd_attach(ctx))
-    launch.stdio = stdio  # type: ignore[assignment]
-    name = f"exec-{os.getpid()}"
     from envctl.runtime.supervisor import exec_devices
 
-    launch.cgroup_dirs = create_cgroup(ctx, name, devices=exec_devices(host, ctx))
+    devices = exec_devices(host, ctx)
+    launch = Launch(ctx, argv, job_environ(ctx, who, variables), who, cwd=workdir,
+                    attach=systemd_attach(ctx, devices=devices))
+    launch.stdio = stdio  # type: ignore[assignment]
+    name = f"exec-{os.getpid()}"
+    launch.cgroup_dirs = create_cgroup(ctx, name, devices=devices)
     try:
         started = start(launch)
         for fd in fds:  # the command holds them now: the client sees EOF when it ends
