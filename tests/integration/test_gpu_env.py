@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -18,65 +16,22 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fakes import check_cdi
-from tests.integration.sandbox import REPO
+from tests.fakes import check_cdi, gpuhost
 
 pytestmark = pytest.mark.root
 
 ENTER = Path(__file__).with_name("enter_env.py")
-FAKES = REPO / "tests" / "fakes" / "pynvml"
-DRIVER = "550.54.15"
-UVM_MAJOR = 509
-CAPS_MAJOR = 508
-UUIDS = ["GPU-11111111-aaaa-bbbb-cccc-000000000000", "GPU-22222222-aaaa-bbbb-cccc-000000000001"]
-LIBDIR = "usr/lib/x86_64-linux-gnu"
+DRIVER = gpuhost.DRIVER
+UVM_MAJOR = gpuhost.UVM_MAJOR
+CAPS_MAJOR = gpuhost.CAPS_MAJOR
+UUIDS = [gpuhost.gpu_uuid(0), gpuhost.gpu_uuid(1)]
+LIBDIR = gpuhost.LIBDIR
 
 
-def fake_gpu_host(root: Path) -> dict[str, str]:
-    """A fake driver tree with two GPUs (minors 0 and 1); the variables that point envctl at it."""
-    proc = root / "proc"
-    (proc / "driver" / "nvidia" / "gpus").mkdir(parents=True)
-    (proc / "devices").write_text(
-        "Character devices:\n  1 mem\n  5 /dev/tty\n136 pts\n195 nvidia-frontend\n"
-        f"{UVM_MAJOR} nvidia-uvm\n{CAPS_MAJOR} nvidia-caps\n\nBlock devices:\n  8 sd\n")
-    (proc / "driver" / "nvidia" / "version").write_text(
-        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {DRIVER}  Tue Mar  5 22:14:33 UTC "
-        "2024\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
-    gpus = []
-    for minor, uuid in enumerate(UUIDS):
-        pci = f"0000:{0x3b + minor:02x}:00.0"
-        info = proc / "driver" / "nvidia" / "gpus" / pci
-        info.mkdir()
-        (info / "information").write_text(
-            f"Model: \t\t NVIDIA H200\nIRQ:   \t\t 150\nGPU UUID: \t {uuid}\n"
-            f"Video BIOS: \t 96.00.99.00.01\nBus Type: \t PCIe\nDMA Size: \t 52 bits\n"
-            f"DMA Mask: \t 0xfffffffffffff\nBus Location: \t {pci}\nDevice Minor: \t {minor}\n"
-            "GPU Excluded:\t No\n")
-        gpus.append({"uuid": uuid, "name": "NVIDIA H200", "minor": minor,
-                     "memory": 150_754_820_096, "mig": False, "pci": pci})
-    nvml = root / "nvml.json"
-    nvml.write_text(json.dumps({"driver": DRIVER, "gpus": gpus}))
-    dev = root / "dev"
-    dev.mkdir()
-    for name, major, minor in [("nvidia0", 195, 0), ("nvidia1", 195, 1), ("nvidiactl", 195, 255),
-                               ("nvidia-uvm", UVM_MAJOR, 0), ("nvidia-uvm-tools", UVM_MAJOR, 1)]:
-        os.mknod(dev / name, stat.S_IFCHR | 0o666, os.makedev(major, minor))
-    # Driver libraries: tiny shared objects with the driver's sonames, in a fake ld.so.cache.
-    libdir = root / LIBDIR
-    libdir.mkdir(parents=True)
-    src = root / "x.c"
-    src.write_text("int nv(void) { return 1; }\n")
-    for lib, soname in (("libcuda", "libcuda.so.1"), ("libnvidia-ml", "libnvidia-ml.so.1")):
-        res = subprocess.run(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o",
-                              str(libdir / f"{lib}.so.{DRIVER}"), str(src)],
-                             capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr
-    (root / "etc").mkdir()
-    (root / "etc" / "ld.so.conf").write_text(f"/{LIBDIR}\n")
-    res = subprocess.run(["ldconfig", "-r", str(root)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    return {"ENVCTL_GPU_ROOT": str(root), "FAKE_NVML_JSON": str(nvml),
-            "PYTHONPATH": f"{FAKES}:{REPO / 'src'}"}
+def fake_gpu_host(root: Path, **kw) -> dict[str, str]:
+    """A fake driver tree with two GPUs (minors 0 and 1) by default (tests/fakes/gpuhost.py);
+    the variables that point envctl at it."""
+    return gpuhost.make_host(root, **{"gpus": 2, "numa": 1, **kw})
 
 
 @pytest.fixture
