@@ -37,7 +37,6 @@ PYTHONPATH so that `import pynvml` finds it. `calls` counts init and shutdown.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 
@@ -132,13 +131,29 @@ class nvmlPciInfo_t:  # noqa: N801 - pynvml's name
         self.busId = bus_id
 
 
-class c_nvmlGpuInstancePlacement_t(ctypes.Structure):  # noqa: N801 - pynvml's name
-    _fields_ = [("start", ctypes.c_uint), ("size", ctypes.c_uint)]
+def _ctypes_types() -> dict:
+    """pynvml's ctypes structures, made on first use: importing ctypes at import time would
+    dlopen, which discovery's tests check it never does."""
+    import ctypes
+
+    class c_nvmlGpuInstancePlacement_t(ctypes.Structure):  # noqa: N801 - pynvml's name
+        _fields_ = [("start", ctypes.c_uint), ("size", ctypes.c_uint)]
+
+    return {"c_nvmlGpuInstancePlacement_t": c_nvmlGpuInstancePlacement_t,
+            "c_nvmlComputeInstancePlacement_t": c_nvmlGpuInstancePlacement_t,  # same shape
+            "c_nvmlGpuInstance_t": ctypes.c_void_p,  # opaque handles
+            "c_nvmlComputeInstance_t": ctypes.c_void_p}
 
 
-c_nvmlComputeInstancePlacement_t = c_nvmlGpuInstancePlacement_t  # noqa: N816 - same shape
-c_nvmlGpuInstance_t = ctypes.c_void_p  # noqa: N816 - pynvml's names: opaque handles
-c_nvmlComputeInstance_t = ctypes.c_void_p  # noqa: N816
+def __getattr__(name: str):
+    if name.startswith("c_nvml") and name in (types := _ctypes_types()):
+        globals().update(types)
+        return types[name]
+    raise AttributeError(name)
+
+
+def _placement(start: int, size: int):
+    return __getattr__("c_nvmlGpuInstancePlacement_t")(start, size)
 
 
 class _Info:
@@ -346,7 +361,7 @@ def nvmlDeviceGetGpuInstancePossiblePlacements(handle: int, profileId: int,  # n
                                                placementsRef, countRef) -> int:
     p = _profile(_gpu(handle, "nvmlDeviceGetGpuInstancePossiblePlacements"), pid=profileId)
     _fill(placementsRef, countRef,
-          [c_nvmlGpuInstancePlacement_t(start, size) for start, size in p["placements"]])
+          [_placement(start, size) for start, size in p["placements"]])
     return NVML_SUCCESS
 
 
@@ -382,7 +397,7 @@ def nvmlDeviceGetGpuInstanceById(handle: int, gi_id: int) -> int:  # noqa: N802
 def nvmlGpuInstanceGetInfo(gpuInstance: int):  # noqa: N802, N803
     index, gpu, gi = _gi(gpuInstance, "nvmlGpuInstanceGetInfo")
     return _Info(device=index, id=gi["id"], profileId=_profile(gpu, index=gi["profile"])["id"],
-                 placement=c_nvmlGpuInstancePlacement_t(gi["start"], gi["size"]))
+                 placement=_Info(start=gi["start"], size=gi["size"]))
 
 
 def nvmlGpuInstanceGetComputeInstances(gpuInstance: int, profileId: int,  # noqa: N802, N803
@@ -404,7 +419,7 @@ def nvmlComputeInstanceGetInfo(computeInstance: int):  # noqa: N802, N803
         if ci["id"] == ci_id:
             return _Info(device=index, gpuInstance=_GI | index << 8 | gi_id, id=ci_id,
                          profileId=ci["profile"],
-                         placement=c_nvmlComputeInstancePlacement_t(0, gi["size"]))
+                         placement=_Info(start=0, size=gi["size"]))
     raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
 
 
