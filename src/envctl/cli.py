@@ -382,6 +382,16 @@ def _render_gpus(console: Any, report: dict[str, Any]) -> None:
             console.print(f"  {g['index']:<4} {escape(g['uuid'] or '?'):<41} "
                           f"{escape(g['name']):<26} {memory:>7} {'on' if g['mig'] else 'off':<4} "
                           f"{g['pci']:<13} {escape(g['env'] or '-')}")
+            if g["mig"] != g["mig_pending"]:
+                console.print(f"  {'':<4} [yellow]MIG mode {'on' if g['mig_pending'] else 'off'}"
+                              " after the next GPU reset[/]")
+            for m in g["instances"]:
+                size = format_size(m["memory"]) if m["memory"] else "-"
+                start, count = m["placement"]["start"], m["placement"]["size"]
+                console.print(f"  {'':<4} └ {escape(m['uuid']):<41} "
+                              f"{escape(m['profile'] or '?'):<11} GI {m['gi']:<2} CI {m['ci']} "
+                              f"slots {start}-{start + count - 1:<3} {size:>7} "
+                              f"{escape(m['env'] or '-')}")
     for line in report["problems"] + report["warnings"]:
         console.print(f"  [yellow]! {escape(line)}[/]")
 

@@ -87,6 +87,24 @@ class RootfsFacts:
 
 
 @dataclass(frozen=True)
+class MigFact:
+    """One MIG device (a compute instance of a GPU instance) as NVML reports it, with the
+    nvidia-caps minors of its access nodes (/proc/driver/nvidia-caps/mig-minors)."""
+
+    uuid: str  # MIG-…
+    parent: int  # the parent GPU's index
+    gi: int  # GPU instance id
+    ci: int  # compute instance id
+    profile: str = ""  # the GPU instance profile, as nvidia-smi mig -lgip names it: 3g.71gb
+    profile_id: int = -1
+    start: int = 0  # placement: first memory slice
+    size: int = 0  # placement: memory slices
+    memory_bytes: int = 0
+    gi_minor: int | None = None  # /dev/nvidia-caps/nvidia-cap<gi_minor>: gpuN/giX/access
+    ci_minor: int | None = None  # /dev/nvidia-caps/nvidia-cap<ci_minor>: gpuN/giX/ciY/access
+
+
+@dataclass(frozen=True)
 class GpuFact:
     """One NVIDIA GPU as NVML (or /proc/driver/nvidia) reports it."""
 
@@ -97,6 +115,8 @@ class GpuFact:
     memory_bytes: int = 0
     mig: bool = False  # MIG mode enabled
     pci: str = ""  # bus id, 0000:3b:00.0
+    mig_pending: bool = False  # MIG mode after the next GPU reset
+    mig_devices: tuple[MigFact, ...] = ()  # its MIG devices (NVML only)
 
 
 @dataclass(frozen=True)
@@ -115,6 +135,10 @@ class GpuHostFacts:
     source: str = ""
     # What went wrong looking (NVML failed to initialise, …): shown when a spec wants GPUs.
     problems: tuple[str, ...] = ()
+
+    def migs(self) -> dict[str, tuple[GpuFact, MigFact]]:
+        """MIG UUID -> (its parent GPU, the MIG device)."""
+        return {m.uuid: (g, m) for g in self.gpus for m in g.mig_devices}
 
 
 @dataclass(frozen=True)

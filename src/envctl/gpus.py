@@ -48,7 +48,7 @@ def survey(host: Host, root: Path) -> GpuSurvey:
     facts = read_gpus(root)
     out = GpuSurvey(facts)
     by_index = {g.index: g.uuid for g in facts.gpus}
-    known = set(by_index.values())
+    known = set(by_index.values()) | set(facts.migs())
     for env in Journal.environments(host.state_dir):
         try:
             journal = Journal.open(host.state_dir, env, boot=host.boot_id)
@@ -84,12 +84,23 @@ def gpu_report(host: Host, root: Path, *, found: GpuSurvey | None = None) -> dic
     found = found or survey(host, root)
     facts = found.facts
     owner = {u: env for env, uuids in found.holders.items() for u in uuids}
+
+    def access(minor: int | None) -> str | None:
+        return None if minor is None else f"/dev/nvidia-caps/nvidia-cap{minor}"
+
     return {
         "driver": facts.driver,
         "source": facts.source,
         "gpus": [{"index": g.index, "uuid": g.uuid, "name": g.name, "minor": g.minor,
-                  "memory": g.memory_bytes, "mig": g.mig, "pci": g.pci,
-                  "env": owner.get(g.uuid)} for g in facts.gpus],
+                  "memory": g.memory_bytes, "mig": g.mig, "mig_pending": g.mig_pending,
+                  "pci": g.pci, "env": owner.get(g.uuid),
+                  "instances": [{"uuid": m.uuid, "gi": m.gi, "ci": m.ci, "profile": m.profile,
+                                 "profile_id": m.profile_id,
+                                 "placement": {"start": m.start, "size": m.size},
+                                 "memory": m.memory_bytes,
+                                 "access": [access(m.gi_minor), access(m.ci_minor)],
+                                 "env": owner.get(m.uuid)} for m in g.mig_devices]}
+                 for g in facts.gpus],
         "majors": dict(facts.majors),
         "nodes": {f"/dev/{name}": list(mm) for name, mm in device_nodes(root).items()},
         "problems": list(facts.problems),

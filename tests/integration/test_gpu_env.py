@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -18,65 +16,22 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fakes import check_cdi
-from tests.integration.sandbox import REPO
+from tests.fakes import check_cdi, gpuhost
 
 pytestmark = pytest.mark.root
 
 ENTER = Path(__file__).with_name("enter_env.py")
-FAKES = REPO / "tests" / "fakes" / "pynvml"
-DRIVER = "550.54.15"
-UVM_MAJOR = 509
-CAPS_MAJOR = 508
-UUIDS = ["GPU-11111111-aaaa-bbbb-cccc-000000000000", "GPU-22222222-aaaa-bbbb-cccc-000000000001"]
-LIBDIR = "usr/lib/x86_64-linux-gnu"
+DRIVER = gpuhost.DRIVER
+UVM_MAJOR = gpuhost.UVM_MAJOR
+CAPS_MAJOR = gpuhost.CAPS_MAJOR
+UUIDS = [gpuhost.gpu_uuid(0), gpuhost.gpu_uuid(1)]
+LIBDIR = gpuhost.LIBDIR
 
 
-def fake_gpu_host(root: Path) -> dict[str, str]:
-    """A fake driver tree with two GPUs (minors 0 and 1); the variables that point envctl at it."""
-    proc = root / "proc"
-    (proc / "driver" / "nvidia" / "gpus").mkdir(parents=True)
-    (proc / "devices").write_text(
-        "Character devices:\n  1 mem\n  5 /dev/tty\n136 pts\n195 nvidia-frontend\n"
-        f"{UVM_MAJOR} nvidia-uvm\n{CAPS_MAJOR} nvidia-caps\n\nBlock devices:\n  8 sd\n")
-    (proc / "driver" / "nvidia" / "version").write_text(
-        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {DRIVER}  Tue Mar  5 22:14:33 UTC "
-        "2024\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
-    gpus = []
-    for minor, uuid in enumerate(UUIDS):
-        pci = f"0000:{0x3b + minor:02x}:00.0"
-        info = proc / "driver" / "nvidia" / "gpus" / pci
-        info.mkdir()
-        (info / "information").write_text(
-            f"Model: \t\t NVIDIA H200\nIRQ:   \t\t 150\nGPU UUID: \t {uuid}\n"
-            f"Video BIOS: \t 96.00.99.00.01\nBus Type: \t PCIe\nDMA Size: \t 52 bits\n"
-            f"DMA Mask: \t 0xfffffffffffff\nBus Location: \t {pci}\nDevice Minor: \t {minor}\n"
-            "GPU Excluded:\t No\n")
-        gpus.append({"uuid": uuid, "name": "NVIDIA H200", "minor": minor,
-                     "memory": 150_754_820_096, "mig": False, "pci": pci})
-    nvml = root / "nvml.json"
-    nvml.write_text(json.dumps({"driver": DRIVER, "gpus": gpus}))
-    dev = root / "dev"
-    dev.mkdir()
-    for name, major, minor in [("nvidia0", 195, 0), ("nvidia1", 195, 1), ("nvidiactl", 195, 255),
-                               ("nvidia-uvm", UVM_MAJOR, 0), ("nvidia-uvm-tools", UVM_MAJOR, 1)]:
-        os.mknod(dev / name, stat.S_IFCHR | 0o666, os.makedev(major, minor))
-    # Driver libraries: tiny shared objects with the driver's sonames, in a fake ld.so.cache.
-    libdir = root / LIBDIR
-    libdir.mkdir(parents=True)
-    src = root / "x.c"
-    src.write_text("int nv(void) { return 1; }\n")
-    for lib, soname in (("libcuda", "libcuda.so.1"), ("libnvidia-ml", "libnvidia-ml.so.1")):
-        res = subprocess.run(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o",
-                              str(libdir / f"{lib}.so.{DRIVER}"), str(src)],
-                             capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr
-    (root / "etc").mkdir()
-    (root / "etc" / "ld.so.conf").write_text(f"/{LIBDIR}\n")
-    res = subprocess.run(["ldconfig", "-r", str(root)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    return {"ENVCTL_GPU_ROOT": str(root), "FAKE_NVML_JSON": str(nvml),
-            "PYTHONPATH": f"{FAKES}:{REPO / 'src'}"}
+def fake_gpu_host(root: Path, **kw) -> dict[str, str]:
+    """A fake driver tree with two GPUs (minors 0 and 1) by default (tests/fakes/gpuhost.py);
+    the variables that point envctl at it."""
+    return gpuhost.make_host(root, **{"gpus": 2, "numa": 1, **kw})
 
 
 @pytest.fixture
@@ -193,21 +148,18 @@ def test_gpus_are_exclusive_and_a_count_resolves_the_same_way_every_time(gpu_hos
     assert sb.residue() == {}
 
 
-def test_modeset_and_mig_capability_nodes_when_asked(gpu_host):
+def test_modeset_node_when_asked_and_mig_caps_refused(gpu_host):
     sb, env = gpu_host
-    sb.write_spec("gpu-a", gpu_spec("gpu-a", "{indices: [1], modeset: true, mig_caps: true, "
-                                             "group: '0'}"))
+    sb.write_spec("gpu-a", gpu_spec("gpu-a", "{indices: [1], modeset: true, group: '0'}"))
     res = sb.envctl("up", "gpu-a", env=env)
     assert res.returncode == 0, res.stderr
     out = inside(sb, "gpu-a", "stat", "-c", "%n %t:%T %a %g", "/dev/nvidia1",
-                 "/dev/nvidia-modeset", "/dev/nvidia-caps/nvidia-cap1",
-                 "/dev/nvidia-caps/nvidia-cap2", extra=env)
+                 "/dev/nvidia-modeset", extra=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:-1] == [
-        "/dev/nvidia1 c3:1 660 0", "/dev/nvidia-modeset c3:fe 660 0",
-        f"/dev/nvidia-caps/nvidia-cap1 {CAPS_MAJOR:x}:1 660 0",
-        f"/dev/nvidia-caps/nvidia-cap2 {CAPS_MAJOR:x}:2 660 0"]
+    assert out.stdout.split("\n")[:-1] == ["/dev/nvidia1 c3:1 660 0",
+                                           "/dev/nvidia-modeset c3:fe 660 0"]
     assert inside(sb, "gpu-a", "ls", "/dev/nvidia0", extra=env).returncode != 0
+    assert inside(sb, "gpu-a", "ls", "/dev/nvidia-caps", extra=env).returncode != 0
     assert sb.envctl_json("status", "gpu-a", env=env)[0]["state"] == "up"
     # The CDI spec gives a container exactly what the environment's /dev has, group included.
     cdi = sb.root / "cdi.yaml"
@@ -218,15 +170,78 @@ def test_modeset_and_mig_capability_nodes_when_asked(gpu_host):
     (device,) = doc["devices"]
     nodes = {n["path"]: (n["major"], n["minor"], n["fileMode"], n["gid"])
              for n in device["containerEdits"]["deviceNodes"]}
-    assert nodes == {"/dev/nvidia1": (195, 1, 0o660, 0), "/dev/nvidiactl": (195, 255, 0o660, 0),
-                     "/dev/nvidia-uvm": (UVM_MAJOR, 0, 0o660, 0),
-                     "/dev/nvidia-uvm-tools": (UVM_MAJOR, 1, 0o660, 0),
+    assert nodes == {"/dev/nvidia1": (195, 1, 0o660, 0),
                      "/dev/nvidia-modeset": (195, 254, 0o660, 0),
-                     "/dev/nvidia-caps/nvidia-cap1": (CAPS_MAJOR, 1, 0o660, 0),
-                     "/dev/nvidia-caps/nvidia-cap2": (CAPS_MAJOR, 2, 0o660, 0)}
+                     "/dev/nvidiactl": (195, 255, 0o660, 0),
+                     "/dev/nvidia-uvm": (UVM_MAJOR, 0, 0o660, 0),
+                     "/dev/nvidia-uvm-tools": (UVM_MAJOR, 1, 0o660, 0)}
     mounts = {m["containerPath"] for m in doc["containerEdits"]["mounts"]}
     assert f"/{LIBDIR}/libcuda.so.{DRIVER}" in mounts
     assert sb.envctl("down", "gpu-a", env=env).returncode == 0
+    # gpus.mig_caps granted nvidia-cap1 (MIG config): refused, at its line, nothing changed.
+    sb.write_spec("gpu-b", gpu_spec("gpu-b", "{count: 1, mig_caps: true}"))
+    res = sb.envctl("up", "gpu-b", env=env)
+    assert res.returncode == 2 and "gpu-b.yaml:6:" in res.stderr, res.stderr
+    assert "mig_caps is no longer accepted: it granted nvidia-cap1" in res.stderr
+    (sb.config_dir / "gpu-b.yaml").unlink()
+    assert sb.residue() == {}
+
+
+@pytest.fixture
+def mig_host(sandbox, tmp_path):
+    if shutil.which("gcc") is None or shutil.which("ldconfig") is None:
+        pytest.skip("needs gcc and ldconfig (scripts/install-deps installs them)")
+    return sandbox, fake_gpu_host(tmp_path / "gpuroot",
+                                  mig_layout=["3g.71gb", "2g.35gb", "1g.18gb"])
+
+
+def test_a_mig_environment_opens_its_instance_and_not_another_nor_the_mig_config(mig_host):
+    sb, env = mig_host
+    gpus = sb.envctl_json("gpus", env=env)
+    assert gpus["problems"] == []
+    tree = {g["uuid"]: [(m["profile"], m["gi"], m["ci"], m["placement"]["start"],
+                         m["placement"]["size"], m["env"]) for m in g["instances"]]
+            for g in gpus["gpus"]}
+    assert tree[UUIDS[1]] == [("3g.71gb", 1, 0, 0, 4, None), ("2g.35gb", 5, 0, 4, 2, None),
+                              ("1g.18gb", 13, 0, 6, 1, None)]
+    mine, other = gpus["gpus"][1]["instances"][1], gpus["gpus"][1]["instances"][0]
+    gi, ci = (gpuhost.gi_minor(1, 5), gpuhost.ci_minor(1, 5, 0))
+    assert mine["access"] == [f"/dev/nvidia-caps/nvidia-cap{gi}",
+                              f"/dev/nvidia-caps/nvidia-cap{ci}"]
+
+    sb.write_spec("mig-a", gpu_spec("mig-a", f"[{mine['uuid']}]"))
+    res = sb.envctl("up", "mig-a", env=env)
+    assert res.returncode == 0, res.stderr
+    out = inside(sb, "mig-a", "ls", "/dev", "/dev/nvidia-caps", extra=env)
+    assert out.returncode == 0, out.stderr
+    listed = out.stdout.split("\n\n")
+    assert {"nvidia1", "nvidiactl", "nvidia-caps"} <= set(listed[0].split()[1:])
+    assert "nvidia0" not in listed[0]
+    assert sorted(listed[1].split()[1:]) == sorted([f"nvidia-cap{gi}", f"nvidia-cap{ci}"])
+    environment = inside(sb, "mig-a", "cat", "/etc/environment", extra=env).stdout
+    assert f"CUDA_VISIBLE_DEVICES={mine['uuid']}\n" in environment
+
+    # From the environment's cgroup: its access nodes open (ENXIO: no driver behind the fake
+    # nodes), another instance's and MIG config/monitor are refused (EPERM).
+    caps = Path(env["ENVCTL_GPU_ROOT"]) / "dev" / "nvidia-caps"
+    og, oc = gpuhost.gi_minor(1, other["gi"]), gpuhost.ci_minor(1, other["gi"], 0)
+    paths = [caps / f"nvidia-cap{n}" for n in (gi, ci, og, oc, 1, 2)]
+    probe = sb.run(sys.executable, "-c", OPEN.replace("os.O_RDWR", "os.O_RDONLY"),
+                   str(env_cgroup(sb, "mig-a")), *map(str, paths))
+    assert probe.returncode == 0, probe.stderr
+    result = dict(line.rsplit(" ", 1) for line in probe.stdout.splitlines())
+    assert result == {str(paths[0]): str(errno.ENXIO), str(paths[1]): str(errno.ENXIO),
+                      **{str(p): str(errno.EPERM) for p in paths[2:]}}
+
+    held = {m["uuid"]: m["env"] for g in sb.envctl_json("gpus", env=env)["gpus"]
+            for m in g["instances"]}
+    assert held[mine["uuid"]] == "mig-a" and held[other["uuid"]] is None
+    # The parent GPU, whole, cannot be given while one of its instances is held.
+    sb.write_spec("gpu-c", gpu_spec("gpu-c", "[1]"))
+    res = sb.envctl("plan", "gpu-c", env=env)
+    assert res.returncode == 2 and "is held by environment 'mig-a'" in res.stderr, res.stderr
+    (sb.config_dir / "gpu-c.yaml").unlink()
+    assert sb.envctl("down", "mig-a", env=env).returncode == 0
     assert sb.residue() == {}
 
 

@@ -156,7 +156,7 @@ def test_discovery_through_nvml(tmp_path, monkeypatch, nvml, nodes):
     assert facts.source == "nvml"
     assert facts.driver == "550.54.15"
     assert facts.gpus == (
-        GpuFact(0, B.uuid, B.name, 0, B.memory, True, "0000:3b:00.0"),
+        GpuFact(0, B.uuid, B.name, 0, B.memory, True, "0000:3b:00.0", mig_pending=True),
         GpuFact(1, A.uuid, A.name, 1, A.memory, False, "0000:b1:00.0"))
     assert facts.majors == {"nvidia-frontend": 195, "nvidia-uvm": 235, "nvidia-caps": 238}
     assert facts.problems == ()
@@ -408,8 +408,8 @@ def test_report_says_which_environment_holds_each_gpu(host_with_gpus):
         (0, B.uuid, "gpu-b"), (1, A.uuid, "gpu-a")]
     assert report["driver"] == "550.54.15" and report["source"] == "proc"
     assert report["gpus"][0] == {"index": 0, "uuid": B.uuid, "name": B.name, "minor": 0,
-                                 "memory": 0, "mig": False, "pci": "0000:3b:00.0",
-                                 "env": "gpu-b"}
+                                 "memory": 0, "mig": False, "mig_pending": False,
+                                 "pci": "0000:3b:00.0", "env": "gpu-b", "instances": []}
     assert report["warnings"] == []
 
 

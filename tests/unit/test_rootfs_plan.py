@@ -3,10 +3,12 @@ files, mount order, and the plan errors a host without what the spec needs gets.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from envctl.errors import HostError
-from envctl.facts import GpuFact, GpuHostFacts, HostFacts, PlacedFile, RootfsFacts
+from envctl.errors import HostError, SpecError
+from envctl.facts import GpuFact, GpuHostFacts, HostFacts, MigFact, PlacedFile, RootfsFacts
 from envctl.host.devices import resolve_rules
 from envctl.plan.builder import PlanError
 from envctl.plan.gpus import ENV_KEY, NODES_KEY, assign_gpus
@@ -101,8 +103,45 @@ def test_a_host_without_gpus_or_the_group_is_a_plan_error_saying_what_was_found(
         plan_env(spec("a", "gpus: 2"), facts(gpu=GpuHostFacts()))
     with pytest.raises(PlanError, match="group 'render' does not exist"):
         plan_env(spec("a", "gpus: {count: 1, group: render}"), facts())
-    with pytest.raises(PlanError, match="MIG capabilities need the nvidia-caps device"):
-        plan_env(spec("a", "gpus: {count: 1, mig_caps: true}"), facts())
+    # mig_caps (nvidia-cap1, MIG's config capability) is refused at parse time, at its line.
+    with pytest.raises(SpecError, match=r"a.yaml:4:3: gpus.mig_caps: mig_caps is no longer "
+                                        r"accepted: it granted nvidia-cap1"):
+        spec("a", "gpus:\n  mig_caps: false")
+
+
+MIGS = tuple(MigFact(f"MIG-{gi}", parent=1, gi=gi, ci=0, profile="1g.18gb", start=gi - 7,
+                     size=1, gi_minor=3 + 135 + 9 * gi, ci_minor=3 + 135 + 9 * gi + 1)
+             for gi in (7, 8))
+MIG_GPUS = dataclasses.replace(GPUS, majors={"nvidia-uvm": 509, "nvidia-caps": 508}, gpus=(
+    GPUS.gpus[0], dataclasses.replace(GPUS.gpus[1], mig=True, mig_devices=MIGS), *GPUS.gpus[2:]))
+
+
+def test_a_mig_uuid_gets_its_parent_node_and_only_its_own_access_capabilities():
+    plan = plan_env(spec("a", "gpus: [MIG-8]"), facts(gpu=MIG_GPUS))
+    nodes = {(n[0], n[1], n[2]) for n in plan.resolved[NODES_KEY]}
+    assert nodes == {("nvidia1", 195, 1), ("nvidiactl", 195, 255), ("nvidia-uvm", "nvidia-uvm", 0),
+                     ("nvidia-uvm-tools", "nvidia-uvm", 1),
+                     ("nvidia-caps/nvidia-cap210", "nvidia-caps", 210),
+                     ("nvidia-caps/nvidia-cap211", "nvidia-caps", 211)}
+    assert plan.resolved[ENV_KEY]["CUDA_VISIBLE_DEVICES"] == "MIG-8"
+    assert not any(n[0] in ("nvidia-caps/nvidia-cap1", "nvidia-caps/nvidia-cap2")
+                   for n in plan.resolved[NODES_KEY])
+
+
+def test_a_whole_gpu_and_its_mig_devices_exclude_each_other():
+    got, why = assign_gpus([spec("a", "gpus: [MIG-7]"), spec("b", "gpus: [MIG-8]")],
+                           facts(gpu=MIG_GPUS))
+    assert why == {} and got == {"a": ("MIG-7",), "b": ("MIG-8",)}
+    _, why = assign_gpus([spec("a", "gpus: [1]")], facts(gpu=MIG_GPUS, gpu_held={"MIG-8": "b"}))
+    assert "MIG 1g.18gb GI 8 CI 0 of GPU 1 (MIG-8) is held by environment 'b'" in why["a"]
+    _, why = assign_gpus([spec("a", "gpus: [MIG-7]")], facts(gpu=MIG_GPUS,
+                                                          gpu_held={"GPU-1": "b"}))
+    assert "GPU 1 (GPU-1) is held by environment 'b'" in why["a"]
+    # A count never takes a GPU one of whose MIG devices another environment holds.
+    got, _ = assign_gpus([spec("a", "gpus: 2")], facts(gpu=MIG_GPUS, gpu_held={"MIG-7": "b"}))
+    assert got == {"a": ("GPU-0", "GPU-2")}
+    _, why = assign_gpus([spec("a", "gpus: [MIG-9]")], facts(gpu=MIG_GPUS))
+    assert why["a"] == "no GPU MIG-9 here (`envctl gpus` lists the MIG devices)"
 
 
 def test_a_spec_variable_naming_other_gpus_is_overridden_with_a_warning():

@@ -13,6 +13,10 @@ point it at a fake tree. What is read, in the formats the driver writes
 - `proc/driver/nvidia/gpus/<pci>/information`: "Model: \\t\\t NVIDIA A100…", "GPU UUID: \\t
   GPU-…", "Bus Location: \\t 0000:3b:00.0", "Device Minor: \\t 0", one "Key: value" a line.
 - `dev/nvidia*`: the nodes, by stat (never opened).
+- `proc/driver/nvidia-caps/mig-minors`: "config 1", "monitor 2", "gpu%u/gi%u/access %u",
+  "gpu%u/gi%u/ci%u/access %u" (nvidia-caps' static table, keyed by the GPU's minor), and
+  `proc/driver/nvidia/capabilities/gpuN/mig/giX[/ciY]/access` ("DeviceFileMinor: %u" …) for
+  the instances that exist: the /dev/nvidia-caps/nvidia-cap<minor> node guarding each.
 
 NVML (the `pynvml` module of nvidia-ml-py, imported only here and only when asked) gives what
 /proc does not: memory, MIG mode, the driver's own index order. It is asked only when the
@@ -24,6 +28,7 @@ come from /proc and `problems` says why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import stat
@@ -31,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from envctl.errors import InputError
-from envctl.facts import GpuFact, GpuHostFacts
+from envctl.facts import GpuFact, GpuHostFacts, MigFact
 
 NVIDIA_MAJOR = 195  # fixed: NV_MAJOR_DEVICE_NUMBER
 CTL_MINOR = 255  # /dev/nvidiactl
@@ -101,6 +106,23 @@ def normalize_pci(bus_id: str) -> str:
         return ""
     domain, bus, dev, fn = found.groups()
     return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(dev, 16):02x}.{fn}"
+
+
+def parse_mig_minors(text: str) -> dict[str, int]:
+    """The capability name -> nvidia-caps minor lines of a mig-minors text ("gpu0/gi1/access
+    12"); lines of another shape are skipped, as nvidia-container-toolkit's parser does."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, minor = line.strip().rpartition(" ")
+        if name and minor.isdigit():
+            out.setdefault(name, int(minor))
+    return out
+
+
+def parse_capability(text: str) -> int | None:
+    """The DeviceFileMinor of a /proc/driver/nvidia/capabilities/… access file."""
+    minor = parse_information(text).get("DeviceFileMinor", "")
+    return int(minor) if minor.isdigit() else None
 
 
 def _pci_key(pci: str) -> tuple[int, ...]:
@@ -196,6 +218,43 @@ def device_nodes(root: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
+def read_mig_minors(root: Path) -> dict[str, int] | None:
+    """<root>/proc/driver/nvidia-caps/mig-minors parsed; None when the driver has none."""
+    try:
+        text = _read(root / "proc" / "driver" / "nvidia-caps" / "mig-minors")
+    except OSError:
+        return None
+    return None if text is None else parse_mig_minors(text)
+
+
+def _mig_minors(root: Path, gpu: GpuFact, table: dict[str, int] | None,
+                problems: list[str]) -> GpuFact:
+    """`gpu` with each MIG device's access minors from mig-minors, checked against the
+    driver's capability files of the instances that exist."""
+    caps = root / "proc" / "driver" / "nvidia" / "capabilities" / f"gpu{gpu.minor}" / "mig"
+    out = []
+    for m in gpu.mig_devices:
+        found: list[int | None] = []
+        for key in (f"gi{m.gi}/access", f"gi{m.gi}/ci{m.ci}/access"):
+            minor = (table or {}).get(f"gpu{gpu.minor}/{key}")
+            try:
+                text = _read(caps / key)
+            except OSError:
+                text = None
+            listed = parse_capability(text) if text is not None else None
+            if minor is None:
+                problems.append(f"{m.uuid}: no {f'gpu{gpu.minor}/{key}'} in "
+                                f"{root / 'proc/driver/nvidia-caps/mig-minors'}; the instance "
+                                "cannot be given to an environment")
+            elif listed is not None and listed != minor:
+                problems.append(f"{caps / key} says minor {listed}, mig-minors {minor}: "
+                                f"{m.uuid} cannot be given to an environment")
+                minor = None
+            found.append(minor)
+        out.append(dataclasses.replace(m, gi_minor=found[0], ci_minor=found[1]))
+    return dataclasses.replace(gpu, mig_devices=tuple(out))
+
+
 # ---------------------------------------------------------------- NVML
 
 
@@ -225,12 +284,13 @@ def _nvml_gpus() -> tuple[str, list[GpuFact]]:
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             try:
-                mig = bool(pynvml.nvmlDeviceGetMigMode(handle)[0])
+                current, pending = pynvml.nvmlDeviceGetMigMode(handle)
+                mig, mig_pending = bool(current), bool(pending)
             except pynvml.NVMLError as exc:
                 # GPUs without MIG (anything before Ampere) answer "not supported".
                 if exc.value != pynvml.NVML_ERROR_NOT_SUPPORTED:
                     raise
-                mig = False
+                mig = mig_pending = False
             gpus.append(GpuFact(
                 index=index,
                 uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
@@ -239,6 +299,8 @@ def _nvml_gpus() -> tuple[str, list[GpuFact]]:
                 memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
                 mig=mig,
                 pci=normalize_pci(_text(pynvml.nvmlDeviceGetPciInfo(handle).busId)),
+                mig_pending=mig_pending,
+                mig_devices=_nvml_mig(pynvml, handle, index) if mig else (),
             ))
         return driver, gpus
     except pynvml.NVMLError as exc:
@@ -247,6 +309,40 @@ def _nvml_gpus() -> tuple[str, list[GpuFact]]:
         # Nothing is left to release when shutdown itself fails.
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
+
+
+def _nvml_mig(pynvml: Any, handle: Any, index: int) -> tuple[MigFact, ...]:
+    """The MIG devices of a MIG-enabled GPU: each compute instance with its GPU instance's
+    profile and placement. Read calls only (no instance is made or destroyed)."""
+    names: dict[int, str] = {}  # profile id -> name, over NVML's profile indices
+    for profile in range(getattr(pynvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", 10)):
+        try:
+            info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, profile)
+        except pynvml.NVMLError as exc:
+            # Profiles this GPU lacks answer "not supported" (or "invalid" on older drivers).
+            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+                continue
+            raise
+        name = _text(getattr(info, "name", "") or "").removeprefix("MIG ")
+        # A v1 structure has no name: nvidia-smi's form from the slices and memory.
+        names[int(info.id)] = name or f"{info.sliceCount}g.{round(info.memorySizeMB / 1024)}gb"
+    out = []
+    for n in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, n)
+        except pynvml.NVMLError as exc:
+            if exc.value == pynvml.NVML_ERROR_NOT_FOUND:  # an unused index
+                continue
+            raise
+        gi_id = int(pynvml.nvmlDeviceGetGpuInstanceId(mig))
+        gi = pynvml.nvmlGpuInstanceGetInfo(pynvml.nvmlDeviceGetGpuInstanceById(handle, gi_id))
+        out.append(MigFact(
+            uuid=_text(pynvml.nvmlDeviceGetUUID(mig)), parent=index, gi=gi_id,
+            ci=int(pynvml.nvmlDeviceGetComputeInstanceId(mig)),
+            profile=names.get(int(gi.profileId), ""), profile_id=int(gi.profileId),
+            start=int(gi.placement.start), size=int(gi.placement.size),
+            memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(mig).total)))
+    return tuple(sorted(out, key=lambda m: (m.gi, m.ci)))
 
 
 # ---------------------------------------------------------------- discovery
@@ -287,6 +383,9 @@ def discover_gpus(root: Path, *, nvml: str = "auto") -> GpuHostFacts:
                             f"{len(proc_gpus)}")
     if source == "proc":  # what /proc could not say matters only when it is the source
         problems += proc_problems
+    if any(g.mig_devices for g in gpus):
+        table = read_mig_minors(root)
+        gpus = [_mig_minors(root, g, table, problems) for g in gpus]
     if driver:
         problems += _node_problems(root, gpus, majors, nodes)
     return GpuHostFacts(driver=driver, gpus=tuple(gpus), majors=majors,

@@ -40,20 +40,40 @@ def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts
     (`facts.gpu_held`) are never given to another."""
     by_index = {g.index: g for g in facts.gpu.gpus}
     by_uuid = {g.uuid: g for g in facts.gpu.gpus}
+    migs = facts.gpu.migs()
     taken = dict(facts.gpu_held)  # uuid -> environment
     out: dict[str, tuple[str, ...]] = {}
     why: dict[str, str] = {}
 
+    def key(u: str) -> tuple[int, int, int]:
+        if u in migs:
+            parent, m = migs[u]
+            return (parent.index, m.gi, m.ci)
+        return (by_uuid[u].index, -1, -1)
+
+    def label(u: str) -> str:
+        if u in migs:
+            parent, m = migs[u]
+            return f"MIG {m.profile or '?'} GI {m.gi} CI {m.ci} of GPU {parent.index} ({u})"
+        return f"GPU {by_uuid[u].index} ({u})"
+
+    def overlaps(u: str) -> list[str]:
+        # A whole GPU and its MIG devices are the same hardware: holding one holds the other.
+        if u in migs:
+            return [u, migs[u][0].uuid]
+        return [u] + [m.uuid for m in by_uuid[u].mig_devices]
+
     def order(uuids: list[str]) -> tuple[str, ...]:
-        return tuple(sorted(uuids, key=lambda u: by_uuid[u].index))
+        return tuple(sorted(uuids, key=key))
 
     def grant(name: str, uuids: list[str]) -> None:
-        held = sorted({u for u in uuids if taken.get(u, name) != name})
+        held = sorted({x for u in uuids for x in overlaps(u) if taken.get(x, name) != name},
+                      key=key)
         if held:
             why[name] = "; ".join(
-                f"GPU {by_uuid[u].index} ({u}) is held by environment '{taken[u]}'"
+                f"{label(u)} is held by environment '{taken[u]}'"
                 if facts.gpu_held.get(u) == taken[u] else
-                f"GPU {by_uuid[u].index} ({u}) is also claimed by environment '{taken[u]}'"
+                f"{label(u)} is also claimed by environment '{taken[u]}'"
                 for u in held)
             return
         out[name] = order(uuids)
@@ -72,9 +92,11 @@ def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts
             else:
                 grant(s.name, [by_index[i].uuid for i in g.indices])
         elif g.uuids:
-            absent = [u for u in g.uuids if u not in by_uuid]
+            absent = [u for u in g.uuids if u not in by_uuid and u not in migs]
             if absent:
-                why[s.name] = f"no GPU {', '.join(absent)} here"
+                why[s.name] = f"no GPU {', '.join(absent)} here" + (
+                    " (`envctl gpus` lists the MIG devices)" if any(
+                        u.startswith("MIG-") for u in absent) else "")
             else:
                 grant(s.name, list(g.uuids))
     for s in wanting:
@@ -84,7 +106,7 @@ def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts
         mine = sorted((u for u, env in facts.gpu_held.items() if env == s.name and u in by_uuid),
                       key=lambda u: by_uuid[u].index)[:count]
         free = [g.uuid for g in sorted(by_uuid.values(), key=lambda g: g.index)
-                if g.uuid not in taken]
+                if not any(x in taken for x in overlaps(g.uuid))]
         pick = mine + free[:count - len(mine)]
         if len(pick) < count:
             others = sorted({env for u, env in taken.items() if env != s.name and u in by_uuid})
@@ -137,27 +159,39 @@ def plan_gpus(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     if gid is None:
         return
     by_uuid: dict[str, GpuFact] = {g.uuid: g for g in facts.gpu.gpus}
+    migs = facts.gpu.migs()
     gpus = [by_uuid[u] for u in assigned if u in by_uuid]
+    mine = [migs[u] for u in assigned if u in migs]
+    # A MIG device is its parent's node plus its own GPU-instance and compute-instance access
+    # capabilities; never nvidia-cap1 (MIG config: it could destroy every other partition's
+    # instances) nor nvidia-cap2 (monitor).
+    parents = list(dict.fromkeys([g.minor for g in gpus] + [p.minor for p, _ in mine]))
     nodes: list[tuple[str, int | str, int, int, int]] = [
-        (f"nvidia{g.minor}", NVIDIA_MAJOR, g.minor, NODE_MODE, gid) for g in gpus]
+        (f"nvidia{minor}", NVIDIA_MAJOR, minor, NODE_MODE, gid) for minor in parents]
     nodes += [("nvidiactl", NVIDIA_MAJOR, CTL_MINOR, NODE_MODE, gid),
               ("nvidia-uvm", UVM, 0, NODE_MODE, gid),
               ("nvidia-uvm-tools", UVM, 1, NODE_MODE, gid)]
     if spec.gpus.modeset:
         nodes.append(("nvidia-modeset", NVIDIA_MAJOR, MODESET_MINOR, NODE_MODE, gid))
-    if spec.gpus.mig_caps:
-        # MIG's configuration and monitoring capabilities (nvidia-cap1, nvidia-cap2).
-        if CAPS not in facts.gpu.majors:
-            plan.error(("gpus", "mig_caps"), "MIG capabilities need the nvidia-caps device, "
-                       "which /proc/devices does not list here")
+    if mine and CAPS not in facts.gpu.majors:
+        plan.error(("gpus",), "MIG devices need the nvidia-caps device, which /proc/devices "
+                   "does not list here")
+        return
+    for parent, m in mine:
+        if m.gi_minor is None or m.ci_minor is None:
+            plan.error(("gpus",), f"{m.uuid} (GPU {parent.index}, GI {m.gi}, CI {m.ci}) has no "
+                       "access minors in /proc/driver/nvidia-caps/mig-minors: its nodes cannot "
+                       "be made")
             return
-        nodes += [("nvidia-caps/nvidia-cap1", CAPS, 1, NODE_MODE, gid),
-                  ("nvidia-caps/nvidia-cap2", CAPS, 2, NODE_MODE, gid)]
-    plan.resolved["gpus"] = ", ".join(f"{g.index} ({g.uuid})" for g in gpus)
+        nodes += [(f"nvidia-caps/nvidia-cap{minor}", CAPS, minor, NODE_MODE, gid)
+                  for minor in (m.gi_minor, m.ci_minor)]
+    plan.resolved["gpus"] = ", ".join(
+        [f"{g.index} ({g.uuid})" for g in gpus]
+        + [f"{p.index}: MIG {m.profile} GI {m.gi} CI {m.ci} ({m.uuid})" for p, m in mine])
     plan.resolved[NODES_KEY] = tuple(nodes)
     plan.resolved[GPU_DEVICES_KEY] = tuple(f"c {major}:{minor} rw"
                                            for _, major, minor, _, _ in nodes)
-    visible = ",".join(g.uuid for g in gpus)
+    visible = ",".join(u for u in assigned if u in by_uuid or u in migs)
     plan.resolved[ENV_KEY] = {"CUDA_VISIBLE_DEVICES": visible, "NVIDIA_VISIBLE_DEVICES": visible}
     for name in plan.resolved[ENV_KEY]:
         given = spec.rootfs.env.get(name)

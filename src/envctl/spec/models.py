@@ -602,8 +602,9 @@ class Gpus(Strict):
     group: GroupName = "video"
     # /dev/nvidia-modeset (display drivers, Vulkan/OpenGL); compute does not need it.
     modeset: Flag = False
-    # /dev/nvidia-caps/nvidia-cap1 and -cap2 (MIG configuration and monitoring).
-    mig_caps: Flag = False
+    # Removed: it granted nvidia-cap1, MIG's configuration capability, with which one
+    # partition could destroy every other partition's instances. Only refused now.
+    mig_caps: Any = None
     # The CUDA toolkit directory, bind-mounted read-only at the same path (never copied).
     toolkit: str | None = None
 
@@ -611,6 +612,15 @@ class Gpus(Strict):
     @classmethod
     def _toolkit(cls, v: str | None) -> str | None:
         return None if v is None else _abs_path(v, "gpus.toolkit").rstrip("/") or "/"
+
+    @field_validator("mig_caps", mode="before")
+    @classmethod
+    def _no_mig_caps(cls, v: Any) -> Any:
+        raise ValueError("mig_caps is no longer accepted: it granted nvidia-cap1, the MIG "
+                         "configuration capability, with which one environment could destroy "
+                         "every other's MIG instances. Remove it and name the MIG devices the "
+                         "environment gets by UUID (gpus: [MIG-…], as `envctl gpus` lists "
+                         "them): envctl then gives only their access nodes")
 
     @model_validator(mode="before")
     @classmethod

@@ -18,8 +18,20 @@ its call raise NOT_SUPPORTED.
 supervisor sees). `fail_init`: true (or an NVML_ERROR_* number) makes nvmlInit raise, as on a
 host without libnvidia-ml; `"mig": null` makes nvmlDeviceGetMigMode raise NOT_SUPPORTED (a
 pre-Ampere GPU);
+`"mig_pending"` is the pending mode (default: the current one);
 `"fail": "nvmlDeviceGetName"` makes that call raise UNKNOWN; `bytes` returns bytes for strings,
-as pynvml did before nvidia-ml-py 11.515. Tests put this directory first on sys.path /
+as pynvml did before nvidia-ml-py 11.515.
+
+MIG (read paths, with nvidia-ml-py's signatures): a GPU's `"mig_profiles"` (the GPU instance
+profiles by NVML profile index: id, name, slices, memory_mb, instances, placements [[start,
+size], …]) and `"gpu_instances"` ([{"id", "profile" (index), "start", "size", "cis": [{"id",
+"profile", "uuid": "MIG-…"}]}]), as tests/fakes/gpuhost.py writes them. MIG devices are the
+compute instances, in GI-id then CI-id order. Handles are numbers: a GPU's is its index, a MIG
+device's, a GPU instance's and a compute instance's are tagged above 0x10000, so a wrong kind
+of handle is INVALID_ARGUMENT as in NVML. Functions that fill caller arrays take ctypes arrays
+and byref(c_uint()) counts, as nvidia-ml-py's do (NULL array: the count only).
+
+Tests put this directory first on sys.path /
 PYTHONPATH so that `import pynvml` finds it. `calls` counts init and shutdown.
 """
 
@@ -32,6 +44,8 @@ NVML_SUCCESS = 0
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_INSUFFICIENT_SIZE = 7
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
@@ -40,6 +54,18 @@ NVML_ERROR_UNKNOWN = 999
 
 NVML_DEVICE_MIG_DISABLE = 0
 NVML_DEVICE_MIG_ENABLE = 1
+NVML_GPU_INSTANCE_PROFILE_1_SLICE = 0
+NVML_GPU_INSTANCE_PROFILE_2_SLICE = 1
+NVML_GPU_INSTANCE_PROFILE_3_SLICE = 2
+NVML_GPU_INSTANCE_PROFILE_4_SLICE = 3
+NVML_GPU_INSTANCE_PROFILE_7_SLICE = 4
+NVML_GPU_INSTANCE_PROFILE_8_SLICE = 5
+NVML_GPU_INSTANCE_PROFILE_6_SLICE = 6
+NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1 = 7
+NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1 = 8
+NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2 = 9
+NVML_GPU_INSTANCE_PROFILE_COUNT = 10
+NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0
 NVML_TEMPERATURE_GPU = 0
 NVML_VOLATILE_ECC = 0
 NVML_AGGREGATE_ECC = 1
@@ -50,6 +76,8 @@ nvmlEventTypeXidCriticalError = 0x8  # noqa: N816 - pynvml's name
 _STRINGS = {NVML_ERROR_UNINITIALIZED: "Uninitialized",
             NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
             NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+            NVML_ERROR_NOT_FOUND: "Not Found",
+            NVML_ERROR_INSUFFICIENT_SIZE: "Insufficient Size",
             NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
             NVML_ERROR_TIMEOUT: "Timeout",
             NVML_ERROR_GPU_IS_LOST: "GPU is lost",
@@ -103,6 +131,41 @@ class nvmlPciInfo_t:  # noqa: N801 - pynvml's name
         self.busId = bus_id
 
 
+def _ctypes_types() -> dict:
+    """pynvml's ctypes structures, made on first use: importing ctypes at import time would
+    dlopen, which discovery's tests check it never does."""
+    import ctypes
+
+    class c_nvmlGpuInstancePlacement_t(ctypes.Structure):  # noqa: N801 - pynvml's name
+        _fields_ = [("start", ctypes.c_uint), ("size", ctypes.c_uint)]
+
+    return {"c_nvmlGpuInstancePlacement_t": c_nvmlGpuInstancePlacement_t,
+            "c_nvmlComputeInstancePlacement_t": c_nvmlGpuInstancePlacement_t,  # same shape
+            "c_nvmlGpuInstance_t": ctypes.c_void_p,  # opaque handles
+            "c_nvmlComputeInstance_t": ctypes.c_void_p}
+
+
+def __getattr__(name: str):
+    if name.startswith("c_nvml") and name in (types := _ctypes_types()):
+        globals().update(types)
+        return types[name]
+    raise AttributeError(name)
+
+
+def _placement(start: int, size: int):
+    return __getattr__("c_nvmlGpuInstancePlacement_t")(start, size)
+
+
+class _Info:
+    """pynvml's friendly structures: the fields as attributes."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+_MIG, _GI, _CI = 0x10000, 0x20000, 0x30000  # handle tags above any GPU index
+
+
 def _str(value: str):
     return value.encode() if (_config or {}).get("bytes") else value
 
@@ -124,6 +187,59 @@ def _gpu(handle: int, call: str) -> dict:
     if not isinstance(handle, int) or not 0 <= handle < len(cfg.get("gpus", [])):
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     return cfg["gpus"][handle]
+
+
+def _mig_devices(gpu: dict) -> list[tuple[dict, dict]]:
+    """(GPU instance, compute instance) of each MIG device, in NVML's index order."""
+    if not gpu.get("mig"):
+        return []
+    return [(gi, ci) for gi in sorted(gpu.get("gpu_instances") or [], key=lambda g: g["id"])
+            for ci in sorted(gi["cis"], key=lambda c: c["id"])]
+
+
+def _mig(handle: int, call: str) -> tuple[int, dict, dict, dict]:
+    """The parent index, parent, GPU instance and compute instance of a MIG device handle."""
+    if not isinstance(handle, int) or handle & ~0xFFFF != _MIG:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    index, n = (handle >> 8) & 0xFF, handle & 0xFF
+    gpu = _gpu(index, call)
+    devices = _mig_devices(gpu)
+    if n >= len(devices):  # destroyed since: the handle is stale
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return index, gpu, *devices[n]
+
+
+def _profile(gpu: dict, *, index: int | None = None, pid: int | None = None) -> dict:
+    for p in gpu.get("mig_profiles") or []:
+        if p["index"] == index or p["id"] == pid:
+            return p
+    raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+
+
+def _gi(handle: int, call: str) -> tuple[int, dict, dict]:
+    if not isinstance(handle, int) or handle & ~0xFFFF != _GI:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    index, gi_id = (handle >> 8) & 0xFF, handle & 0xFF
+    gpu = _gpu(index, call)
+    for gi in gpu.get("gpu_instances") or []:
+        if gi["id"] == gi_id and gpu.get("mig"):
+            return index, gpu, gi
+    raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+
+
+def _fill(array, count_ref, items: list) -> None:
+    """nvidia-ml-py's array-and-count convention: the count always, the items when there is
+    an array large enough (INSUFFICIENT_SIZE otherwise)."""
+    count = getattr(count_ref, "_obj", count_ref)
+    if array is None:
+        count.value = len(items)
+        return
+    if len(array) < len(items):
+        count.value = len(items)
+        raise NVMLError(NVML_ERROR_INSUFFICIENT_SIZE)
+    for i, item in enumerate(items):
+        array[i] = item
+    count.value = len(items)
 
 
 def nvmlInit() -> None:  # noqa: N802 - pynvml's names
@@ -158,10 +274,15 @@ def nvmlDeviceGetHandleByIndex(index: int) -> int:  # noqa: N802
 
 
 def nvmlDeviceGetUUID(handle: int):  # noqa: N802
+    if isinstance(handle, int) and handle & ~0xFFFF == _MIG:
+        return _str(_mig(handle, "nvmlDeviceGetUUID")[3]["uuid"])
     return _str(_gpu(handle, "nvmlDeviceGetUUID")["uuid"])
 
 
 def nvmlDeviceGetName(handle: int):  # noqa: N802
+    if isinstance(handle, int) and handle & ~0xFFFF == _MIG:
+        _, gpu, gi, _ = _mig(handle, "nvmlDeviceGetName")
+        return _str(f"{gpu['name']} MIG {_profile(gpu, index=gi['profile'])['name']}")
     return _str(_gpu(handle, "nvmlDeviceGetName")["name"])
 
 
@@ -170,6 +291,9 @@ def nvmlDeviceGetMinorNumber(handle: int) -> int:  # noqa: N802
 
 
 def nvmlDeviceGetMemoryInfo(handle: int) -> c_nvmlMemory_t:  # noqa: N802
+    if isinstance(handle, int) and handle & ~0xFFFF == _MIG:
+        _, gpu, gi, _ = _mig(handle, "nvmlDeviceGetMemoryInfo")
+        return c_nvmlMemory_t(_profile(gpu, index=gi["profile"])["memory_mb"] << 20)
     gpu = _gpu(handle, "nvmlDeviceGetMemoryInfo")
     return c_nvmlMemory_t(int(gpu["memory"]), int(gpu.get("used", 0)))
 
@@ -178,8 +302,125 @@ def nvmlDeviceGetMigMode(handle: int) -> list[int]:  # noqa: N802
     mig = _gpu(handle, "nvmlDeviceGetMigMode").get("mig", False)
     if mig is None:
         raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-    mode = NVML_DEVICE_MIG_ENABLE if mig else NVML_DEVICE_MIG_DISABLE
-    return [mode, mode]  # [current, pending]
+    pending = _live()["gpus"][handle].get("mig_pending", mig)
+    return [NVML_DEVICE_MIG_ENABLE if mig else NVML_DEVICE_MIG_DISABLE,
+            NVML_DEVICE_MIG_ENABLE if pending else NVML_DEVICE_MIG_DISABLE]  # current, pending
+
+
+# ---------------------------------------------------------------- MIG (read paths)
+
+
+def nvmlDeviceGetMaxMigDeviceCount(handle: int) -> int:  # noqa: N802
+    gpu = _gpu(handle, "nvmlDeviceGetMaxMigDeviceCount")
+    if gpu.get("mig") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return max((p["instances"] for p in gpu.get("mig_profiles") or []), default=0)
+
+
+def nvmlDeviceGetMigDeviceHandleByIndex(handle: int, index: int) -> int:  # noqa: N802
+    gpu = _gpu(handle, "nvmlDeviceGetMigDeviceHandleByIndex")
+    if gpu.get("mig") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    if not 0 <= index < nvmlDeviceGetMaxMigDeviceCount(handle):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    if index >= len(_mig_devices(gpu)):
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+    return _MIG | handle << 8 | index
+
+
+def nvmlDeviceIsMigDeviceHandle(handle: int) -> int:  # noqa: N802
+    _live()
+    return int(isinstance(handle, int) and handle & ~0xFFFF == _MIG)
+
+
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle: int) -> int:  # noqa: N802
+    return _mig(handle, "nvmlDeviceGetDeviceHandleFromMigDeviceHandle")[0]
+
+
+def nvmlDeviceGetGpuInstanceId(handle: int) -> int:  # noqa: N802
+    return int(_mig(handle, "nvmlDeviceGetGpuInstanceId")[2]["id"])
+
+
+def nvmlDeviceGetComputeInstanceId(handle: int) -> int:  # noqa: N802
+    return int(_mig(handle, "nvmlDeviceGetComputeInstanceId")[3]["id"])
+
+
+def nvmlDeviceGetGpuInstanceProfileInfo(handle: int, profile: int, version: int = 2):  # noqa: N802
+    p = _profile(_gpu(handle, "nvmlDeviceGetGpuInstanceProfileInfo"), index=profile)
+    info = _Info(id=p["id"], isP2pSupported=0, sliceCount=p["slices"],
+                 instanceCount=p["instances"], multiprocessorCount=16 * p["slices"],
+                 copyEngineCount=p["slices"], decoderCount=p["slices"],
+                 encoderCount=0, jpegCount=p["slices"], ofaCount=int(p["slices"] == 7),
+                 memorySizeMB=p["memory_mb"])
+    if version == 2:  # v2 adds the name, as nvidia-smi mig -lgip prints it
+        info.version, info.name = 2, _str(f"MIG {p['name']}")
+    return info
+
+
+def nvmlDeviceGetGpuInstancePossiblePlacements(handle: int, profileId: int,  # noqa: N802, N803
+                                               placementsRef, countRef) -> int:
+    p = _profile(_gpu(handle, "nvmlDeviceGetGpuInstancePossiblePlacements"), pid=profileId)
+    _fill(placementsRef, countRef,
+          [_placement(start, size) for start, size in p["placements"]])
+    return NVML_SUCCESS
+
+
+def nvmlDeviceGetGpuInstanceRemainingCapacity(handle: int, profileId: int) -> int:  # noqa: N802, N803
+    gpu = _gpu(handle, "nvmlDeviceGetGpuInstanceRemainingCapacity")
+    p = _profile(gpu, pid=profileId)
+    used = {s for gi in gpu.get("gpu_instances") or []
+            for s in range(gi["start"], gi["start"] + gi["size"])}
+    free = sum(1 for start, size in p["placements"] if not used & set(range(start, start + size)))
+    same = sum(1 for gi in gpu.get("gpu_instances") or [] if gi["profile"] == p["index"])
+    return min(free, p["instances"] - same) if gpu.get("mig") else 0
+
+
+def nvmlDeviceGetGpuInstances(handle: int, profileId: int, gpuInstancesRef,  # noqa: N802, N803
+                              countRef) -> int:
+    gpu = _gpu(handle, "nvmlDeviceGetGpuInstances")
+    p = _profile(gpu, pid=profileId)
+    found = [_GI | handle << 8 | gi["id"] for gi in sorted(
+        gpu.get("gpu_instances") or [], key=lambda g: g["id"]) if gi["profile"] == p["index"]]
+    _fill(gpuInstancesRef, countRef, found if gpu.get("mig") else [])
+    return NVML_SUCCESS
+
+
+def nvmlDeviceGetGpuInstanceById(handle: int, gi_id: int) -> int:  # noqa: N802
+    gpu = _gpu(handle, "nvmlDeviceGetGpuInstanceById")
+    if not gpu.get("mig"):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    if not any(gi["id"] == gi_id for gi in gpu.get("gpu_instances") or []):
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+    return _GI | handle << 8 | gi_id
+
+
+def nvmlGpuInstanceGetInfo(gpuInstance: int):  # noqa: N802, N803
+    index, gpu, gi = _gi(gpuInstance, "nvmlGpuInstanceGetInfo")
+    return _Info(device=index, id=gi["id"], profileId=_profile(gpu, index=gi["profile"])["id"],
+                 placement=_Info(start=gi["start"], size=gi["size"]))
+
+
+def nvmlGpuInstanceGetComputeInstances(gpuInstance: int, profileId: int,  # noqa: N802, N803
+                                       computeInstancesRef, countRef) -> int:
+    index, _, gi = _gi(gpuInstance, "nvmlGpuInstanceGetComputeInstances")
+    found = [_CI | index << 12 | gi["id"] << 4 | ci["id"]
+             for ci in sorted(gi["cis"], key=lambda c: c["id"]) if ci["profile"] == profileId]
+    _fill(computeInstancesRef, countRef, found)
+    return NVML_SUCCESS
+
+
+def nvmlComputeInstanceGetInfo(computeInstance: int):  # noqa: N802, N803
+    if not isinstance(computeInstance, int) or computeInstance & ~0xFFFF != _CI:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    index, gi_id, ci_id = (computeInstance >> 12) & 0xF, (computeInstance >> 4) & 0xFF, \
+        computeInstance & 0xF
+    _, gpu, gi = _gi(_GI | index << 8 | gi_id, "nvmlComputeInstanceGetInfo")
+    for ci in gi["cis"]:
+        if ci["id"] == ci_id:
+            return _Info(device=index, gpuInstance=_GI | index << 8 | gi_id, id=ci_id,
+                         profileId=ci["profile"],
+                         placement=_Info(start=0, size=gi["size"]))
+    raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
 
 
 def nvmlDeviceGetPciInfo(handle: int) -> nvmlPciInfo_t:  # noqa: N802
