@@ -57,6 +57,19 @@ def test_a_lost_counter_restarts_above_every_record_and_job_directory(tmp_path):
         jobs.allocate_id(tmp_path)
 
 
+def test_the_counter_appends_a_byte_per_id_and_is_compacted(tmp_path, monkeypatch):
+    monkeypatch.setattr(jobs, "COUNTER_COMPACT", 4)
+    counter = jobs.jobs_dir(tmp_path) / ".next"
+    assert [jobs.allocate_id(tmp_path) for _ in range(3)] == [1, 2, 3]
+    assert counter.read_bytes() == b"2\n++"  # no rename per id: one byte appended
+    assert [jobs.allocate_id(tmp_path) for _ in range(3)] == [4, 5, 6]
+    assert counter.read_bytes() == b"6\n+"  # rewritten after four appended ids
+    counter.write_text("41")  # an older envctl's counter, without its newline
+    assert [jobs.allocate_id(tmp_path) for _ in range(2)] == [41, 42]
+    assert counter.read_bytes() == b"42\n+"
+    assert oct(counter.stat().st_mode & 0o777) == "0o600"
+
+
 def test_records_round_trip_and_a_damaged_one_is_named(tmp_path):
     j = job(3, State.FAILED, exit_code=3, cpus=[0, 1], gpus=["GPU-1"], supervisor=me())
     jobs.write(tmp_path, j)
