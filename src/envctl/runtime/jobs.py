@@ -429,6 +429,11 @@ def keep_finished() -> int:
         return KEEP_FINISHED
 
 
+# A submit prunes when its id is a multiple of this (supervisor.submit): between two checks
+# at most this many records more than prune's batch threshold gather.
+PRUNE_EVERY = 16
+
+
 def prune(state_dir: Path, *, keep: int | None = None, queued: int = 0) -> list[int]:
     """Delete the finished records beyond the newest `keep` (by id), with their job
     directories (staged file, default outputs) and cancel files; the ids pruned. Outputs
