@@ -89,6 +89,22 @@ class Record:
         inner = ", ".join(f"{f}={getattr(self, f)!r}" for f in self._fields)
         return f"{type(self).__name__}({inner})"
 
+    @classmethod
+    def from_dict(cls, raw: dict) -> Record:
+        """An instance from `raw`'s values for the fields (other keys ignored), defaults for
+        the rest; TypeError when a field without a default is missing. The constructor's
+        result, without its per-argument checks (for many records read back)."""
+        self = object.__new__(cls)
+        values = self.__dict__
+        for name, value in cls._defaults.items():
+            values[name] = value.make() if isinstance(value, Factory) else value
+        for name in cls._fields:
+            if name in raw:
+                values[name] = raw[name]
+            elif name not in values:
+                raise TypeError(f"{cls.__name__}() missing argument {name!r}")
+        return self
+
     def replace(self, **changes: object) -> Record:
         """A copy with `changes` (dataclasses.replace)."""
         return type(self)(**{**self.asdict(), **changes})

@@ -68,3 +68,16 @@ def test_frozen_refuses_assignment_and_hashes():
         del f.b
     assert hash(f) == hash(Frozen(1, "b")) and {f, Frozen(1)} == {f}
     assert f.replace(a=2) == Frozen(2)
+
+
+def test_from_dict_is_the_constructor_without_its_checks():
+    raw = {"x": 1, "tags": ["t"], "unknown": "ignored"}
+    assert Point.from_dict(raw) == Point(1, tags=["t"])
+    a, b = Point3.from_dict({"x": 1}), Point3.from_dict({"x": 2})
+    assert (a.y, a.z) == (0, 9) and a.tags == [] and a.tags is not b.tags  # fresh factories
+    f = Frozen.from_dict({"a": 3})
+    assert (f.a, f.b) == (3, "b") and hash(f) == hash(Frozen(3))
+    with pytest.raises(AttributeError):
+        f.a = 4  # still frozen
+    with pytest.raises(TypeError, match="missing argument 'x'"):
+        Point.from_dict({"y": 1})
