@@ -108,7 +108,9 @@ def main() -> None:
                                        sys.executable, "-m", "envctl", "daemon"],
                                       env=sb.env(sock), stdout=log, stderr=log)
             deadline = time.monotonic() + 60
-            while sb.envctl("jobs", env=sock).returncode != 0:
+            # Root's `jobs` runs in-process when no daemon answers: ask for the daemon itself.
+            answers = "from envctl.server import client; raise SystemExit(client.route() is None)"
+            while sb.run(sys.executable, "-c", answers, env=sock).returncode != 0:
                 if daemon.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit("the daemon did not start: "
                                      f"{(Path(tmp) / 'daemon.log').read_text()[-2000:]}")
