@@ -172,7 +172,7 @@ if TYPE_CHECKING:
 # The record fields an index line keeps: what `schedule` and `envctl jobs` need.
 ENTRY_FIELDS = ("id", "env", "argv", "name", "user", "uid", "gid", "submitter", "state",
                 "submit_time", "boot_id", "time_limit", "requested", "program", "stdout",
-                "stderr", "workdir", "queued", "reason")
+                "stderr", "workdir", "queued", "reason", "staged_bytes")
 
 
 def queue_dir(state_dir: Path) -> Path:
@@ -258,6 +258,33 @@ def could_start(state_dir: Path, job: Job) -> bool:
     # At least BACKFILL_DEPTH timed jobs behind the head (which is counted in `timed` when it
     # has a time limit) are tried before it.
     return job.time_limit is not None and timed <= BACKFILL_DEPTH
+
+
+def user_load(state_dir: Path, env: str, uid: int) -> tuple[int, int]:
+    """How many of `env`'s queued jobs are `uid`'s (`owner`: who submitted it, else its user)
+    and the bytes their staged programs hold. Only the lines that name `uid` are parsed (a
+    value a user chose can never forge a key: json.dumps escapes its quotes). Call under the
+    jobs lock."""
+    import json
+
+    try:
+        data = queue_file(state_dir, env).read_bytes()
+    except FileNotFoundError:
+        return 0, 0
+    by_submitter, by_uid = b'"submitter":[%d,' % uid, b'"uid":%d,' % uid
+    n = staged = 0
+    for line in data.split(b"\n"):
+        if by_submitter not in line and by_uid not in line:
+            continue
+        try:
+            e = json.loads(line)
+            mine = int((e.get("submitter") or [e["uid"]])[0]) == uid
+        except (ValueError, KeyError, TypeError, IndexError):
+            continue  # a torn line: its record is the truth, and the next pass rebuilds it
+        if mine:
+            n += 1
+            staged += int(e.get("staged_bytes") or 0)
+    return n, staged
 
 
 def append(state_dir: Path, job: Job) -> None:
