@@ -41,10 +41,14 @@ REASONS = (RESOURCES, PRIORITY, MAX_RUNNING, MAX_RUNNING_PER_USER)
 
 
 class Limits(Record, frozen=True):
-    """The spec's jobs.max_running and jobs.max_running_per_user; 0: unlimited."""
+    """The spec's jobs.max_running and jobs.max_running_per_user (0: unlimited), and the kill
+    grace: a job at its time limit gets SIGTERM and holds its slice until the SIGKILL up to
+    `kill_grace` seconds later (jobs.KILL_GRACE), so a backfilled job must end, grace
+    included, before the head's shadow time."""
 
     max_running: int = 0
     max_running_per_user: int = 0
+    kill_grace: float = 0.0
 
 
 class Running(Record, frozen=True):
@@ -87,6 +91,10 @@ def schedule(pool: Pool, running: list[Running], pending: list[Waiting], limits:
     head: Waiting | None = None
     shadow: float | None = None  # the head's shadow time; None: unknown
     tried = 0
+    # A job started now may hold its slice until its time limit plus the kill grace. The
+    # running jobs' ends stay their time limits: the shadow time is when the head can start
+    # if they end then, and a backfilled job must not push it later, grace included.
+    grace = limits.kill_grace
 
     def full(uid: int) -> str | None:
         if limits.max_running and len(held) >= limits.max_running:
@@ -98,7 +106,7 @@ def schedule(pool: Pool, running: list[Running], pending: list[Waiting], limits:
     def take(job: Waiting, got: Slice) -> None:
         start.append((job.id, got))
         held.append((job.id, got))
-        ends[job.id] = None if job.time_limit is None else now + job.time_limit
+        ends[job.id] = None if job.time_limit is None else now + job.time_limit + grace
         users[job.uid] = users.get(job.uid, 0) + 1
 
     for job in pending:
@@ -122,7 +130,7 @@ def schedule(pool: Pool, running: list[Running], pending: list[Waiting], limits:
         got = allocate(pool, held, job.ask)
         if isinstance(got, Shortage):
             continue
-        end = now + job.time_limit
+        end = now + job.time_limit + grace
         if end > shadow and not _head_fits_beside(pool, held, ends, limits, head,
                                                   shadow, (job.id, got, job.uid)):
             continue
@@ -443,7 +451,8 @@ def claim(host: Host, load: object, *, now: float | None = None) -> list[tuple[E
                                ask=ask_of(e.get("requested") or {}),
                                time_limit=e.get("time_limit")) for e in lines]
             limits = Limits(max_running=ctx.max_running,
-                            max_running_per_user=ctx.max_running_per_user)
+                            max_running_per_user=ctx.max_running_per_user,
+                            kill_grace=jobs.KILL_GRACE)
             decision = schedule(pool, running, waiting, limits, now)
             started = dict(decision.start)
             left = []
