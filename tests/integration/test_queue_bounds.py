@@ -11,9 +11,16 @@ import os
 import pytest
 
 from tests.integration.test_jobs import script
-from tests.integration.test_queue import GATE, open_gate, qbox, submit  # noqa: F401 (qbox)
+from tests.integration.test_queue import GATE, open_gate, submit, up
 
 pytestmark = pytest.mark.root
+
+
+@pytest.fixture
+def qbox(sandbox):
+    yield sandbox
+    if sandbox.proc.poll() is None:
+        sandbox.envctl("down", "qbox", "--force")
 
 SPEC = """
 name: qbox
@@ -72,3 +79,20 @@ def test_a_user_past_its_queued_jobs_or_staged_bytes_is_refused_and_nothing_is_l
     res = sb.envctl("wait", str(first["id"]), str(second["id"]), str(third["id"]), timeout=300)
     assert res.returncode == 0, res.stderr
     assert submit(sb, big)["state"] in ("RUNNING", "COMPLETED")
+
+
+def test_logs_of_a_pending_job_says_so_with_its_current_reason(qbox):
+    sb = qbox
+    up(sb, limit=1)
+    gate = script(sb, "gate.sh", GATE)
+    first = submit(sb, gate)
+    second = submit(sb, "true")
+    assert second["state"] == "PENDING", second
+    res = sb.envctl("logs", str(second["id"]))
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert res.stderr.strip().splitlines() == [
+        f"error: job {second['id']} is PENDING (MaxRunning): no output yet"], res.stderr
+    open_gate(sb, first["id"])
+    res = sb.envctl("wait", str(first["id"]), str(second["id"]), timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert sb.envctl("logs", str(second["id"])).returncode == 0

@@ -295,6 +295,34 @@ def user_load(state_dir: Path, env: str, uid: int) -> tuple[int, int]:
     return n, staged
 
 
+def current_reason(state_dir: Path, job: Job) -> str | None:
+    """A queued job's reason as the last pass set it (its index line; its record keeps the
+    one of its submit), else the record's."""
+    import json
+
+    try:
+        data = queue_file(state_dir, job.env).read_bytes()
+    except FileNotFoundError:
+        return job.reason
+    key = b'{"id":%d,' % job.id
+    for line in data.split(b"\n"):
+        if line.startswith(key):
+            try:
+                return json.loads(line).get("reason")
+            except ValueError:
+                break
+    return job.reason
+
+
+def no_output_yet(state_dir: Path, job: Job) -> str | None:
+    """What `envctl logs` says of a job that has not started yet (a queued one), or None."""
+    from envctl.runtime.jobs import State
+
+    if not job.queued or job.state is not State.PENDING:
+        return None
+    return f"job {job.id} is PENDING ({current_reason(state_dir, job) or 'queued'}): no output yet"
+
+
 def append(state_dir: Path, job: Job) -> None:
     """Add a queued job to its environment's index (one line, O_APPEND). Under the jobs lock,
     after its record is written (the record is the truth: a torn line is rebuilt from it)."""
