@@ -647,6 +647,11 @@ def logs(
         return
     host = Host.from_env()
     record = jb.get(host.state_dir, job)
+    from envctl.runtime import queue
+
+    pending = queue.no_output_yet(host.state_dir, record)
+    if pending is not None and not follow:
+        raise HostError(pending)
     path = Path(record.stderr if stderr_ else record.stdout)
     try:
         if follow:

@@ -169,6 +169,42 @@ def test_the_head_is_never_delayed_and_no_limit_jobs_never_pass(case):
     assert started.keys() >= {i for i, _ in fcfs}
 
 
+def test_a_job_whose_grace_would_run_past_the_shadow_is_not_backfilled():
+    running = [run(10, (0, 1, 2), end=NOW + 100)]
+    pending = [wait(1, 4, limit=50), wait(2, 1, limit=95)]
+    # Ends by its time limit at NOW+95, but may hold the CPU the head needs until its SIGKILL
+    # at NOW+105.
+    assert [i for i, _ in q.schedule(POOL, running, pending, q.Limits(), NOW).start] == [2]
+    d = q.schedule(POOL, running, pending, q.Limits(kill_grace=10), NOW)
+    assert d.start == () and d.reasons == {1: q.RESOURCES, 2: q.PRIORITY}
+    pending[1] = wait(2, 1, limit=90)
+    assert [i for i, _ in q.schedule(POOL, running, pending, q.Limits(kill_grace=10),
+                                     NOW).start] == [2]
+
+
+@settings(max_examples=400, deadline=None)
+@given(situations(), st.sampled_from([0.0, 1.0, 10.0, 37.5, 400.0]))
+def test_the_head_is_never_delayed_by_a_backfilled_job_killed_at_the_end_of_its_grace(
+        case, grace):
+    running, pending, lim = case
+    lim = lim.replace(kill_grace=grace)
+    d = q.schedule(POOL, running, pending, lim, NOW)
+    heads = [w for w in pending if d.reasons.get(w.id) == q.RESOURCES]
+    if not heads:
+        return
+    head = heads[0]
+    limit_of = {w.id: w.time_limit for w in pending}
+    fcfs = [(i, s) for i, s in d.start if i < head.id]
+    passed = [(i, s) for i, s in d.start if i > head.id]
+    # Each started job holds its slice until its SIGKILL: its time limit plus the grace.
+    ends = {i: None if limit_of[i] is None else NOW + limit_of[i] + grace for i, _ in d.start}
+    without = _shadow(running, [(i, s, ends[i]) for i, s in fcfs], head.ask)
+    with_ = _shadow(running, [(i, s, ends[i]) for i, s in fcfs + passed], head.ask)
+    if passed:
+        assert without is not None
+        assert with_ is not None and with_ <= without
+
+
 # ---------------------------------------------------------------- a submit's pass skipped
 
 

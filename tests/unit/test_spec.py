@@ -237,3 +237,29 @@ def test_jobs_max_output_is_a_size_default_1g_and_0_or_none_unbounded():
     assert "max_output" not in spec_claims(EnvSpec(name="a", kind="cpu"), None)
     assert spec_claims(EnvSpec(name="a", kind="cpu", jobs={"max_output": "1M"}),
                        None)["max_output"] == 1 << 20
+
+
+def test_jobs_per_user_bounds_default_1000_jobs_and_10g_staged_and_reach_the_context():
+    from envctl.plan.claims import spec_claims
+    from envctl.runtime.context import EnvContext
+    from envctl.spec.models import (
+        DEFAULT_MAX_QUEUED_PER_USER,
+        DEFAULT_MAX_STAGED_PER_USER,
+        EnvSpec,
+    )
+
+    jobs = EnvSpec(name="a", kind="cpu").jobs
+    assert (jobs.max_queued_per_user, jobs.max_staged_per_user) == (1000, 10 << 30) == (
+        DEFAULT_MAX_QUEUED_PER_USER, DEFAULT_MAX_STAGED_PER_USER)
+    # The context's defaults (no pydantic there) are the spec's.
+    assert (EnvContext._defaults["max_queued_per_user"],
+            EnvContext._defaults["max_staged_per_user"]) == (1000, 10 << 30)
+    assert "jobs" not in spec_claims(EnvSpec(name="a", kind="cpu"), None)
+    spec = EnvSpec(name="a", kind="cpu", jobs={"max_queued_per_user": 5,
+                                               "max_staged_per_user": "1M"})
+    assert spec_claims(spec, None)["jobs"] == {"max_queued_per_user": 5,
+                                                "max_staged_per_user": 1 << 20}
+    assert EnvSpec(name="a", kind="cpu", jobs={"max_staged_per_user": "none"}
+                   ).jobs.max_staged_per_user == 0
+    with pytest.raises(ValueError, match="max_queued_per_user"):
+        EnvSpec(name="a", kind="cpu", jobs={"max_queued_per_user": 0})

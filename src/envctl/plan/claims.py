@@ -14,7 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from envctl.plan.host import cpufreq_policy, governor_cpus, module_name, module_options
 from envctl.plan.userns import USERNS_SIZE
-from envctl.spec.models import DEFAULT_MAX_OUTPUT
+from envctl.spec.models import (
+    DEFAULT_MAX_OUTPUT,
+    DEFAULT_MAX_QUEUED_PER_USER,
+    DEFAULT_MAX_STAGED_PER_USER,
+)
 from envctl.spec.naming import host_veth
 from envctl.spec.resolve import dedicated_cpus
 from envctl.spec.sysctls import canonical
@@ -91,6 +95,12 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
     limits = {k: v for k, v in (("max_running", spec.jobs.max_running),
                                  ("max_running_per_user", spec.jobs.max_running_per_user))
               if v is not None}
+    for k, v, default in (("max_queued_per_user", spec.jobs.max_queued_per_user,
+                           DEFAULT_MAX_QUEUED_PER_USER),
+                          ("max_staged_per_user", spec.jobs.max_staged_per_user,
+                           DEFAULT_MAX_STAGED_PER_USER)):
+        if v != default:
+            limits[k] = v
     if limits:
         # Not a claim: the queue's limits, read by every submit and kick (runtime.queue).
         out["jobs"] = limits

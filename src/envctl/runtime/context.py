@@ -114,6 +114,11 @@ class EnvContext(Record, frozen=True):
     # The spec's jobs.max_running and jobs.max_running_per_user (0: unlimited): the queue's.
     max_running: int = 0
     max_running_per_user: int = 0
+    # The spec's jobs.max_queued_per_user and jobs.max_staged_per_user (bytes; 0: unbounded),
+    # recorded when not the defaults (spec.models.DEFAULT_MAX_QUEUED_PER_USER and
+    # DEFAULT_MAX_STAGED_PER_USER, repeated here: no pydantic).
+    max_queued_per_user: int = 1000
+    max_staged_per_user: int = 10 << 30
 
     @classmethod
     def load(cls, host: Host, env: str) -> EnvContext:
@@ -152,7 +157,11 @@ class EnvContext(Record, frozen=True):
                    max_output=int(claims.get("max_output", 1 << 30)),
                    max_running=int((claims.get("jobs") or {}).get("max_running") or 0),
                    max_running_per_user=int(
-                       (claims.get("jobs") or {}).get("max_running_per_user") or 0))
+                       (claims.get("jobs") or {}).get("max_running_per_user") or 0),
+                   max_queued_per_user=int(
+                       (claims.get("jobs") or {}).get("max_queued_per_user", 1000)),
+                   max_staged_per_user=int(
+                       (claims.get("jobs") or {}).get("max_staged_per_user", 10 << 30)))
 
 
 def _not_up(host: Host, env: str) -> UsageError:

@@ -144,6 +144,8 @@ class Job(Record):
     # `<id>.req`; `reason` as squeue shows it (Resources, Priority, MaxRunning, …).
     queued: bool = False
     reason: str | None = None
+    # The bytes of its program staged in its directory (what jobs.max_staged_per_user bounds).
+    staged_bytes: int = 0
 
     # ------------------------------------------------------------------ (de)serializing
     def to_json(self, *, derived: bool = True) -> dict[str, Any]:

@@ -41,10 +41,14 @@ REASONS = (RESOURCES, PRIORITY, MAX_RUNNING, MAX_RUNNING_PER_USER)
 
 
 class Limits(Record, frozen=True):
-    """The spec's jobs.max_running and jobs.max_running_per_user; 0: unlimited."""
+    """The spec's jobs.max_running and jobs.max_running_per_user (0: unlimited), and the kill
+    grace: a job at its time limit gets SIGTERM and holds its slice until the SIGKILL up to
+    `kill_grace` seconds later (jobs.KILL_GRACE), so a backfilled job must end, grace
+    included, before the head's shadow time."""
 
     max_running: int = 0
     max_running_per_user: int = 0
+    kill_grace: float = 0.0
 
 
 class Running(Record, frozen=True):
@@ -87,6 +91,10 @@ def schedule(pool: Pool, running: list[Running], pending: list[Waiting], limits:
     head: Waiting | None = None
     shadow: float | None = None  # the head's shadow time; None: unknown
     tried = 0
+    # A job started now may hold its slice until its time limit plus the kill grace. The
+    # running jobs' ends stay their time limits: the shadow time is when the head can start
+    # if they end then, and a backfilled job must not push it later, grace included.
+    grace = limits.kill_grace
 
     def full(uid: int) -> str | None:
         if limits.max_running and len(held) >= limits.max_running:
@@ -98,7 +106,7 @@ def schedule(pool: Pool, running: list[Running], pending: list[Waiting], limits:
     def take(job: Waiting, got: Slice) -> None:
         start.append((job.id, got))
         held.append((job.id, got))
-        ends[job.id] = None if job.time_limit is None else now + job.time_limit
+        ends[job.id] = None if job.time_limit is None else now + job.time_limit + grace
         users[job.uid] = users.get(job.uid, 0) + 1
 
     for job in pending:
@@ -122,7 +130,7 @@ def schedule(pool: Pool, running: list[Running], pending: list[Waiting], limits:
         got = allocate(pool, held, job.ask)
         if isinstance(got, Shortage):
             continue
-        end = now + job.time_limit
+        end = now + job.time_limit + grace
         if end > shadow and not _head_fits_beside(pool, held, ends, limits, head,
                                                   shadow, (job.id, got, job.uid)):
             continue
@@ -172,7 +180,7 @@ if TYPE_CHECKING:
 # The record fields an index line keeps: what `schedule` and `envctl jobs` need.
 ENTRY_FIELDS = ("id", "env", "argv", "name", "user", "uid", "gid", "submitter", "state",
                 "submit_time", "boot_id", "time_limit", "requested", "program", "stdout",
-                "stderr", "workdir", "queued", "reason")
+                "stderr", "workdir", "queued", "reason", "staged_bytes")
 
 
 def queue_dir(state_dir: Path) -> Path:
@@ -258,6 +266,61 @@ def could_start(state_dir: Path, job: Job) -> bool:
     # At least BACKFILL_DEPTH timed jobs behind the head (which is counted in `timed` when it
     # has a time limit) are tried before it.
     return job.time_limit is not None and timed <= BACKFILL_DEPTH
+
+
+def user_load(state_dir: Path, env: str, uid: int) -> tuple[int, int]:
+    """How many of `env`'s queued jobs are `uid`'s (`owner`: who submitted it, else its user)
+    and the bytes their staged programs hold. Only the lines that name `uid` are parsed (a
+    value a user chose can never forge a key: json.dumps escapes its quotes). Call under the
+    jobs lock."""
+    import json
+
+    try:
+        data = queue_file(state_dir, env).read_bytes()
+    except FileNotFoundError:
+        return 0, 0
+    by_submitter, by_uid = b'"submitter":[%d,' % uid, b'"uid":%d,' % uid
+    n = staged = 0
+    for line in data.split(b"\n"):
+        if by_submitter not in line and by_uid not in line:
+            continue
+        try:
+            e = json.loads(line)
+            mine = int((e.get("submitter") or [e["uid"]])[0]) == uid
+        except (ValueError, KeyError, TypeError, IndexError):
+            continue  # a torn line: its record is the truth, and the next pass rebuilds it
+        if mine:
+            n += 1
+            staged += int(e.get("staged_bytes") or 0)
+    return n, staged
+
+
+def current_reason(state_dir: Path, job: Job) -> str | None:
+    """A queued job's reason as the last pass set it (its index line; its record keeps the
+    one of its submit), else the record's."""
+    import json
+
+    try:
+        data = queue_file(state_dir, job.env).read_bytes()
+    except FileNotFoundError:
+        return job.reason
+    key = b'{"id":%d,' % job.id
+    for line in data.split(b"\n"):
+        if line.startswith(key):
+            try:
+                return json.loads(line).get("reason")
+            except ValueError:
+                break
+    return job.reason
+
+
+def no_output_yet(state_dir: Path, job: Job) -> str | None:
+    """What `envctl logs` says of a job that has not started yet (a queued one), or None."""
+    from envctl.runtime.jobs import State
+
+    if not job.queued or job.state is not State.PENDING:
+        return None
+    return f"job {job.id} is PENDING ({current_reason(state_dir, job) or 'queued'}): no output yet"
 
 
 def append(state_dir: Path, job: Job) -> None:
@@ -416,7 +479,8 @@ def claim(host: Host, load: object, *, now: float | None = None) -> list[tuple[E
                                ask=ask_of(e.get("requested") or {}),
                                time_limit=e.get("time_limit")) for e in lines]
             limits = Limits(max_running=ctx.max_running,
-                            max_running_per_user=ctx.max_running_per_user)
+                            max_running_per_user=ctx.max_running_per_user,
+                            kill_grace=jobs.KILL_GRACE)
             decision = schedule(pool, running, waiting, limits, now)
             started = dict(decision.start)
             left = []

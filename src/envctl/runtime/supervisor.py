@@ -429,6 +429,8 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
         with jobs.jobs_lock(host.state_dir):
             # The slice is chosen and recorded under the lock: two submits never take the same.
             got, held, listed, reason = _take_slice(host, ctx, pool, ask, req)
+            running = _running_of(ctx, req, held)
+            room = _user_room(host, ctx, req, running, queued=reason is not None)
             jid = jobs._allocate_locked(host.state_dir)
             if jid % jobs.PRUNE_EVERY == 0:
                 # Not at every submit: prune lists the jobs directory (30,000 entries with
@@ -467,7 +469,7 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
         raise HostError(f"submit-job: {exc.filename or jobs.jobs_dir(host.state_dir)}: "
                         f"{exc.strerror}") from exc
     if reason is not None:
-        return _enqueue(host, ctx, req, job, staged, reason)
+        return _enqueue(host, ctx, req, job, staged, reason, room, running)
     fds: list[int] = []
     jfd = -1
     try:
@@ -537,8 +539,7 @@ def _take_slice(host: Host, ctx: EnvContext, pool: Any, ask: Any, req: Request
 
     held, listed = slices.holders(host.state_dir, host.boot_id)
     mine = [j for j in held if j.env == ctx.env]
-    me = req.submitter.uid if req.submitter is not None and req.submitter.uid else (
-        req.user.uid if req.user is not None else 0)
+    me = _owner(req)
     reason = None
     # The limits first, as a pass (queue.schedule) gives them: such a job cannot start before
     # a running one ends, so its submit needs no pass (`_needs_pass`).
@@ -555,6 +556,57 @@ def _take_slice(host: Host, ctx: EnvContext, pool: Any, ask: Any, req: Request
             return got, held, listed, None
         reason = queue.RESOURCES
     return slices.Slice(), held, listed, reason
+
+
+def _owner(req: Request) -> int:
+    """Whose job it is for the per-user limits (queue.owner): who submitted it, else its
+    user."""
+    if req.submitter is not None and req.submitter.uid:
+        return req.submitter.uid
+    return req.user.uid if req.user is not None else 0
+
+
+def _running_of(ctx: EnvContext, req: Request, held: list[Job]) -> int:
+    """How many of the started jobs `held` are in `ctx`'s environment and `req`'s owner's."""
+    from envctl.runtime import queue
+
+    me = _owner(req)
+    return sum(1 for j in held if j.env == ctx.env and queue.owner(j) == me)
+
+
+def _user_room(host: Host, ctx: EnvContext, req: Request, running: int, *, queued: bool,
+               mine: int = 0) -> int | None:
+    """Refuse (HostError, exit 1) a submit past jobs.max_queued_per_user (the user's jobs in
+    the environment, pending and running, Slurm's MaxSubmitJobs) or, for a job that is queued,
+    past jobs.max_staged_per_user; the bytes its staged program may still take (None:
+    unbounded, or it is not queued). `running`: the user's started jobs there (_running_of);
+    `mine`: bytes of the job's own program already staged (its recheck under the lock, before
+    its record is written). Call under the jobs lock."""
+    from envctl.runtime import queue
+
+    me = _owner(req)
+    pending, staged = queue.user_load(host.state_dir, ctx.env, me)
+    who = "root" if me == 0 else f"uid {me}"
+    if ctx.max_queued_per_user and running + pending >= ctx.max_queued_per_user:
+        raise HostError(f"submit-job: {who} has {running} job(s) running and {pending} pending "
+                        f"in environment '{ctx.env}', its jobs.max_queued_per_user "
+                        f"({ctx.max_queued_per_user}): wait for some to end or cancel them")
+    if not queued or not ctx.max_staged_per_user:
+        return None
+    left = ctx.max_staged_per_user - staged
+    if left < mine:
+        raise _over_staged(ctx, who, staged, mine)
+    return left
+
+
+def _over_staged(ctx: EnvContext, who: str, staged: int, more: int | None) -> HostError:
+    from envctl.spec.units import format_size
+
+    extra = "" if more is None else f" and this job's program needs {format_size(more)} more"
+    return HostError(f"submit-job: {who}'s queued jobs in environment '{ctx.env}' stage "
+                     f"{format_size(staged)}{extra}, past its jobs.max_staged_per_user "
+                     f"({format_size(ctx.max_staged_per_user)}): wait for some to start or "
+                     "cancel them, or stage less (a small launcher)")
 
 
 # ---------------------------------------------------------------- the queue
@@ -605,12 +657,15 @@ def _request_from(raw: Any) -> Request:
 
 
 def _enqueue(host: Host, ctx: EnvContext, req: Request, job: Job, staged: str,
-             reason: str) -> Job:
+             reason: str, room: int | None = None, running: int = 0) -> Job:
     """Queue `job` (id allocated, nothing held): its directory with its program staged, its
     request, then (under the jobs lock) its record PENDING with `reason` and its index line;
     then a pass of the queue (`kick`), which may start it at once, unless no pass could
     (queue.could_start: with 10,000 queued a pass costs ~100 ms, and every submit ran one).
-    Its record, as it is then."""
+    Its record, as it is then. `room`: the bytes its staged program may take
+    (jobs.max_staged_per_user; None: unbounded); checked again under the lock with what the
+    user's other queued jobs stage by then (and its jobs.max_queued_per_user with its queued
+    jobs then, `running` as submit counted them), so that concurrent submits cannot pass them."""
     from envctl.host.files import write_json
     from envctl.runtime import queue
 
@@ -620,12 +675,15 @@ def _enqueue(host: Host, ctx: EnvContext, req: Request, job: Job, staged: str,
         jfd = _make_job_dir(host.state_dir, job.id)
         owner = _host_ids(ctx, job.uid, job.gid)
         if not req.program:
-            _stage(req, jfd, staged, *owner)
+            job.staged_bytes = _stage(req, jfd, staged, *owner, room=room,
+                                      ctx=ctx, who=_owner(req))
         os.fchown(jfd, *owner)
         write_json(request_path(host.state_dir, job.id), _request_json(req), durable=False,
                    mode=jobs.RECORD_MODE)
         job.queued, job.reason = True, reason
         with jobs.jobs_lock(host.state_dir):
+            _user_room(host, ctx, req, running, queued=room is not None,
+                       mine=job.staged_bytes)
             jobs.write(host.state_dir, job)
             needs_pass = queue.could_start(host.state_dir, job)
             queue.append(host.state_dir, job)
@@ -875,27 +933,40 @@ def _too_big(req: Request) -> InputError:
                       "be (put big files on a data mount and give a small launcher)")
 
 
-def _stage(req: Request, jfd: int, staged: str, uid: int, gid: int) -> None:
+def _stage(req: Request, jfd: int, staged: str, uid: int, gid: int, *,
+           room: int | None = None, ctx: EnvContext | None = None, who: int = 0) -> int:
     """Copy the program into the job's directory (descriptor `jfd`) as the submitting user can
     read it — opened with that user's rights, never root's, so the copy holds nothing that
     user could not read — with its permission bits (never set-id ones: it runs with
     no_new_privs anyway), owned by the job's user so that a mode like 0700 still lets the job
     run it. /job is bound read-only: the job cannot change it. (sendfile, as
-    shutil.copyfile does on Linux, without importing shutil.)"""
+    shutil.copyfile does on Linux, without importing shutil.) `room`: the most bytes it may
+    take beside the user's other queued jobs (jobs.max_staged_per_user of `ctx`; None:
+    unbounded), refused past it (HostError) as MAX_PROGRAM is. The bytes copied."""
     fd_in = _open_program(req)
+    most = MAX_PROGRAM if room is None else min(MAX_PROGRAM, room)
+
+    def over(size: int | None) -> EnvctlError:
+        # `size`: the program's, when known (None: it grew past `most` while being copied).
+        if (size or 0) > MAX_PROGRAM or ctx is None or room is None or most == MAX_PROGRAM:
+            return _too_big(req)
+        return _over_staged(ctx, "root" if who == 0 else f"uid {who}",
+                            ctx.max_staged_per_user - room, size)
+
     try:
         fd_out = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600, dir_fd=jfd)
         try:
             at = 0  # by offset: a descriptor the client passed shares its file position
-            if os.fstat(fd_in).st_size > MAX_PROGRAM:
-                raise _too_big(req)
+            size = os.fstat(fd_in).st_size
+            if size > most:
+                raise over(size)
             # Bounded as it goes too: the user may extend the file (holes cost them nothing)
             # while root copies it.
-            while sent := os.sendfile(fd_out, fd_in, at, MAX_PROGRAM + 1 - at):
+            while sent := os.sendfile(fd_out, fd_in, at, most + 1 - at):
                 at += sent
-                if at > MAX_PROGRAM:
-                    raise _too_big(req)
+                if at > most:
+                    raise over(None)
             os.fchown(fd_out, uid, gid)
             os.fchmod(fd_out, os.fstat(fd_in).st_mode & 0o777)
         except OSError as exc:  # sendfile's errors name no file: the copy's source is it
@@ -904,6 +975,7 @@ def _stage(req: Request, jfd: int, staged: str, uid: int, gid: int) -> None:
             os.close(fd_out)
     finally:
         os.close(fd_in)
+    return at
 
 
 def _open_output(path: Path, user: Creds | tuple | None, jfd: int | None, *,

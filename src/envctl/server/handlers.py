@@ -273,6 +273,11 @@ def logs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
     if len(ids) != 1:
         raise ProtocolError("request field 'ids': one job id")
     host, (record,) = _allowed(caller, ids, "read the logs of")
+    from envctl.runtime import queue
+
+    pending = queue.no_output_yet(host.state_dir, record)
+    if pending is not None:
+        raise HostError(pending)
     path = Path(record.stderr if _get(req, "stderr", bool, False) else record.stdout)
     try:
         fd = jb.open_output(host.state_dir, record, path)

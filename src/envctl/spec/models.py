@@ -967,6 +967,11 @@ class Access(Strict):
 
 # A job's stdout and stderr are each cut past this many bytes unless the spec says otherwise.
 DEFAULT_MAX_OUTPUT = 1 << 30
+# One user's jobs in an environment, pending and running (Slurm's MaxSubmitJobs), and the
+# bytes their queued jobs' staged programs may hold, unless the spec says otherwise: the
+# queue is root's state disk, and one user must not fill it nor block everyone behind them.
+DEFAULT_MAX_QUEUED_PER_USER = 1000
+DEFAULT_MAX_STAGED_PER_USER = 10 << 30
 
 
 def _max_output(v: Any) -> Any:
@@ -980,10 +985,18 @@ class Jobs(Strict):
     """Bounds on the environment's jobs (`jobs:`): the queue's limits (envctl.runtime.queue:
     how many of its jobs may run at once, in all and per user, Slurm's MaxJobs and
     MaxJobsPerUser; unset: unlimited; a job over a limit waits PENDING, reason MaxRunning /
-    MaxRunningPerUser) and each job's output bound."""
+    MaxRunningPerUser), how many jobs and staged bytes one user may have in it (a submit past
+    them is refused) and each job's output bound."""
 
     max_running: Annotated[int | None, _whole(1, 1_000_000)] = None
     max_running_per_user: Annotated[int | None, _whole(1, 1_000_000)] = None
+    # The most jobs one user may have in the environment, pending and running (Slurm's
+    # MaxSubmitJobs), and the most bytes the staged programs of one user's queued jobs may
+    # hold (0 or `none`: unbounded): past either, submit-job is refused (exit 1), nothing
+    # staged (docs/runtime.md, "Queue").
+    max_queued_per_user: Annotated[int, _whole(1, 1_000_000)] = DEFAULT_MAX_QUEUED_PER_USER
+    max_staged_per_user: Annotated[int, BeforeValidator(_max_output)] = (
+        DEFAULT_MAX_STAGED_PER_USER)
 
     # The most bytes of a job's stdout and of its stderr (each; one file given for both: of
     # it) kept in their files; past it one line says so and the job's next write gets EPIPE
