@@ -318,7 +318,8 @@ FACTS = GpuHostFacts(
 def test_cdi_spec_shape():
     spec = cdi_spec({"gpu-b": [A.uuid, B.uuid], "gpu-a": [], "cpu-x": []}, FACTS)
     assert check_cdi(spec) == []
-    assert spec["cdiVersion"] == CDI_VERSION == "0.6.0"
+    # The lowest version with node hostPath: Debian 12's podman (4.3) refuses 0.6.0.
+    assert spec["cdiVersion"] == CDI_VERSION == "0.5.0"
     assert spec["kind"] == KIND == "envctl.io/gpu"
     assert [d["name"] for d in spec["devices"]] == ["gpu-b"]  # no GPU, no device
     edits = spec["devices"][0]["containerEdits"]
@@ -327,13 +328,14 @@ def test_cdi_spec_shape():
          "permissions": "rw"},
         {"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0, "fileMode": 0o660,
          "permissions": "rw"}]
-    assert edits["env"] == [f"NVIDIA_VISIBLE_DEVICES={A.uuid},{B.uuid}",
-                            f"CUDA_VISIBLE_DEVICES={A.uuid},{B.uuid}"]
+    assert edits["env"] == [f"CUDA_VISIBLE_DEVICES={A.uuid},{B.uuid}"]
     common = spec["containerEdits"]
     assert [(n["path"], n["major"], n["minor"]) for n in common["deviceNodes"]] == [
         ("/dev/nvidiactl", 195, 255), ("/dev/nvidia-uvm", 511, 0),
         ("/dev/nvidia-uvm-tools", 511, 1)]
-    assert "env" not in common  # no NVIDIA_VISIBLE_DEVICES=void: devices say what is visible
+    # As nvidia-ctk: the NVIDIA runtime hook must not add GPUs of its own.
+    assert common["env"] == ["NVIDIA_VISIBLE_DEVICES=void"]
+    assert "hooks" not in common  # no nvidia-cdi-hook on this host
 
 
 def test_cdi_library_symlinks_are_mounted_as_the_file_they_name():
