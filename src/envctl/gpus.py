@@ -285,7 +285,17 @@ def _read_record(host: Host) -> dict[str, list[str]]:
 def _write_record(host: Host, record: dict[str, list[str]]) -> None:
     from envctl.host.files import atomic_write
 
-    data = json.dumps({k: v for k, v in record.items() if v}, indent=1).encode()
+    kept = {k: v for k, v in record.items() if v}
+    if not kept:  # no CDI file of envctl's left: no record either (no residue)
+        try:
+            (host.state_dir / CDI_RECORD).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise HostError(f"remove state file '{host.state_dir / CDI_RECORD}': "
+                            f"{exc.strerror or exc}") from exc
+        return
+    data = json.dumps(kept, indent=1).encode()
     try:
         atomic_write(host.state_dir / CDI_RECORD, data, mode=0o600)
     except OSError as exc:
