@@ -68,20 +68,29 @@ def sync_cdi(host: Host, *, leaving: list[str] | tuple[str, ...] = ()) -> str:
     given back, and after its last (the file goes when nothing is held)."""
     from envctl import gpus
 
-    path = gpus.cdi_path()
     try:
-        gpus.sync_cdi(host, host.gpu_root, path, leaving=leaving)
+        # The default file, and any other that `gpus --cdi --cdi-path` wrote: each is kept in
+        # step, or it would go stale.
+        paths = dict.fromkeys([gpus.cdi_path(), *gpus.written_cdi_paths(host)])
     except EnvctlError as exc:
-        if leaving:
+        return f"CDI spec: {exc}"
+    problems = []
+    for path in paths:
+        try:
+            gpus.sync_cdi(host, host.gpu_root, path, leaving=leaving)
+        except EnvctlError as exc:
+            if not leaving:
+                problems.append(f"CDI spec: {exc}")
+                continue
             # The file may still list what is being given back: without it, nothing is
             # handed out that another environment could take next.
             try:
                 gpus.remove_cdi(host, path)
-            except HostError as again:
-                return f"CDI spec: {exc}; and removing it: {again}"
-            return f"CDI spec: {exc}; removed it instead"
-        return f"CDI spec: {exc}"
-    return ""
+            except EnvctlError as again:
+                problems.append(f"CDI spec: {exc}; and removing it: {again}")
+                continue
+            problems.append(f"CDI spec: {exc}; removed it instead")
+    return "; ".join(problems)
 
 
 def _with_cdi_error(outcomes: list[Outcome], error: str) -> list[Outcome]:

@@ -199,6 +199,11 @@ def sync_cdi(host: Host, root: Path, path: Path, *, leaving: Iterable[str] = (),
     return CdiSync(path, "written", names)
 
 
+def written_cdi_paths(host: Host) -> list[Path]:
+    """The CDI files envctl wrote and has not removed (the state directory's record)."""
+    return [Path(p) for p in _read_record(host)]
+
+
 def remove_cdi(host: Host, path: Path) -> None:
     """Remove the CDI file when envctl wrote it (the fallback of a `down` that could not
     rewrite it); a file envctl did not write stays."""
