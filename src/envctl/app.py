@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from envctl.engine.engine import REMOVE, Engine, Outcome, Step
 from envctl.engine.journal import Entry, Journal, Ledger
-from envctl.errors import HostError, NeedsRootError, SpecError, StateCorrupt
+from envctl.errors import EnvctlError, HostError, NeedsRootError, SpecError, StateCorrupt
 from envctl.host.context import Host
 from envctl.resources.base import Status
 
@@ -34,6 +34,7 @@ class UpResult:
 
     outcomes: list[Outcome] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # env -> the error (rolled back)
+    cdi_error: str = ""  # the CDI file could not be brought in step (the environments are up)
 
 
 def up(plans: list[Plan], engine: Engine, claims: dict[str, dict]) -> UpResult:
@@ -43,13 +44,60 @@ def up(plans: list[Plan], engine: Engine, claims: dict[str, dict]) -> UpResult:
     the environment's `claims` and its plan's warnings (for `status`)."""
     items = [(p.env, p.resources, {"claims": claims.get(p.env, {}), "warnings": p.warnings})
              for p in plans]
-    outcomes, failed = engine.up_many(items)
-    return UpResult(outcomes, {env: str(exc) for env, exc in failed.items()})
+    with engine.locked():
+        try:
+            outcomes, failed = engine.up_many(items, locked=True)
+        finally:
+            # Also after a failure or a signal: what was rolled back holds nothing.
+            cdi_error = sync_cdi(engine.host)
+    return UpResult(outcomes, {env: str(exc) for env, exc in failed.items()}, cdi_error)
 
 
 def down(engine: Engine, names: list[str]) -> list[Outcome]:
     with engine.locked():
-        return _purged(engine, engine.down_many(names, locked=True))
+        before = sync_cdi(engine.host, leaving=names)
+        outcomes = engine.down_many(names, locked=True)
+        after = sync_cdi(engine.host)
+        return _purged(engine, _with_cdi_error(outcomes, before or after))
+
+
+def sync_cdi(host: Host, *, leaving: list[str] | tuple[str, ...] = ()) -> str:
+    """Bring the CDI file (ENVCTL_CDI_DIR/envctl.yaml) in step with the journals, less the
+    environments `leaving`: "" when done, else why not, in one line. `down` calls it before
+    its first step, so that no moment exists in which the file hands out a GPU that is being
+    given back, and after its last (the file goes when nothing is held)."""
+    from envctl import gpus
+
+    try:
+        # The default file, and any other that `gpus --cdi --cdi-path` wrote: each is kept in
+        # step, or it would go stale.
+        paths = dict.fromkeys([gpus.cdi_path(), *gpus.written_cdi_paths(host)])
+    except EnvctlError as exc:
+        return f"CDI spec: {exc}"
+    problems = []
+    for path in paths:
+        try:
+            gpus.sync_cdi(host, host.gpu_root, path, leaving=leaving)
+        except EnvctlError as exc:
+            if not leaving:
+                problems.append(f"CDI spec: {exc}")
+                continue
+            # The file may still list what is being given back: without it, nothing is
+            # handed out that another environment could take next.
+            try:
+                gpus.remove_cdi(host, path)
+            except EnvctlError as again:
+                problems.append(f"CDI spec: {exc}; and removing it: {again}")
+                continue
+            problems.append(f"CDI spec: {exc}; removed it instead")
+    return "; ".join(problems)
+
+
+def _with_cdi_error(outcomes: list[Outcome], error: str) -> list[Outcome]:
+    if error:
+        for o in outcomes:
+            o.errors.append(error)
+    return outcomes
 
 
 def _purged(engine: Engine, outcomes: list[Outcome]) -> list[Outcome]:
@@ -149,7 +197,10 @@ def force_down(engine: Engine, names: list[str], plans: dict[str, list]) -> tupl
                 repair.found.setdefault(env, []).append(res.describe())
             journal.save(durable=True)
         ledger.save(durable=True)
-        return _purged(engine, engine.down_many(names, locked=True)), repair
+        before = sync_cdi(host, leaving=names)
+        outcomes = engine.down_many(names, locked=True)
+        after = sync_cdi(host)
+        return _purged(engine, _with_cdi_error(outcomes, before or after)), repair
 
 
 def _move_aside(path: Path, logs: list[Path]) -> list[str]:

@@ -211,6 +211,8 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
                                     for p in plans})
     for env, err in result.failed.items():
         stderr(f"error: {env}: {err}")
+    if result.cdi_error:
+        stderr(f"error: {result.cdi_error}")
     if json_:
         emit_json([o.to_json() for o in result.outcomes]
                   + [{"env": env, "error": err} for env, err in result.failed.items()]
@@ -218,6 +220,8 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
                      for env, exc in skipped.items()])
     else:
         render_outcomes(console(), result.outcomes, verb="up")
+    if result.cdi_error and not (result.failed or skipped):
+        return 1
     if result.failed or skipped:
         # Last, in one line: what `systemctl status envctl` shows of a boot's `up --all`.
         not_up = [f"{env} (failed)" for env in result.failed] + \

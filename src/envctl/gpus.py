@@ -1,18 +1,24 @@
 """What `envctl gpus` does, without rendering: this host's NVIDIA GPUs, which environment holds
-each (from the journals), and the CDI spec file for container runtimes.
+each (from the journals), and the CDI spec file for container runtimes, which `up` and `down`
+keep in step with the journals (`sync_cdi`).
 
-Read-only except `write_cdi`, the one file the command writes when asked (`--cdi`).
+Read-only except `sync_cdi`, the one file envctl writes here: by `up`, `down` and `gpus --cdi`.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
+import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from envctl.engine.journal import Journal
-from envctl.errors import HostError, StateCorrupt, UsageError
+from envctl.errors import ForeignObject, HostError, StateCorrupt, UsageError
 from envctl.facts import GpuHostFacts
 from envctl.host.facts import read_gpus
 from envctl.host.gpus import device_nodes
@@ -22,6 +28,8 @@ if TYPE_CHECKING:
 
 DEFAULT_CDI_DIR = Path("/etc/cdi")
 CDI_FILE = "envctl.yaml"
+CDI_RECORD = "cdi.json"  # under the state directory: digests of the CDI files envctl wrote
+HOOK_PATHS = ("/usr/bin/nvidia-cdi-hook", "/usr/local/bin/nvidia-cdi-hook")
 
 
 def cdi_path(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
@@ -39,6 +47,7 @@ class GpuSurvey:
     # (name under /dev, major or its /proc/devices name, minor, mode, gid)
     nodes: dict[str, list[tuple]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # damaged journals, vanished GPUs
+    leaving: set[str] = field(default_factory=set)  # holders whose `down` began: not in CDI
 
 
 def survey(host: Host, root: Path) -> GpuSurvey:
@@ -71,6 +80,8 @@ def survey(host: Host, root: Path) -> GpuSurvey:
         held = [u for u in uuids if u in known and u]
         if held:
             out.holders[env] = held
+            if journal.meta.get("down"):
+                out.leaving.add(env)
             dev = next((e.resource for e in journal.entries
                         if e.resource.get("kind") == "env-dev"), None)
             if dev is not None:
@@ -108,21 +119,75 @@ def gpu_report(host: Host, root: Path, *, found: GpuSurvey | None = None) -> dic
     }
 
 
-def write_cdi(host: Host, root: Path, path: Path, *, found: GpuSurvey | None = None) -> Path:
-    """Write the CDI spec of the GPUs environments hold to `path` (YAML): a temporary file in
-    the same directory, fsynced, renamed over it, mode 0644; the directory is made if missing.
-    UsageError when no environment holds a GPU (a CDI spec must list a device)."""
-    from envctl.host.files import atomic_write
+def holds_gpus(host: Host) -> bool:
+    """Whether any journal claims GPUs (without looking at the GPUs: NVML is slow to load)."""
+    for env in Journal.environments(host.state_dir):
+        try:
+            journal = Journal.open(host.state_dir, env, boot=host.boot_id)
+        except (StateCorrupt, UsageError):
+            continue
+        claim = journal.claims.get("gpus")
+        if journal.entries and isinstance(claim, dict) and (
+                claim.get("all") or claim.get("uuids") or claim.get("indices")):
+            return True
+    return False
+
+
+@dataclass
+class CdiSync:
+    """What `sync_cdi` did to the CDI file: "written", "kept" (already so), "removed",
+    "absent" (none held, none there) or "foreign" (none held; a file envctl did not write is
+    there, left alone), and the devices it lists."""
+
+    path: Path
+    action: str
+    devices: list[str] = field(default_factory=list)
+
+
+def sync_cdi(host: Host, root: Path, path: Path, *, leaving: Iterable[str] = (),
+             found: GpuSurvey | None = None) -> CdiSync:
+    """Make the CDI file at `path` list what the environments hold now, less those in
+    `leaving` (about to go down) and those whose `down` began: written atomically (a temporary
+    file, fsynced, renamed over it, mode 0644) when its content changes, removed when none is
+    held. Only a file envctl wrote is replaced or removed (its digest is in the state
+    directory's record, put there before the file): ForeignObject otherwise, nothing changed.
+
+    Called under the global lock by `up` (after it) and `down` (before and after it), so that
+    the file never lists a GPU for an environment that no longer holds it."""
     from envctl.plan.cdi import cdi_spec
 
+    gone = set(leaving)
+    if found is None and not holds_gpus(host) and not os.path.lexists(path):
+        return CdiSync(path, "absent")  # the common case of a host without GPUs: no NVML
     found = found or survey(host, root)
-    if not found.holders:
-        raise UsageError(f"no environment holds a GPU, and a CDI spec needs at least one "
-                         f"device: nothing written to {path}")
-    spec = cdi_spec(found.holders, found.facts, dev_root=str(root / "dev"), nodes=found.nodes)
+    holders = {env: uuids for env, uuids in found.holders.items()
+               if env not in gone and env not in found.leaving}
+    current = _read_cdi(path)
+    record = _read_record(host)
+    owned = current is None or hashlib.sha256(current).hexdigest() in record.get(str(path), [])
+    if not holders:
+        if current is None:
+            return CdiSync(path, "absent")
+        if not owned:
+            return CdiSync(path, "foreign")  # not envctl's to remove; it lists nothing of ours
+        _unlink(path)
+        _write_record(host, {**record, str(path): []})
+        return CdiSync(path, "removed")
+    spec = cdi_spec(holders, found.facts, dev_root=str(root / "dev"), nodes=found.nodes,
+                    hook=_hook_binary(root))
+    names = [d["name"] for d in spec["devices"]]
     import yaml
 
     data = yaml.safe_dump(spec, sort_keys=False, default_flow_style=False).encode()
+    if current == data:
+        return CdiSync(path, "kept", names)
+    _refuse_foreign(path, owned)
+    digest = hashlib.sha256(data).hexdigest()
+    # The new digest on record first: a crash after it leaves a file envctl still knows.
+    mine = [] if current is None else [hashlib.sha256(current).hexdigest()]
+    _write_record(host, {**record, str(path): [*mine, digest]})
+    from envctl.host.files import atomic_write
+
     try:
         atomic_write(path, data, mode=0o644)
         # The temporary file was created through the umask; runtimes read it as any user.
@@ -130,4 +195,114 @@ def write_cdi(host: Host, root: Path, path: Path, *, found: GpuSurvey | None = N
             os.chmod(path, 0o644)
     except OSError as exc:
         raise HostError(f"write CDI spec '{path}': {exc.strerror or exc}") from exc
+    _write_record(host, {**record, str(path): [digest]})
+    return CdiSync(path, "written", names)
+
+
+def written_cdi_paths(host: Host) -> list[Path]:
+    """The CDI files envctl wrote and has not removed (the state directory's record)."""
+    return [Path(p) for p in _read_record(host)]
+
+
+def remove_cdi(host: Host, path: Path) -> None:
+    """Remove the CDI file when envctl wrote it (the fallback of a `down` that could not
+    rewrite it); a file envctl did not write stays."""
+    current = _read_cdi(path)
+    record = _read_record(host)
+    if current is None or hashlib.sha256(current).hexdigest() not in record.get(str(path), []):
+        return
+    _unlink(path)
+    _write_record(host, {**record, str(path): []})
+
+
+def write_cdi(host: Host, root: Path, path: Path, *, found: GpuSurvey | None = None) -> Path:
+    """`envctl gpus --cdi`: `sync_cdi` now. UsageError when no environment holds a GPU (a CDI
+    spec must list a device), after removing a file envctl wrote earlier."""
+    done = sync_cdi(host, root, path, found=found)
+    if done.action in ("absent", "removed", "foreign"):
+        raise UsageError(f"no environment holds a GPU, and a CDI spec needs at least one "
+                         f"device: nothing written to {path}")
     return path
+
+
+def _hook_binary(root: Path) -> str | None:
+    """nvidia-ctk's hook binary on this host (under the GPU root), as the runtime will run it."""
+    for p in HOOK_PATHS:
+        try:
+            st = os.stat(str(root) + p)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o111:
+            return str(root) + p if str(root) != "/" else p
+    return None
+
+
+def _read_cdi(path: Path) -> bytes | None:
+    """The CDI file's bytes; None when there is none. A symlink there is not envctl's file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ForeignObject(f"CDI spec '{path}' is a symlink, not a file envctl wrote: "
+                                "left as it is") from exc
+        raise HostError(f"read CDI spec '{path}': {exc.strerror or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ForeignObject(f"CDI spec '{path}' is not a regular file: left as it is")
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _refuse_foreign(path: Path, owned: bool) -> None:
+    if not owned:
+        raise ForeignObject(f"CDI spec '{path}' was not written by envctl (or was changed since):"
+                            " left as it is; move it away for envctl to keep it in step")
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # gone already: what removal wants
+        pass
+    except OSError as exc:
+        raise HostError(f"remove CDI spec '{path}': {exc.strerror or exc}") from exc
+
+
+def _read_record(host: Host) -> dict[str, list[str]]:
+    try:
+        data = json.loads((host.state_dir / CDI_RECORD).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise HostError(f"read state file '{host.state_dir / CDI_RECORD}': {exc}") from exc
+    if not isinstance(data, dict):
+        raise HostError(f"read state file '{host.state_dir / CDI_RECORD}': not an object")
+    return {k: [d for d in v if isinstance(d, str)] for k, v in data.items()
+            if isinstance(v, list)}
+
+
+def _write_record(host: Host, record: dict[str, list[str]]) -> None:
+    from envctl.host.files import atomic_write
+
+    kept = {k: v for k, v in record.items() if v}
+    if not kept:  # no CDI file of envctl's left: no record either (no residue)
+        try:
+            (host.state_dir / CDI_RECORD).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise HostError(f"remove state file '{host.state_dir / CDI_RECORD}': "
+                            f"{exc.strerror or exc}") from exc
+        return
+    data = json.dumps(kept, indent=1).encode()
+    try:
+        atomic_write(host.state_dir / CDI_RECORD, data, mode=0o600)
+    except OSError as exc:
+        raise HostError(f"write state file '{host.state_dir / CDI_RECORD}': "
+                        f"{exc.strerror or exc}") from exc

@@ -249,7 +249,9 @@ def make_host(root: Path, *, gpus: int = 8, model: str = "H200", numa: int = 2,
               file=sys.stderr)
     if libraries and not _libraries(root):
         print("gpuhost: no gcc/ldconfig, so no driver libraries", file=sys.stderr)
+    # The CDI file `up` writes goes to the fake host too, never the machine's /etc/cdi.
     return {"ENVCTL_GPU_ROOT": str(root), "FAKE_NVML_JSON": str(nvml),
+            "ENVCTL_CDI_DIR": str(root / "etc" / "cdi"),
             "PYTHONPATH": f"{PYNVML_DIR}:{REPO / 'src'}"}
 
 

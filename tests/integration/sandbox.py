@@ -78,6 +78,8 @@ class Sandbox:
             "ENVCTL_STATE_DIR": str(self.state),
             "ENVCTL_RUN_DIR": str(self.run_dir),
             "ENVCTL_CONFIG_DIR": str(self.config_dir),
+            # `up`/`down` keep the CDI file in step: never the machine's /etc/cdi in a test.
+            "ENVCTL_CDI_DIR": str(self.state.parent / "cdi"),
             "PYTHONPATH": str(REPO / "src"),
             "COLUMNS": "200",
             "ENVCTL_CGROUP_PARENT": self.cgroup_parent,

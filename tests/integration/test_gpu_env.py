@@ -109,7 +109,42 @@ def test_gpu_environment_gets_exactly_its_nodes_and_its_cgroup_denies_the_others
     gpus = sb.envctl_json("gpus", env=env)
     held = {g["uuid"]: g["env"] for g in gpus["gpus"]}
     assert held == {UUIDS[0]: "gpu-a", UUIDS[1]: None}
+    # `up` wrote the CDI file: exactly this environment's GPU; `down` removes it.
+    cdi = Path(env["ENVCTL_CDI_DIR"]) / "envctl.yaml"
+    doc = yaml.safe_load(cdi.read_text())
+    assert check_cdi(doc) == [] and [d["name"] for d in doc["devices"]] == ["gpu-a"]
+    assert [n["path"] for n in doc["devices"][0]["containerEdits"]["deviceNodes"]
+            if "nvidia" in n["path"]][:1] == ["/dev/nvidia0"]
+    assert doc["containerEdits"]["env"] == ["NVIDIA_VISIBLE_DEVICES=void"]
     assert sb.envctl("down", "gpu-a", env=env).returncode == 0
+    assert not cdi.exists()
+    assert sb.residue() == {}
+
+
+def test_cdi_file_after_kill_9_at_every_step_then_down_is_as_before(gpu_host):
+    """Another environment holds GPU 1 (its file is written); `up` of gpu-a killed at each
+    step, then `down`: the file is byte for byte what it was, never listing gpu-a."""
+    sb, env = gpu_host
+    sb.write_spec("gpu-b", gpu_spec("gpu-b", "[1]"))
+    assert sb.envctl("up", "gpu-b", env=env).returncode == 0
+    cdi = Path(env["ENVCTL_CDI_DIR"]) / "envctl.yaml"
+    before = cdi.read_bytes()
+    sb.write_spec("gpu-a", gpu_spec("gpu-a", "[0]"))
+    for index in range(200):  # until the fault's index is past the last step
+        res = sb.envctl("up", "gpu-a", env={**env, "ENVCTL_FAULT": f"kill@after:#{index}"})
+        if res.returncode == 0:
+            assert [d["name"] for d in yaml.safe_load(cdi.read_text())["devices"]] == [
+                "gpu-a", "gpu-b"]
+        else:
+            assert cdi.read_bytes() == before, (index, res.stderr)
+        down = sb.envctl("down", "gpu-a", env=env)
+        assert down.returncode == 0, down.stderr
+        assert cdi.read_bytes() == before
+        if res.returncode == 0:
+            break
+    assert index > 3  # killed at several steps first
+    assert sb.envctl("down", "gpu-b", env=env).returncode == 0
+    assert not cdi.exists()
     assert sb.residue() == {}
 
 

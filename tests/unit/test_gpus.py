@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from envctl.engine.journal import Entry, Journal
-from envctl.errors import InputError, UsageError
-from envctl.facts import GpuFact, GpuHostFacts, PlacedFile
-from envctl.gpus import cdi_path, gpu_report, survey, write_cdi
+from envctl.errors import ForeignObject, InputError, UsageError
+from envctl.facts import GpuFact, GpuHostFacts, MigFact, PlacedFile
+from envctl.gpus import cdi_path, gpu_report, survey, sync_cdi, write_cdi
 from envctl.host import gpus as hg
 from envctl.host.context import Host
 from envctl.plan.cdi import CDI_VERSION, KIND, cdi_spec, library_mounts
@@ -318,7 +318,8 @@ FACTS = GpuHostFacts(
 def test_cdi_spec_shape():
     spec = cdi_spec({"gpu-b": [A.uuid, B.uuid], "gpu-a": [], "cpu-x": []}, FACTS)
     assert check_cdi(spec) == []
-    assert spec["cdiVersion"] == CDI_VERSION == "0.6.0"
+    # The lowest version with node hostPath: Debian 12's podman (4.3) refuses 0.6.0.
+    assert spec["cdiVersion"] == CDI_VERSION == "0.5.0"
     assert spec["kind"] == KIND == "envctl.io/gpu"
     assert [d["name"] for d in spec["devices"]] == ["gpu-b"]  # no GPU, no device
     edits = spec["devices"][0]["containerEdits"]
@@ -327,13 +328,14 @@ def test_cdi_spec_shape():
          "permissions": "rw"},
         {"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0, "fileMode": 0o660,
          "permissions": "rw"}]
-    assert edits["env"] == [f"NVIDIA_VISIBLE_DEVICES={A.uuid},{B.uuid}",
-                            f"CUDA_VISIBLE_DEVICES={A.uuid},{B.uuid}"]
+    assert edits["env"] == [f"CUDA_VISIBLE_DEVICES={A.uuid},{B.uuid}"]
     common = spec["containerEdits"]
     assert [(n["path"], n["major"], n["minor"]) for n in common["deviceNodes"]] == [
         ("/dev/nvidiactl", 195, 255), ("/dev/nvidia-uvm", 511, 0),
         ("/dev/nvidia-uvm-tools", 511, 1)]
-    assert "env" not in common  # no NVIDIA_VISIBLE_DEVICES=void: devices say what is visible
+    # As nvidia-ctk: the NVIDIA runtime hook must not add GPUs of its own.
+    assert common["env"] == ["NVIDIA_VISIBLE_DEVICES=void"]
+    assert "hooks" not in common  # no nvidia-cdi-hook on this host
 
 
 def test_cdi_library_symlinks_are_mounted_as_the_file_they_name():
@@ -459,3 +461,100 @@ def test_survey_of_a_host_without_gpus(tmp_path):
     host = Host(state_dir=tmp_path / "state", run_dir=tmp_path / "run")
     found = survey(host, tmp_path)
     assert found.facts == GpuHostFacts() and found.holders == {} and found.warnings == []
+
+
+# ---------------------------------------------------------------- CDI: MIG, hooks, lifecycle
+
+MIG_A = "MIG-11111111-2222-3333-4444-555555555555"
+MIG_B = "MIG-66666666-7777-8888-9999-000000000000"
+MIG_FACTS = GpuHostFacts(
+    driver="550.54.15",
+    gpus=(GpuFact(0, B.uuid, B.name, 0, B.memory, True, B.pci, mig_devices=(
+        MigFact(MIG_A, 0, gi=1, ci=0, profile="3g.71gb", gi_minor=12, ci_minor=13),
+        MigFact(MIG_B, 0, gi=2, ci=0, profile="3g.71gb", gi_minor=21, ci_minor=22))),
+          GpuFact(1, A.uuid, A.name, 1, A.memory, False, A.pci)),
+    majors={"nvidia-frontend": 195, "nvidia-uvm": 511, "nvidia-caps": 237},
+    libraries=FACTS.libraries, source="nvml")
+
+
+def test_cdi_one_device_per_mig_instance_with_its_access_nodes_only():
+    spec = cdi_spec({"mig-x": [MIG_A], "mig-y": [MIG_B], "whole": [A.uuid]}, MIG_FACTS)
+    assert check_cdi(spec) == []
+    names = [d["name"] for d in spec["devices"]]
+    assert names == ["mig-x", "mig-y", "whole", MIG_A, MIG_B]  # MIG_B only: held by mig-y
+    by = {d["name"]: d["containerEdits"] for d in spec["devices"]}
+    paths = {n: [(x["path"], x["major"], x["minor"]) for x in e["deviceNodes"]]
+             for n, e in by.items()}
+    assert paths[MIG_A] == paths["mig-x"] == [
+        ("/dev/nvidia0", 195, 0), ("/dev/nvidia-caps/nvidia-cap12", 237, 12),
+        ("/dev/nvidia-caps/nvidia-cap13", 237, 13)]
+    assert paths[MIG_B] == [("/dev/nvidia0", 195, 0), ("/dev/nvidia-caps/nvidia-cap21", 237, 21),
+                            ("/dev/nvidia-caps/nvidia-cap22", 237, 22)]
+    everything = [p for ps in paths.values() for p, _, _ in ps]
+    assert not any(p.endswith(("nvidia-cap1", "nvidia-cap2")) for p in everything)
+    assert by["mig-x"]["env"] == [f"CUDA_VISIBLE_DEVICES={MIG_A}"]
+    # An unheld instance gets no device: nothing is handed out that nobody holds.
+    assert [d["name"] for d in cdi_spec({"mig-x": [MIG_A]}, MIG_FACTS)["devices"]] == [
+        "mig-x", MIG_A]
+
+
+def test_cdi_hooks_as_nvidia_ctk_when_the_host_has_its_hook():
+    spec = cdi_spec({"g": [A.uuid]}, FACTS, hook="/usr/bin/nvidia-cdi-hook")
+    assert check_cdi(spec) == []
+    common = spec["containerEdits"]
+    lib = "/usr/lib/x86_64-linux-gnu"
+    assert common["hooks"] == [
+        {"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+         "args": ["nvidia-cdi-hook", "create-symlinks",
+                  "--link", f"libcuda.so.1::{lib}/libcuda.so",
+                  "--link", f"libcuda.so.550.54.15::{lib}/libcuda.so.1"]},
+        {"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+         "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", lib]}]
+    # Only the file is mounted; the hook makes the links.
+    assert [m["containerPath"] for m in common["mounts"]] == [f"{lib}/libcuda.so.550.54.15"]
+
+
+def test_sync_cdi_follows_the_journals_and_removes_the_file_when_none_is_held(
+        host_with_gpus, tmp_path):
+    host, root = host_with_gpus
+    target = tmp_path / "cdi" / "envctl.yaml"
+    assert sync_cdi(host, root, target).action == "absent"
+    assert not target.parent.exists()  # a host nobody holds a GPU of: nothing made
+    _journal(host.state_dir, "gpu-a", {"gpus": {"uuids": [A.uuid]}})
+    assert sync_cdi(host, root, target).action == "written"
+    first = target.read_bytes()
+    assert sync_cdi(host, root, target).action == "kept"
+    _journal(host.state_dir, "gpu-b", {"gpus": {"uuids": [B.uuid]}})
+    done = sync_cdi(host, root, target)
+    assert (done.action, done.devices) == ("written", ["gpu-a", "gpu-b"])
+    # Leaving (a `down` about to begin): gone from the file before its first step.
+    assert sync_cdi(host, root, target, leaving=["gpu-b"]).devices == ["gpu-a"]
+    assert target.read_bytes() == first
+    j = Journal.open(host.state_dir, "gpu-a")  # a `down` that began (and was killed)
+    j.set_meta({**j.meta, "down": True})
+    j.save()
+    assert sync_cdi(host, root, target, leaving=["gpu-b"]).action == "removed"
+    assert not target.exists()
+    assert sorted(p.name for p in target.parent.iterdir()) == []
+
+
+def test_sync_cdi_never_rewrites_a_file_envctl_did_not_write(host_with_gpus, tmp_path):
+    host, root = host_with_gpus
+    target = tmp_path / "cdi" / "envctl.yaml"
+    target.parent.mkdir()
+    target.write_text("cdiVersion: 0.5.0\nkind: example.com/x\ndevices: []\n")
+    assert sync_cdi(host, root, target).action == "foreign"  # none held: left, no error
+    _journal(host.state_dir, "gpu-a", {"gpus": {"uuids": [A.uuid]}})
+    with pytest.raises(ForeignObject, match="not written by envctl"):
+        sync_cdi(host, root, target)
+    assert target.read_text().startswith("cdiVersion: 0.5.0\nkind: example.com/x")
+    target.unlink()
+    assert sync_cdi(host, root, target).action == "written"
+    target.write_text(target.read_text() + "# changed by hand\n")  # changed since: not ours
+    with pytest.raises(ForeignObject):
+        sync_cdi(host, root, target)
+    target.unlink()
+    target.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ForeignObject, match="symlink"):
+        sync_cdi(host, root, target)
+    assert not (tmp_path / "elsewhere").exists()
