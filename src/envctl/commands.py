@@ -192,6 +192,11 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
     else:
         plans, skipped = ws.plan_all(selected), {}
     ops.require_root("up")
+    from envctl.workspace import FINDINGS_KEY
+
+    for uuid, why in ops.quarantine_findings(ws.host, ws.facts.extra.get(FINDINGS_KEY, []),
+                                             ws.facts.gpu_held).items():
+        stderr(f"warning: GPU {uuid} quarantined: {why}")
     interruptible()  # SIGTERM / SIGHUP roll back like Ctrl-C
     for w, envs in warned({p.env: p.warnings for p in plans}).items():  # each once
         stderr(f"warning: {', '.join(envs)}: {w}")
