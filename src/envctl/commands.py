@@ -186,17 +186,19 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
     from envctl.render import bar_printer, render_outcomes, step_printer
 
     ws, env_names = workspace(names, opts, secure=os.geteuid() == 0)
+    if os.geteuid() == 0:
+        # Before planning: an environment refused for a GPU's health still records it.
+        from envctl.workspace import FINDINGS_KEY
+
+        for uuid, why in ops.quarantine_findings(ws.host, ws.facts.extra.get(FINDINGS_KEY, []),
+                                                 ws.facts.gpu_held).items():
+            stderr(f"warning: GPU {uuid} quarantined: {why}")
     selected = ws.select(env_names, all_=all_)
     if all_:
         plans, skipped = ws.plan_each(selected)
     else:
         plans, skipped = ws.plan_all(selected), {}
     ops.require_root("up")
-    from envctl.workspace import FINDINGS_KEY
-
-    for uuid, why in ops.quarantine_findings(ws.host, ws.facts.extra.get(FINDINGS_KEY, []),
-                                             ws.facts.gpu_held).items():
-        stderr(f"warning: GPU {uuid} quarantined: {why}")
     interruptible()  # SIGTERM / SIGHUP roll back like Ctrl-C
     for w, envs in warned({p.env: p.warnings for p in plans}).items():  # each once
         stderr(f"warning: {', '.join(envs)}: {w}")
