@@ -96,13 +96,12 @@ def load(state_dir: Path) -> Quarantine:
     except FileNotFoundError:
         return Quarantine()
     except (OSError, ValueError) as exc:
-        raise StateCorrupt(f"GPU quarantine ledger '{p}' cannot be read: {exc}") from exc
+        raise StateCorrupt(p, f"cannot be read: {exc}") from exc
     gpus, cleared = (data.get("gpus"), data.get("cleared")) if isinstance(data, dict) else (
         None, None)
     if not isinstance(gpus, dict) or not isinstance(cleared, dict) or not all(
             isinstance(v, dict) for v in (*gpus.values(), *cleared.values())):
-        raise StateCorrupt(f"GPU quarantine ledger '{p}': not a mapping of GPUs to evidence; "
-                           "move it aside to start afresh")
+        raise StateCorrupt(p, "not a mapping of GPUs to evidence")
     return Quarantine(gpus, cleared)
 
 
