@@ -92,7 +92,7 @@ class Monitor:
             snap.health = self.health.run([s.env for s in snap.envs])
             if self.health.healed:
                 self.sampler.resample(snap, self.health.healed)
-        if snap.gpus:
+        if snap.gpus and getattr(self.host, "state_dir", None) is not None:
             from envctl.monitor.health import quarantine_gpus
 
             log = self.health is not None and self.health.log
