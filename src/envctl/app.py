@@ -6,6 +6,7 @@ journal alone, starts without pydantic, YAML or the planner.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,22 @@ def up(plans: list[Plan], engine: Engine, claims: dict[str, dict]) -> UpResult:
             # Also after a failure or a signal: what was rolled back holds nothing.
             cdi_error = sync_cdi(engine.host)
     return UpResult(outcomes, {env: str(exc) for env, exc in failed.items()}, cdi_error)
+
+
+def quarantine_findings(host: Host, findings: list, held: dict[str, str]) -> dict[str, str]:
+    """Record health findings (envctl.host.gpuhealth) in the GPU quarantine ledger and raise a
+    `gpu-quarantined` event for each GPU newly quarantined or with new evidence, under the
+    environment holding it ("host" when none does). GPU UUID -> reason of those."""
+    from envctl.engine import quarantine
+    from envctl.monitor import events
+
+    changed = quarantine.record(host.state_dir, findings, boot=host.boot_id)
+    index = {f.uuid: f.index for f in findings}
+    for uuid, why in changed.items():
+        with contextlib.suppress(OSError):  # the ledger is the record; the event a courtesy
+            events.append(host.state_dir, held.get(uuid, "host"), "gpu-quarantined",
+                          f"GPU {index.get(uuid, '?')} ({uuid}): {why}")
+    return changed
 
 
 def down(engine: Engine, names: list[str]) -> list[Outcome]:
@@ -246,10 +263,26 @@ def status_warnings(ws: Workspace | None, host: Host, names: list[str]) -> dict[
     """What the last `up` of each environment skipped or warned about. None for one that is
     not up: what `up` would warn about there is `plan`'s to say (once per command), not
     repeated by every `status`."""
+    from envctl.engine import quarantine
+
+    try:
+        sick = quarantine.load(host.state_dir)
+    except StateCorrupt as exc:
+        sick, broken = quarantine.Quarantine(), str(exc)
+    else:
+        broken = ""
     out = {}
     for name in names:
         journal = _up_journal(host, name)
         out[name] = list(journal.meta.get("warnings", [])) if journal is not None else []
+        if journal is None:
+            continue
+        uuids = (journal.claims or {}).get("gpus", {}).get("uuids", [])
+        for gpu in dict.fromkeys(u for x in uuids if (u := sick.covering(x))):
+            out[name].append(f"GPU {sick.gpus[gpu].get('index', '?')} ({gpu}) is quarantined: "
+                             f"{sick.reason(gpu)}; its jobs fail until `envctl gpus --clear`")
+        if broken and uuids:
+            out[name].append(broken)
     return out
 
 

@@ -337,8 +337,14 @@ def gpus(
     cdi_path: Annotated[Path | None, typer.Option(
         "--cdi-path", help="Where --cdi writes (default: $ENVCTL_CDI_DIR/envctl.yaml, else "
         "/etc/cdi/envctl.yaml).", show_default=False)] = None,
+    clear: Annotated[str | None, typer.Option(
+        "--clear", help="Release a quarantined GPU (its index or UUID) after you have reset "
+        "it (nvidia-smi -r): environments may be given it again.", show_default=False,
+        metavar="GPU")] = None,
 ) -> None:
-    """This host's NVIDIA GPUs, the driver, and which environment holds each GPU.
+    """This host's NVIDIA GPUs, the driver, which environment holds each GPU, and those in
+    quarantine (a fatal XID, uncorrectable ECC errors, pending row remapping or retired pages,
+    or lost: given to no one until `--clear`).
 
     Read-only: nothing on the host changes, except the CDI file that --cdi writes. GPUs come
     from NVML when the driver is loaded (ENVCTL_NVML=off: /proc/driver/nvidia only).
@@ -350,6 +356,20 @@ def gpus(
 
     host = Host.from_env()
     root = host.gpu_root  # ENVCTL_GPU_ROOT, as every command reads it
+    if clear is not None:
+        from envctl import app as ops
+        from envctl.monitor import events
+
+        ops.require_root("gpus --clear")
+        uuid, item = ops_gpus.clear_gpu(host, root, clear)
+        detail = f"GPU {item.get('index', '?')} ({uuid}) released by the operator"
+        events.append(host.state_dir, "host", "gpu-cleared", detail)
+        if json_:
+            _emit_json({"cleared": uuid, "was": item})
+        else:
+            print(f"cleared {detail.removesuffix(' released by the operator')}: it may be "
+                  "assigned again")
+        return
     found = ops_gpus.survey(host, root)
     report = ops_gpus.gpu_report(host, root, found=found)
     written = None
@@ -382,6 +402,10 @@ def _render_gpus(console: Any, report: dict[str, Any]) -> None:
             console.print(f"  {g['index']:<4} {escape(g['uuid'] or '?'):<41} "
                           f"{escape(g['name']):<26} {memory:>7} {'on' if g['mig'] else 'off':<4} "
                           f"{g['pci']:<13} {escape(g['env'] or '-')}")
+            if h := g.get("health"):
+                state = "QUARANTINED" if h["quarantined"] else "unfit (recorded at the next up)"
+                why = "; ".join(h["evidence"] + h["found_now"])
+                console.print(f"  {'':<4} [red]{state}: {escape(why)}[/]")
             if g["mig"] != g["mig_pending"]:
                 console.print(f"  {'':<4} [yellow]MIG mode {'on' if g['mig_pending'] else 'off'}"
                               " after the next GPU reset[/]")

@@ -186,6 +186,13 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
     from envctl.render import bar_printer, render_outcomes, step_printer
 
     ws, env_names = workspace(names, opts, secure=os.geteuid() == 0)
+    if os.geteuid() == 0:
+        # Before planning: an environment refused for a GPU's health still records it.
+        from envctl.workspace import FINDINGS_KEY
+
+        for uuid, why in ops.quarantine_findings(ws.host, ws.facts.extra.get(FINDINGS_KEY, []),
+                                                 ws.facts.gpu_held).items():
+            stderr(f"warning: GPU {uuid} quarantined: {why}")
     selected = ws.select(env_names, all_=all_)
     if all_:
         plans, skipped = ws.plan_each(selected)

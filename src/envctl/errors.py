@@ -77,6 +77,9 @@ class StateCorrupt(EnvctlError):
         if name == "shared":
             hint = ("take the environments down with `envctl down --force NAME…` (or --all): "
                     "the host settings it recorded cannot all be restored")
+        elif name == "gpu-quarantine":
+            hint = ("move it aside (the GPUs it held are then given out again unless a health "
+                    "check finds them unfit; `envctl gpus` shows what it finds)")
         else:
             hint = (f"`envctl down --force {name}` removes what can still be found of it, by "
                     "its journal and by name")

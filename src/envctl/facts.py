@@ -184,6 +184,9 @@ class HostFacts:
     gpu_assigned: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Environment -> why it gets none, from the same joint resolution.
     gpu_refused: dict[str, str] = field(default_factory=dict)
+    # GPU UUID -> why it is quarantined (the ledger's evidence, and what a health probe found
+    # now): never assigned to anyone until `envctl gpus --clear`.
+    gpu_quarantined: dict[str, str] = field(default_factory=dict)
     # Ids the host's users, groups and /etc/subuid, /etc/subgid ranges hold, (first, end,
     # what) (read only when a spec wants a user namespace).
     host_ids: tuple[tuple[int, int, str], ...] = ()

@@ -92,9 +92,29 @@ def survey(host: Host, root: Path) -> GpuSurvey:
 def gpu_report(host: Host, root: Path, *, found: GpuSurvey | None = None) -> dict[str, Any]:
     """The driver, each GPU (index, uuid, name, minor, memory, mig, pci) with the environment
     holding it (None when free), the majors and device nodes, and what went wrong looking."""
+    from envctl.engine import quarantine
+    from envctl.host.gpuhealth import probe
+
     found = found or survey(host, root)
     facts = found.facts
     owner = {u: env for env, uuids in found.holders.items() for u in uuids}
+    try:
+        ledger = quarantine.load(host.state_dir)
+    except StateCorrupt as exc:
+        ledger = quarantine.Quarantine()
+        found.warnings.append(str(exc))
+    live: dict[str, list[str]] = {}  # found unfit now, not yet in the ledger (`up` records it)
+    for f in ledger.fresh(probe(root, facts)[0], host.boot_id):
+        if f.detail not in ledger.reason(f.uuid):
+            live.setdefault(f.uuid, []).append(f.detail)
+
+    def health(uuid: str) -> dict[str, Any] | None:
+        item = ledger.gpus.get(uuid)
+        if item is None and uuid not in live:
+            return None
+        return {"quarantined": item is not None, "since": (item or {}).get("since"),
+                "evidence": [e.get("detail") for e in (item or {}).get("evidence", [])],
+                "found_now": live.get(uuid, [])}
 
     def access(minor: int | None) -> str | None:
         return None if minor is None else f"/dev/nvidia-caps/nvidia-cap{minor}"
@@ -104,7 +124,7 @@ def gpu_report(host: Host, root: Path, *, found: GpuSurvey | None = None) -> dic
         "source": facts.source,
         "gpus": [{"index": g.index, "uuid": g.uuid, "name": g.name, "minor": g.minor,
                   "memory": g.memory_bytes, "mig": g.mig, "mig_pending": g.mig_pending,
-                  "pci": g.pci, "env": owner.get(g.uuid),
+                  "pci": g.pci, "env": owner.get(g.uuid), "health": health(g.uuid),
                   "instances": [{"uuid": m.uuid, "gi": m.gi, "ci": m.ci, "profile": m.profile,
                                  "profile_id": m.profile_id,
                                  "placement": {"start": m.start, "size": m.size},
@@ -306,3 +326,25 @@ def _write_record(host: Host, record: dict[str, list[str]]) -> None:
     except OSError as exc:
         raise HostError(f"write state file '{host.state_dir / CDI_RECORD}': "
                         f"{exc.strerror or exc}") from exc
+
+
+def clear_gpu(host: Host, root: Path, gpu: str) -> tuple[str, dict[str, Any]]:
+    """Release a quarantined GPU (`gpu`: its index or UUID) after the operator's reset: (its
+    UUID, the entry removed). XIDs the kernel logged before now are not held against it again
+    in this boot. UsageError when no such GPU is quarantined."""
+    from envctl.engine import quarantine
+    from envctl.host.gpuhealth import read_kmsg
+
+    ledger = quarantine.load(host.state_dir)
+    uuid = gpu
+    if gpu.isdigit():
+        by_index = {int(item.get("index", -1)): u for u, item in ledger.gpus.items()}
+        uuid = by_index.get(int(gpu), "")
+    if uuid not in ledger.gpus:
+        held = ", ".join(f"{item.get('index', '?')} ({u})" for u, item in ledger.gpus.items())
+        raise UsageError(f"gpus --clear: GPU '{gpu}' is not quarantined (quarantined: "
+                         f"{held or 'none'})")
+    seqs = [int(r.split(",")[1]) for r in read_kmsg(root)
+            if r.count(",") >= 2 and r.split(",")[1].isdigit()]
+    item = quarantine.clear(host.state_dir, uuid, boot=host.boot_id, seq=max(seqs, default=0))
+    return uuid, item or {}

@@ -191,8 +191,29 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
     if not gpus:
         return facts
     facts = dataclasses.replace(facts, gpu_held=_gpus_held(host))
+    facts = _with_quarantine(facts, host)
     assigned, refused = assign_gpus(gpus, facts)
     return dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused)
+
+
+FINDINGS_KEY = "gpu.findings"  # facts.extra: what the health probe found now (for `up`)
+
+
+def _with_quarantine(facts: HostFacts, host: Host) -> HostFacts:
+    """`facts` with the GPUs the quarantine ledger holds and those a health probe finds unfit
+    now (read-only: `up` records the new findings, see app.quarantine_findings)."""
+    from envctl.engine import quarantine
+    from envctl.host.gpuhealth import probe
+
+    ledger = quarantine.load(host.state_dir)
+    findings, _ = probe(host.gpu_root, facts.gpu)
+    findings = ledger.fresh(findings, host.boot_id)
+    sick = ledger.reasons()
+    for f in findings:
+        if f.uuid:
+            sick[f.uuid] = "; ".join(x for x in (sick.get(f.uuid, ""), f.detail) if x)
+    facts.extra[FINDINGS_KEY] = findings
+    return dataclasses.replace(facts, gpu_quarantined=sick)
 
 
 def _operator_paths(spec: EnvSpec) -> list[tuple[tuple, str]]:

@@ -69,10 +69,11 @@ def test_report_from_nvml_and_nothing_written(gpu_host, tmp_path):
     assert report["driver"] == "550.54.15" and report["source"] == "nvml"
     assert report["gpus"] == [
         {"index": 0, "uuid": B.uuid, "name": B.name, "minor": 0, "memory": B.memory,
-         "mig": True, "mig_pending": True, "pci": "0000:3b:00.0", "env": None,
+         "mig": True, "mig_pending": True, "pci": "0000:3b:00.0", "env": None, "health": None,
          "instances": []},
         {"index": 1, "uuid": A.uuid, "name": A.name, "minor": 1, "memory": A.memory,
          "mig": False, "mig_pending": False, "pci": "0000:b1:00.0", "env": "gpu-a",
+         "health": None,
          "instances": []}]
     assert report["majors"] == {"nvidia-frontend": 195, "nvidia-uvm": 235, "nvidia-caps": 238}
     assert report["nodes"] == {"/dev/nvidia-uvm": [235, 0], "/dev/nvidia-uvm-tools": [235, 1],

@@ -411,7 +411,8 @@ def test_report_says_which_environment_holds_each_gpu(host_with_gpus):
     assert report["driver"] == "550.54.15" and report["source"] == "proc"
     assert report["gpus"][0] == {"index": 0, "uuid": B.uuid, "name": B.name, "minor": 0,
                                  "memory": 0, "mig": False, "mig_pending": False,
-                                 "pci": "0000:3b:00.0", "env": "gpu-b", "instances": []}
+                                 "pci": "0000:3b:00.0", "env": "gpu-b", "health": None,
+                                 "instances": []}
     assert report["warnings"] == []
 
 

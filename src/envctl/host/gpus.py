@@ -61,6 +61,24 @@ def nvml_mode(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
 
 
 
+def nvml_refusal(root: Path, mode: str | None = None) -> str:
+    """Why NVML may not be asked on this host now ("" when it may): ENVCTL_NVML=off, no driver
+    loaded, or a node libnvidia-ml would create (nvidia-modprobe) is missing."""
+    mode = mode or nvml_mode()
+    if mode == "off":
+        return "ENVCTL_NVML=off: NVML not asked"
+    if not read_driver(root):
+        return "no NVIDIA driver loaded"
+    proc_gpus, _ = read_proc_gpus(root)
+    nodes = device_nodes(root)
+    missing = [n for n in ["nvidiactl"] + [f"nvidia{g.minor}" for g in proc_gpus]
+               if n not in nodes]
+    if missing:
+        return (f"NVML not asked: {', '.join(str(root / 'dev' / n) for n in missing)} missing "
+                "(NVML would create them)")
+    return ""
+
+
 # ---------------------------------------------------------------- parsers (pure)
 
 

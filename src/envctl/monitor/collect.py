@@ -81,6 +81,8 @@ class Snapshot:
     # Filled by the health loop (envctl.monitor.health.Health.view): env -> {"state", "drift",
     # "heals", "heal_failures", "retry_in"}.
     health: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # GPU UUID -> why it is quarantined (the ledger, envctl.engine.quarantine), read each tick.
+    quarantined: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- reading files

@@ -92,6 +92,12 @@ class Monitor:
             snap.health = self.health.run([s.env for s in snap.envs])
             if self.health.healed:
                 self.sampler.resample(snap, self.health.healed)
+        if snap.gpus and getattr(self.host, "state_dir", None) is not None:
+            from envctl.monitor.health import quarantine_gpus
+
+            log = self.health is not None and self.health.log
+            snap.quarantined = quarantine_gpus(self.host, snap.gpus, snap.gpu_env, log=log,
+                                               say=self.say)
         cpu1 = time.process_time()
         for line in snap.problems:
             if line not in self.told:  # each once, not every 30 s

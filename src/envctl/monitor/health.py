@@ -275,3 +275,41 @@ class Health:
                       "heals": self.heals.get(env, 0), "heal_failures": self.failures.get(env, 0),
                       "retry_in": self.backoff.retry_in(env)}
                 for env, c in self.last.items()}
+
+
+def quarantine_gpus(host: Any, gpus: list[Any], gpu_env: dict[str, str], *, log: bool = True,
+                    say: Callable[[str], None] | None = None) -> dict[str, str]:
+    """What this tick's GPU samples say against each GPU (a fatal XID event, lost, volatile
+    uncorrectable ECC errors) recorded in the quarantine ledger when `log`, with a
+    `gpu-quarantined` event under the environment holding it ("host" when none); the ledger's
+    GPU UUID -> reason afterwards (for the snapshot and the metric)."""
+    from envctl.engine import quarantine
+    from envctl.errors import StateCorrupt
+    from envctl.host.gpuhealth import Finding
+
+    findings = []
+    for g in gpus:
+        for xid in g.fatal_xids:
+            findings.append(Finding(g.uuid, g.index, "xid", f"XID {xid} (NVML event)"))
+        g.fatal_xids.clear()
+        if g.lost:
+            findings.append(Finding(g.uuid, g.index, "lost", "NVML: GPU is lost (fallen off "
+                                    "the bus or its driver state is broken)"))
+        if g.ecc.get("dbe_vol"):
+            findings.append(Finding(g.uuid, g.index, "ecc", f"{g.ecc['dbe_vol']} volatile "
+                                    "uncorrectable ECC error(s) since the last reset"))
+    try:
+        if log and findings:
+            changed = quarantine.record(host.state_dir, findings, boot=host.boot_id)
+            for uuid, why in changed.items():
+                index = next(f.index for f in findings if f.uuid == uuid)
+                detail = f"GPU {index} ({uuid}): {why}"
+                if say is not None:
+                    say(f"{gpu_env.get(uuid, 'host')}: gpu-quarantined: {detail}")
+                events.append(host.state_dir, gpu_env.get(uuid, "host"), "gpu-quarantined",
+                              detail)
+        return quarantine.load(host.state_dir).reasons()
+    except (OSError, StateCorrupt) as exc:
+        if say is not None:
+            say(f"warning: GPU quarantine ledger: {exc}")
+        return {}

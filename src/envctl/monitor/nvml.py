@@ -42,6 +42,7 @@ class GpuSample:
     ecc: dict[str, int] = field(default_factory=dict)  # sbe_vol, dbe_vol, sbe_agg, dbe_agg
     xid: int | None = None  # the last XID seen since the monitor started (dcgm's XID_ERRORS)
     xid_count: int = 0  # XID events seen since the monitor started
+    fatal_xids: list[int] = field(default_factory=list)  # those of them that quarantine it
     processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes)
     lost: bool = False
 
@@ -182,8 +183,12 @@ class NvmlSession:
                 return
             i = self._by_key.get(_key(data.device))
             if i is not None and data.eventType == nv.nvmlEventTypeXidCriticalError:
+                from envctl.host.gpuhealth import FATAL_XIDS
+
                 self.gpus[i].xid = int(data.eventData)
                 self.gpus[i].xid_count += 1
+                if self.gpus[i].xid in FATAL_XIDS:
+                    self.gpus[i].fatal_xids.append(self.gpus[i].xid)
 
     def close(self) -> None:
         if self._closed:

@@ -135,8 +135,15 @@ class SnapshotCollector:
         for s in snap.envs:
             for uuid, n in sorted(s.gpu_memory.items()):
                 used.add_metric([s.env, index.get(uuid, ""), uuid], n)
+        sick = GaugeMetricFamily("envctl_gpu_quarantined", "1 while envctl keeps the GPU out "
+                                 "of every assignment (a fatal XID, ECC, row remapping, retired "
+                                 "pages, lost); `envctl gpus --clear` releases it.",
+                                 labels=GPU_LABELS)
+        for g in snap.gpus:
+            sick.add_metric(labels[g.uuid], 1 if g.uuid in snap.quarantined else 0)
         yield xids
         yield used
+        yield sick
 
     def _envs(self, snap: Snapshot) -> Iterator[Metric]:
         for name, doc, attr, counter in _ENV_METRICS:

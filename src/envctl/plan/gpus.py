@@ -37,7 +37,8 @@ def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts
     none. Explicit claims (all, indices, UUIDs) are served first, then counts in name order;
     a count keeps the GPUs its environment already holds (it never moves at re-`up`) and
     takes the lowest free indices for the rest. GPUs held by environments that are up
-    (`facts.gpu_held`) are never given to another."""
+    (`facts.gpu_held`) are never given to another; quarantined ones (`facts.gpu_quarantined`,
+    a whole GPU covering its MIG devices) are given to no one."""
     by_index = {g.index: g for g in facts.gpu.gpus}
     by_uuid = {g.uuid: g for g in facts.gpu.gpus}
     migs = facts.gpu.migs()
@@ -63,10 +64,21 @@ def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts
             return [u, migs[u][0].uuid]
         return [u] + [m.uuid for m in by_uuid[u].mig_devices]
 
+    def sick(u: str) -> str:
+        # A MIG device is its parent's hardware: the parent's quarantine covers it.
+        for x in [u] + ([migs[u][0].uuid] if u in migs else []):
+            if x in facts.gpu_quarantined:
+                return f"{label(x)} is quarantined ({facts.gpu_quarantined[x]}); after a reset, " \
+                    f"`envctl gpus --clear {by_uuid[x].index if x in by_uuid else x}`"
+        return ""
+
     def order(uuids: list[str]) -> tuple[str, ...]:
         return tuple(sorted(uuids, key=key))
 
     def grant(name: str, uuids: list[str]) -> None:
+        if bad := [w for u in uuids if (w := sick(u))]:
+            why[name] = "; ".join(bad)
+            return
         held = sorted({x for u in uuids for x in overlaps(u) if taken.get(x, name) != name},
                       key=key)
         if held:
@@ -103,17 +115,21 @@ def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts
         count = s.gpus.count
         if not count:
             continue
-        mine = sorted((u for u, env in facts.gpu_held.items() if env == s.name and u in by_uuid),
+        mine = sorted((u for u, env in facts.gpu_held.items()
+                       if env == s.name and u in by_uuid and not sick(u)),
                       key=lambda u: by_uuid[u].index)[:count]
         free = [g.uuid for g in sorted(by_uuid.values(), key=lambda g: g.index)
-                if not any(x in taken for x in overlaps(g.uuid))]
+                if not any(x in taken for x in overlaps(g.uuid)) and not sick(g.uuid)]
         pick = mine + free[:count - len(mine)]
         if len(pick) < count:
             others = sorted({env for u, env in taken.items() if env != s.name and u in by_uuid})
+            sick_ones = [str(by_uuid[u].index) for u in by_uuid if sick(u)]
             why[s.name] = (f"wants {count} GPU{'s' if count > 1 else ''} and {len(pick)} of "
                            f"this host's {len(by_uuid)} {'is' if len(pick) == 1 else 'are'} "
                            "free" + (f" (the others are held or claimed by "
-                                     f"{', '.join(others)})" if others else ""))
+                                     f"{', '.join(others)})" if others else "")
+                           + (f" (quarantined: GPU {', '.join(sick_ones)}; `envctl gpus` "
+                              "shows why)" if sick_ones else ""))
             continue
         grant(s.name, pick)
     return out, why

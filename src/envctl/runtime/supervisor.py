@@ -1285,6 +1285,9 @@ class _Supervisor:
                 self.finish(None, cancelled=True)
                 self.tell("E cancelled before it started")
                 return
+            from envctl.engine.quarantine import refuse_quarantined
+
+            refuse_quarantined(self.host.state_dir, list(self.job.gpus))  # fail, not crash
             stdio = self._output_pipes()
             status_r, status_w = os.pipe()
             launch = Launch(

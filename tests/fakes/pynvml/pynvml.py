@@ -15,7 +15,12 @@ a number, or a list read one value a call, the last one staying). A missing samp
 its call raise NOT_SUPPORTED.
 
 `"live": true` makes every call read the file again (a test changes what a running job's
-supervisor sees). `fail_init`: true (or an NVML_ERROR_* number) makes nvmlInit raise, as on a
+supervisor sees). Health (envctl.host.gpuhealth): `"remapped"` ([corrected, uncorrected,
+pending, failure], as nvmlDeviceGetRemappedRows answers; missing: NOT_SUPPORTED, as before
+Ampere), `"retired_pending"` (0 or 1; missing: NOT_SUPPORTED, as on Ampere and newer), and
+`"lost": true`, which makes every call on that GPU raise GPU_IS_LOST.
+
+`fail_init`: true (or an NVML_ERROR_* number) makes nvmlInit raise, as on a
 host without libnvidia-ml; `"mig": null` makes nvmlDeviceGetMigMode raise NOT_SUPPORTED (a
 pre-Ampere GPU);
 `"mig_pending"` is the pending mode (default: the current one);
@@ -186,6 +191,8 @@ def _gpu(handle: int, call: str) -> dict:
         raise NVMLError(NVML_ERROR_UNKNOWN)
     if not isinstance(handle, int) or not 0 <= handle < len(cfg.get("gpus", [])):
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    if cfg["gpus"][handle].get("lost"):
+        raise NVMLError(NVML_ERROR_GPU_IS_LOST)
     return cfg["gpus"][handle]
 
 
@@ -459,6 +466,14 @@ def nvmlDeviceGetTotalEccErrors(handle: int, error_type: int, counter_type: int)
     key = ("sbe" if error_type == NVML_MEMORY_ERROR_TYPE_CORRECTED else "dbe") + (
         "_vol" if counter_type == NVML_VOLATILE_ECC else "_agg")
     return int(ecc.get(key, 0))
+
+
+def nvmlDeviceGetRemappedRows(handle: int) -> tuple:  # noqa: N802
+    return tuple(int(x) for x in _sampled(handle, "nvmlDeviceGetRemappedRows", "remapped"))
+
+
+def nvmlDeviceGetRetiredPagesPendingStatus(handle: int) -> int:  # noqa: N802
+    return int(_sampled(handle, "nvmlDeviceGetRetiredPagesPendingStatus", "retired_pending"))
 
 
 def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list:  # noqa: N802
