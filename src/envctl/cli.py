@@ -657,7 +657,7 @@ def logs(
 
     daemon = client.route()
     if daemon is not None:  # the daemon opens it as the job's user may, and passes it
-        fd, record = client.logs(daemon, job, stderr_)
+        fd, record = client.logs(daemon, job, stderr_, follow=follow)
         try:
             if follow:
                 client.follow(daemon, fd, record, write)
@@ -679,7 +679,11 @@ def logs(
     path = Path(record.stderr if stderr_ else record.stdout)
     try:
         if follow:
-            jb.follow(host.state_dir, record, path, write, boot_id=host.boot_id)
+            # A queued job: waited for until a pass of the queue starts it (or it ends unstarted).
+            opened = queue.open_when_started(host.state_dir, record, path,
+                                             boot_id=host.boot_id)
+            fd, record = opened if opened is not None else (-1, record)  # None: with `gone`
+            jb.follow(host.state_dir, record, path, write, boot_id=host.boot_id, fd=fd)
         else:
             import shutil
 

@@ -199,3 +199,85 @@ def test_52_jobs_end_completed_across_a_killed_daemon(qbox, tmp_path):
             daemon.terminate()
             daemon.wait(30)
     assert not Path(sock["ENVCTL_SOCKET"]).exists()
+
+
+def _asleep(pid: int) -> bool:
+    """`pid` sleeping in clock_nanosleep (x86_64 syscall 230): time.sleep of a wait for a
+    queued job's record (queue.open_when_started), nothing a start-up or a refusal does."""
+    try:
+        return Path(f"/proc/{pid}/syscall").read_text().split()[0] == "230"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+@pytest.mark.parametrize("through", ["in-process", "daemon"])
+def test_logs_follow_of_a_pending_job_waits_for_its_start(qbox, tmp_path, through):
+    sb = qbox
+    up(sb, limit=1)
+    sock = {"ENVCTL_SOCKET": str(tmp_path / "envctl.sock")}
+    daemon = None
+    if through == "daemon":
+        daemon = sb.popen(sys.executable, "-m", "envctl", "daemon", env=sock)
+        until("the daemon answering",
+              lambda: daemon.poll() is None and sb.envctl("jobs", env=sock).returncode == 0
+              or (daemon.poll() is not None and pytest.fail(stderr_of(daemon))), 60)
+    try:
+        gate = script(sb, "gate.sh", GATE)
+        first = submit(sb, gate, env=sock)
+        assert first["state"] == "RUNNING", first
+        second = submit(sb, script(sb, "hello.sh", "#!/bin/sh\necho hello-from-second\n"),
+                        env=sock)
+        assert (second["state"], second["queued"]) == ("PENDING", True), second
+        res = sb.envctl("logs", str(second["id"]), env=sock)
+        assert (res.returncode, res.stdout) == (1, ""), res
+        assert "PENDING (MaxRunning): no output yet" in res.stderr, res.stderr
+        follower = sb.popen(sys.executable, "-m", "envctl", "logs", "-f", str(second["id"]),
+                            env=sock)
+        try:
+            # The one waiting: the command itself, or the daemon's worker for its request.
+            def waiting() -> bool:
+                if follower.poll() is not None:
+                    pytest.fail(f"logs -f ended early: {follower.returncode}: "
+                                f"{stderr_of(follower)}")
+                if daemon is None:
+                    return _asleep(follower.pid)
+                kids = Path(f"/proc/{daemon.pid}/task/{daemon.pid}/children").read_text()
+                return any(_asleep(int(k)) for k in kids.split())
+            until("logs -f waiting for the job to start", waiting, 60)
+            assert record(sb, second["id"])["state"] == "PENDING"
+            open_gate(sb, first["id"])
+            out, err = follower.communicate(timeout=300)
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait(30)
+        assert (follower.returncode, out) == (0, "hello-from-second\n"), err
+        assert record(sb, second["id"])["state"] == "COMPLETED"
+    finally:
+        if daemon is not None and daemon.poll() is None:
+            daemon.terminate()
+            daemon.wait(30)
+
+
+def test_logs_follow_of_a_pending_job_cancelled_says_why(qbox):
+    sb = qbox
+    up(sb, limit=1)
+    gate = script(sb, "gate.sh", GATE)
+    first = submit(sb, gate)
+    second = submit(sb, "true")
+    assert second["state"] == "PENDING", second
+    follower = sb.popen(sys.executable, "-m", "envctl", "logs", "-f", str(second["id"]))
+    try:
+        until("logs -f waiting", lambda: _asleep(follower.pid)
+              or (follower.poll() is not None and pytest.fail(stderr_of(follower))), 60)
+        res = sb.envctl("cancel", str(second["id"]))
+        assert res.returncode == 0, res.stderr
+        out, err = follower.communicate(timeout=60)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait(30)
+    assert (follower.returncode, out) == (1, ""), err
+    assert f"job {second['id']} ended CANCELLED without starting" in err, err
+    open_gate(sb, first["id"])
+    assert sb.envctl("wait", str(first["id"]), timeout=120).returncode == 0

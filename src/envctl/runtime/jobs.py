@@ -830,17 +830,18 @@ def open_output(state_dir: Path, job: Job, path: Path) -> int:
 
 
 def follow(state_dir: Path, job: Job, path: Path, write: Callable[[bytes], None], *,
-           boot_id: str, recheck: float = 1.0) -> None:
+           boot_id: str, recheck: float = 1.0, fd: int = -1) -> None:
     """Copy `path` (one of the job's outputs) to `write` from its start, then as it grows,
     until the job has ended: woken by inotify when the file changes and by the supervisor's
     pidfd when it exits, so nothing polls while nothing happens. `recheck` seconds bound a
     sleep in case a wake-up is missed (an output on a file system without inotify events,
-    such as one written over NFS)."""
+    such as one written over NFS). `fd`: `path` opened already (by open_output), closed here."""
     import select
 
     from envctl.host.libc import libc
 
-    fd = open_output(state_dir, job, path)
+    if fd < 0:
+        fd = open_output(state_dir, job, path)
     ino = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
     pidfd = -1
     try:

@@ -171,6 +171,7 @@ def _head_fits_beside(pool: Pool, held: list[tuple[int, Slice]], ends: dict,
 # ---------------------------------------------------------------- the index on disk
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
     from envctl.host.context import Host
@@ -291,6 +292,41 @@ def no_output_yet(state_dir: Path, job: Job) -> str | None:
     if not job.queued or job.state is not State.PENDING:
         return None
     return f"job {job.id} is PENDING ({current_reason(state_dir, job) or 'queued'}): no output yet"
+
+
+START_POLL = 0.5  # seconds between looks at a queued job's record (supervisor.QUEUE_POLL's)
+
+
+def open_when_started(state_dir: Path, job: Job, path: Path, *, boot_id: str,
+                      gone: Callable[[], bool] | None = None,
+                      poll: float = START_POLL) -> tuple[int, Job] | None:
+    """For `logs -f` of a job still in the queue: once a pass has started it, its output
+    `path` opened as jobs.open_output opens it, and its record then. A queued job has no
+    supervisor to wait on, so its record is looked at every `poll` seconds (as
+    supervisor.wait does); a claimed one opens its outputs just after its claim, so a missing
+    output is waited for while the job is active. HostError (exit 1) when it ended without
+    starting (cancelled in the queue, or its start failed: why); None when `gone()` says
+    the one asking left."""
+    import time
+
+    from envctl.errors import HostError
+    from envctl.runtime import jobs
+
+    while True:
+        if no_output_yet(state_dir, job) is None:
+            try:
+                return jobs.open_output(state_dir, job, path), job
+            except FileNotFoundError:
+                if not job.shown(boot_id).active:
+                    if job.start_time is None:
+                        why = f": {job.error}" if job.error else ""
+                        raise HostError(f"job {job.id} ended {job.state} without starting"
+                                        f"{why}") from None
+                    raise
+        if gone is not None and gone():
+            return None
+        time.sleep(poll)
+        job = jobs.get(state_dir, job.id)
 
 
 def append(state_dir: Path, job: Job) -> None:

@@ -194,10 +194,11 @@ def wait(client: Client, ids: list[str] | list[int]) -> list[Job]:
     return [_job(j) for j in reply["jobs"]]
 
 
-def logs(client: Client, job_id: str, stderr: bool) -> tuple[int, Job]:
+def logs(client: Client, job_id: str, stderr: bool, *, follow: bool = False
+         ) -> tuple[int, Job]:
     """A read-only descriptor of the job's output, opened by the daemon as the job's user
-    may, and the job's record."""
-    reply, fds = client.call("logs", ids=[job_id], stderr=stderr)
+    may, and the job's record. With `follow` the daemon waits for a queued job to start."""
+    reply, fds = client.call("logs", ids=[job_id], stderr=stderr, follow=follow)
     if len(fds) != 1:
         for fd in fds:
             os.close(fd)

@@ -261,10 +261,13 @@ def _client_left(conn: socket.socket) -> bool:
     return bool(poller.poll(0))
 
 
-def logs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
+def logs(caller: Caller, req: dict, fds: list[int], conn: socket.socket | None = None
+         ) -> tuple[dict, list[int]] | None:
     """A read-only descriptor of the job's stdout (or stderr), opened as jobs.open_output
     opens it (never by name as root: with the job user's rights, O_NOFOLLOW, or beneath
-    the jobs directory with no symlink), passed back."""
+    the jobs directory with no symlink), passed back. With "follow" (a wait-class request,
+    server.is_wait) a queued job is waited for until it starts (queue.open_when_started);
+    None (nothing to reply to) when the client left meanwhile."""
     from pathlib import Path
 
     from envctl.errors import HostError
@@ -275,12 +278,21 @@ def logs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
     host, (record,) = _allowed(caller, ids, "read the logs of")
     from envctl.runtime import queue
 
+    follow = _get(req, "follow", bool, False)
     pending = queue.no_output_yet(host.state_dir, record)
-    if pending is not None:
+    if pending is not None and not follow:
         raise HostError(pending)
     path = Path(record.stderr if _get(req, "stderr", bool, False) else record.stdout)
     try:
-        fd = jb.open_output(host.state_dir, record, path)
+        if pending is None:
+            fd = jb.open_output(host.state_dir, record, path)
+        else:
+            opened = queue.open_when_started(
+                host.state_dir, record, path, boot_id=host.boot_id,
+                gone=None if conn is None else lambda: _client_left(conn))
+            if opened is None:
+                return None
+            fd, record = opened
     except OSError as exc:
         raise HostError(f"logs of job {record.id}: {path}: {exc.strerror}") from exc
     return {"job": record.to_json()}, [fd]

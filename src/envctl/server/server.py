@@ -48,6 +48,13 @@ MAX_CHILDREN_PER_UID = 8
 MAX_WAITS = 128
 MAX_WAITS_PER_UID = 16
 WAITS = ("wait", "exec")
+
+
+def is_wait(request: dict) -> bool:
+    """A wait-class request: a WAITS op, or a `logs` with "follow" (it waits for a queued
+    job to start)."""
+    return request.get("op") in WAITS or (request.get("op") == "logs"
+                                          and request.get("follow") is True)
 SD_LISTEN_FDS_START = 3
 KICK_EVERY = 2.0  # seconds between the daemon's passes of the job queue
 
@@ -380,7 +387,7 @@ class Daemon:
         """Fork the queued requests that fit their caps, first come first served within each
         kind: workers (submit, cancel, logs) and waits are capped apart; root's never wait."""
         for conn in list(self.queue):
-            waits = (conn.request or {}).get("op") in WAITS
+            waits = is_wait(conn.request or {})
             mine = [u for _, u, w in self.children.values() if w == waits]
             if conn.caller.uid == 0:
                 # Root is never queued behind users' requests: however many users fill the
@@ -414,7 +421,7 @@ class Daemon:
         except ProcessLookupError:  # gone already: reap it now
             os.waitpid(pid, 0)
             return
-        self.children[pidfd] = (pid, conn.caller.uid, request.get("op") in WAITS)
+        self.children[pidfd] = (pid, conn.caller.uid, is_wait(request))
         self.sel.register(pidfd, selectors.EVENT_READ, "child")
 
     def reap(self, pidfd: int) -> None:
@@ -455,7 +462,7 @@ def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) ->
     sock.setblocking(True)
     op = request.get("op")
     handler = handlers.FORKED[op]
-    kw = {"conn": sock} if op in ("wait", "exec", "operate") else {}
+    kw = {"conn": sock} if op in ("wait", "exec", "operate", "logs") else {}
     reply = run_handler(handler, caller, request, fds, **kw)
     if not reply:
         return 0  # the client left
