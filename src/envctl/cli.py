@@ -610,7 +610,9 @@ def jobs_(
         raise UsageError("--format picks the table's columns; --json prints whole records: "
                          "give one of them")
     daemon = client.route()
-    if daemon is not None:
+    if daemon is not None and not json_:
+        rows = client.job_table(daemon, env, all_, fields)
+    elif daemon is not None:
         listed = client.jobs(daemon, env, all_)
     else:
         from envctl.host.context import Host
@@ -625,7 +627,8 @@ def jobs_(
     if json_:
         _emit_json([j.to_json() for j in listed])
         return
-    rows = jb.table(listed, fields=fields)
+    if daemon is None:
+        rows = jb.table(listed, fields=fields)
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())

@@ -191,3 +191,26 @@ time.sleep(600)  # hold them until the test is done
     finally:
         hog.kill()
         hog.wait()
+
+
+def test_a_jobs_request_naming_bad_or_endless_fields_is_bad_input(team):  # noqa: F811
+    """ATTACK (fixed before it shipped): the daemon makes `envctl jobs`' table in its own loop
+    from the fields a request names; an unknown one, a non-string, none, or "id" 10,000 times
+    (10,000 cells a job, for every job) is exit 2, one line, and the daemon serves on. A valid
+    request from bob gets the table, alice's job in it with its private cells '-'."""
+    prog = team.script(ALICE, "t.py", "print('x')\n")
+    job = json.loads(team.as_user(ALICE, "submit-job", "--json", "box", prog).stdout)
+    assert team.as_user(ALICE, "wait", str(job["id"])).returncode == 0
+    for fields in (["nosuch"], [1], [], ["id"] * 10_000, "id"):
+        request = json.dumps({"v": 1, "op": "jobs", "all": True, "fields": fields})
+        got = raw(team, BOB, f"s = conn(); s.sendall(frame(json.loads({request!r})))\n"
+                             "print(json.dumps(reply(s)))")
+        assert got is not None and got["ok"] is False and got["exit"] == 2, (fields[:2], got)
+        assert "\n" not in got["error"], got
+        alive(team)
+    request = json.dumps({"v": 1, "op": "jobs", "all": True, "fields": ["id", "program"]})
+    got = raw(team, BOB, f"s = conn(); s.sendall(frame(json.loads({request!r})))\n"
+                         "print(json.dumps(reply(s)))")
+    assert got["ok"] and got["rows"] == [["ID", "PROGRAM"], [str(job["id"]), "-"]], got
+    res = team.as_user(ALICE, "jobs", "--all", "--format", ",".join(["id"] * 65))
+    assert res.returncode == 2 and "at most 64" in res.stderr, res.stderr

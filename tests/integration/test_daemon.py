@@ -176,6 +176,22 @@ def test_a_listed_user_submits_without_sudo_and_others_are_refused(team):
     # Nor its accounting (the owner's, as its outputs are); its times and elapsed are public.
     assert (other["cpu_user_seconds"], other["peak_memory_bytes"]) == (None, None)
     assert other["elapsed"] is not None
+    # The table through the daemon (its rows of cells, not records): the same rule, the
+    # private cells '-' for bob, shown to alice; the same table root prints in-process.
+    cols = "id,user,state,program,maxrss,cpu_user"
+    rows = {}
+    for who in (ALICE, BOB):
+        res = team.as_user(who, "jobs", "--all", "--format", cols)
+        assert res.returncode == 0, res.stderr
+        lines = res.stdout.splitlines()
+        assert lines[0].split() == ["ID", "USER", "STATE", "PROGRAM", "MAXRSS", "USERCPU"]
+        rows[who] = {ln.split()[0]: ln.split() for ln in lines[1:]}
+    theirs, mine = rows[BOB][str(job["id"])], rows[ALICE][str(job["id"])]
+    assert theirs == [str(job["id"]), "alice", "COMPLETED", "-", "-", "-"], theirs
+    assert mine[:3] == theirs[:3] and mine[3].startswith("staged:") and mine[4] != "-", mine
+    res = team.sb.envctl("jobs", "--all", "--format", cols)  # root, in-process
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == team.as_user(ALICE, "jobs", "--all", "--format", cols).stdout
 
     # --user root from a non-admin: refused.
     res = team.as_user(ALICE, "submit-job", "--user", "root", "box", prog)

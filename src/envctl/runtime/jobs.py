@@ -676,13 +676,19 @@ DEFAULT_FIELDS = ("id", "name", "env", "user", "state", "elapsed", "exit", "cpus
                   "gpus", "start", "program")
 
 
+# The most columns one table has: the daemon makes the table in its own loop (a request of
+# 64 KiB naming "id" 10,000 times would be 10,000 cells a job).
+MAX_FIELDS = 64
+
+
 def parse_fields(text: str) -> tuple[str, ...]:
     """`--format id,user,state` as field names (case and spaces ignored); UsageError (exit 2)
     naming an unknown one and listing those allowed."""
     names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in FIELDS]
-    if unknown or not names:
-        what = f"unknown field(s) {', '.join(unknown)}" if unknown else "no field given"
+    if unknown or not names or len(names) > MAX_FIELDS:
+        what = (f"unknown field(s) {', '.join(unknown)}" if unknown else "no field given"
+                if not names else f"{len(names)} fields (at most {MAX_FIELDS})")
         raise UsageError(f"--format '{text}': {what}; allowed: {', '.join(FIELDS)}")
     return names
 

@@ -180,8 +180,26 @@ def _open_output(opt: str, path: str) -> int:
 
 
 def jobs(client: Client, env: str | None, all_: bool) -> list[Job]:
+    """Whole records (`jobs --json`): the public fields only of a job the caller may not see."""
     reply, _ = client.call("jobs", env=env, all=all_)
     return [_job(j) for j in reply["jobs"]]
+
+
+def job_table(client: Client, env: str | None, all_: bool,
+              fields: tuple[str, ...]) -> list[list[str]]:
+    """The `envctl jobs` table with the columns `fields` names, header first, as the daemon
+    made it (jobs.table: every cell printable): rows of cells, not 10,000 whole records."""
+    reply, _ = client.call("jobs", env=env, all=all_, fields=list(fields))
+    rows = reply.get("rows")
+    if rows is None and isinstance(reply.get("jobs"), list):  # a daemon from before "fields"
+        from envctl.runtime.jobs import table
+
+        return table([_job(j) for j in reply["jobs"]], fields=fields)
+    if not isinstance(rows, list) or not rows or not all(
+            isinstance(r, list) and len(r) == len(fields) and all(isinstance(c, str) for c in r)
+            for r in rows):
+        raise proto.ProtocolError("the daemon's 'jobs' reply: no table of the fields asked")
+    return rows
 
 
 def cancel(client: Client, ids: list[str], grace: float) -> tuple[list[Job], list[Job]]:
