@@ -162,20 +162,7 @@ def test_52_jobs_end_completed_across_a_killed_daemon(qbox, tmp_path):
 
     def start_daemon():
         daemon = sb.popen(sys.executable, "-m", "envctl", "daemon", env=sock)
-        def answers() -> bool:
-            # A connection the daemon accepts (root's `envctl jobs` would succeed without
-            # one, in-process, and prove nothing).
-            import socket
-
-            if daemon.poll() is not None:
-                pytest.fail(stderr_of(daemon))
-            with socket.socket(socket.AF_UNIX) as s:
-                try:
-                    s.connect(sock["ENVCTL_SOCKET"])
-                except OSError:
-                    return False
-                return True
-        until("the daemon answering", answers, 60)
+        until("the daemon answering", lambda: _answers(daemon, sock["ENVCTL_SOCKET"]), 60)
         return daemon
 
     daemon = start_daemon()
@@ -212,6 +199,21 @@ def test_52_jobs_end_completed_across_a_killed_daemon(qbox, tmp_path):
     assert not Path(sock["ENVCTL_SOCKET"]).exists()
 
 
+def _answers(daemon, path: str) -> bool:
+    """Whether the daemon accepts a connection on `path` (root's `envctl jobs` would succeed
+    in-process without one, and prove nothing); its stderr when it died."""
+    import socket
+
+    if daemon.poll() is not None:
+        pytest.fail(stderr_of(daemon))
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+        return True
+
+
 def _asleep(pid: int) -> bool:
     """`pid` sleeping in clock_nanosleep (x86_64 syscall 230): time.sleep of a wait for a
     queued job's record (queue.open_when_started), nothing a start-up or a refusal does."""
@@ -229,20 +231,7 @@ def test_logs_follow_of_a_pending_job_waits_for_its_start(qbox, tmp_path, throug
     daemon = None
     if through == "daemon":
         daemon = sb.popen(sys.executable, "-m", "envctl", "daemon", env=sock)
-        def answers() -> bool:
-            # A connection the daemon accepts (root's `envctl jobs` would succeed without
-            # one, in-process, and prove nothing).
-            import socket
-
-            if daemon.poll() is not None:
-                pytest.fail(stderr_of(daemon))
-            with socket.socket(socket.AF_UNIX) as s:
-                try:
-                    s.connect(sock["ENVCTL_SOCKET"])
-                except OSError:
-                    return False
-                return True
-        until("the daemon answering", answers, 60)
+        until("the daemon answering", lambda: _answers(daemon, sock["ENVCTL_SOCKET"]), 60)
     try:
         gate = script(sb, "gate.sh", GATE)
         first = submit(sb, gate, env=sock)
