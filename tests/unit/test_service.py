@@ -275,3 +275,42 @@ def test_the_runtime_module_never_imports_the_engine():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO / "src")}, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2])
+def test_log_rotation_never_leaves_the_name_absent(tmp_path, monkeypatch, keep):
+    """A reader tailing service.log by name (`tail -F`, the suite's waits) must find it at
+    every step of a rotation: the old file is linked as .1 and a new one renamed over it."""
+    sup = object.__new__(rs._Supervisor)
+    sup.dir, sup.log_fd, sup.log_max, sup.log_keep, sup.state = tmp_path, -1, 250, keep, {}
+    log = tmp_path / rs.LOG_FILE
+    seen, began = [], []
+    for name in ("replace", "link", "unlink", "open"):
+        real = getattr(os, name)
+
+        def check(*args, _real=real, **kwargs):
+            seen.append(bool(began) and not log.exists())  # absent after the first write
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(os, name, check)
+    r, w = os.pipe()
+    try:
+        written = b""
+        for i in range(12):
+            line = f"{i:03d}".encode() + b"x" * 96 + b"\n"
+            os.write(w, line)
+            written += line
+            assert sup.copy_out(r) == len(line)
+            began.append(True)
+            seen.append(not log.exists())
+    finally:
+        monkeypatch.undo()
+        os.close(r)
+        os.close(w)
+        os.close(sup.log_fd)
+    assert not any(seen)
+    files = [log.with_name(f"{rs.LOG_FILE}.{n}") for n in range(keep, 0, -1)] + [log]
+    kept = b"".join(p.read_bytes() for p in files)
+    assert written.endswith(kept) and len(log.read_bytes()) <= 250
+    assert len(kept) == 200 * (keep + 1)  # two lines a file
+    assert not log.with_name(f"{rs.LOG_FILE}.{keep + 1}").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in files)

@@ -532,18 +532,24 @@ class _Supervisor:
 
     def _rotate(self) -> None:
         """service.log -> service.log.1 -> … -> service.log.KEEP (the oldest goes), then a
-        new service.log. The service never notices: it writes to its pipe."""
+        new service.log. The service never notices: it writes to its pipe. The name is never
+        absent (a reader tailing it by name sees the old file until the new one replaces it):
+        the current file is hard-linked as .1 and a new one renamed over it."""
         path = self.dir / LOG_FILE
         os.close(self.log_fd)
         self.log_fd = -1
         old = [path.with_name(f"{LOG_FILE}.{n}") for n in range(1, self.log_keep + 1)]
-        if not old:
-            path.unlink(missing_ok=True)
-            return
         for n in range(len(old) - 1, 0, -1):
             with contextlib.suppress(FileNotFoundError):
                 old[n - 1].replace(old[n])
-        path.replace(old[0])
+        if old:
+            old[0].unlink(missing_ok=True)  # (KEEP=1: the one old file goes)
+            os.link(path, old[0])
+        fresh = path.with_name(f".{LOG_FILE}.new")
+        fresh.unlink(missing_ok=True)  # left by a supervisor killed here
+        self.log_fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND
+                              | os.O_CLOEXEC, 0o640)
+        fresh.replace(path)
 
     def watch(self, started: Started, status_r: int, out_r: int = -1) -> int | None:
         """Wait until the launch ends, stopping it on request, copying its output (`out_r`,
