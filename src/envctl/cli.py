@@ -878,6 +878,11 @@ def monitor(
         "--listen", help="ADDR:PORT to serve /metrics on ([::1]:9464 for IPv6), or none. "
         "Loopback by default: put a reverse proxy or node_exporter's textfile collector in "
         "front to publish it.")] = "127.0.0.1:9464",
+    web_config_file: Annotated[Path | None, typer.Option(
+        "--web-config-file", help="TLS and basic auth for /metrics, in the Prometheus "
+        "exporter-toolkit format (tls_server_config: cert_file, key_file, client_auth_type, "
+        "client_ca_file; basic_auth_users: bcrypt hashes); see docs/monitoring.md.",
+        show_default=False)] = None,
     textfile: Annotated[Path | None, typer.Option(
         "--textfile", help="Also write the exposition to this file each tick (a temporary "
         "file renamed over it), for node_exporter's textfile collector (name it *.prom).",
@@ -905,12 +910,15 @@ def monitor(
     from envctl import app as ops
     from envctl.host.context import Host
     from envctl.monitor import daemon
-    from envctl.monitor.prom import parse_listen
+    from envctl.monitor.http import parse_listen
 
     interval = interval if interval_i is None else interval_i
     if not interval > 0:
         raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
     addr = None if once else parse_listen(listen)
+    if web_config_file is not None and addr is None:
+        raise typer.BadParameter("--web-config-file: nothing is served (--once or --listen "
+                                 "none)")
     heal = not once if heal is None else heal
     if csv_dir is None:
         csv_dir = "none" if once else DEFAULT_CSV_DIR
@@ -919,6 +927,17 @@ def monitor(
     opts = daemon.Options(interval=interval, once=once, listen=addr, textfile=textfile,
                           csv_dir=None if csv_dir.strip().lower() == "none" else Path(csv_dir),
                           heal=heal)
+    server = None
+    if addr is not None:
+        from envctl.monitor.http import Auth, MetricsServer
+
+        web = None
+        if web_config_file is not None:
+            from envctl.monitor import webconfig
+
+            web = webconfig.load(web_config_file)
+        server = MetricsServer(addr, tls=web.tls if web else None,
+                               auth=Auth(web.users) if web and web.users else None)
     mon = daemon.Monitor(Host.from_env(), opts)
     if once:
         try:
@@ -926,6 +945,8 @@ def monitor(
         finally:
             mon.close()
         return
+    if server is not None:
+        mon.serve(server)
     mon.run()
 
 

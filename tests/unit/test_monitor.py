@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import pytest
 
 from envctl.host.cgroups import CgroupLayout, Cgroups
 from envctl.monitor import csvout, events, prom
+from envctl.monitor import http as mhttp
 from envctl.monitor.collect import Sampler
 from envctl.monitor.nvml import NvmlSession
 from envctl.runtime import jobs as jb
@@ -477,7 +477,8 @@ def test_metrics_served_on_loopback(tmp_path):
     fh = fake_host(tmp_path, 1)
     col = prom.SnapshotCollector()
     col.update(fh.sampler(host_stats=False).tick())
-    server = prom.MetricsServer(("127.0.0.1", 0), prom.registry_for(col))
+    server = mhttp.MetricsServer(("127.0.0.1", 0))
+    server.publish(prom.exposition(prom.registry_for(col)))
     host, port = server.address
     got = {}
 
@@ -488,20 +489,17 @@ def test_metrics_served_on_loopback(tmp_path):
 
     t = threading.Thread(target=scrape)
     t.start()
-    poller = select.poll()  # as the monitor's loop: handle once the socket is readable
-    poller.register(server.fileno(), select.POLLIN)
-    assert poller.poll(10_000)
-    server.handle()
+    mhttp.serve_until(server, lambda: "body" in got)  # as the monitor's loop steps it
     t.join(10)
     server.close()
-    assert got["type"].startswith("text/plain")
+    assert got["type"].startswith("text/plain; version=0.0.4")
     assert prom.parse_exposition(got["body"])["container_threads"][0][1] == 12
 
 
 @pytest.mark.parametrize("text, want", [("127.0.0.1:9464", ("127.0.0.1", 9464)),
                                         ("[::1]:9400", ("::1", 9400)), ("none", None)])
 def test_parse_listen(text, want):
-    assert prom.parse_listen(text) == want
+    assert mhttp.parse_listen(text) == want
 
 
 @pytest.mark.parametrize("text", ["9464", "localhost", ":9464", "a:99999"])
@@ -509,7 +507,7 @@ def test_parse_listen_refuses(text):
     from envctl.errors import InputError
 
     with pytest.raises(InputError, match="ADDR:PORT"):
-        prom.parse_listen(text)
+        mhttp.parse_listen(text)
 
 
 # ---------------------------------------------------------------- events log

@@ -1,7 +1,8 @@
 """`envctl monitor`'s loop: every interval, one tick (sample, health, CSV, textfile, the
-/metrics snapshot); between ticks it answers /metrics requests. One thread: a poll on the HTTP
-socket and a signal wake-up pipe, so a heal that forks a service supervisor never forks beside
-another thread, and SIGTERM ends the loop between ticks (a heal in progress finishes first).
+/metrics snapshot); between ticks it steps the /metrics connections (monitor/http.py: non-blocking,
+each with a deadline). One thread: a selector on the HTTP sockets and a signal wake-up pipe, so a
+heal that forks a service supervisor never forks beside another thread, no client can hold the
+loop, and SIGTERM ends it between ticks (a heal in progress finishes first).
 
 Kept free of typer and rich; prometheus_client is imported when the monitor starts.
 """
@@ -11,25 +12,27 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import select
+import selectors
 import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envctl.monitor.collect import Sampler, Snapshot
 from envctl.monitor.csvout import CsvWriter
 from envctl.monitor.health import Health
 from envctl.monitor.prom import (
-    MetricsServer,
     SnapshotCollector,
     exposition,
     registry_for,
     write_textfile,
 )
+
+if TYPE_CHECKING:
+    from envctl.monitor.http import MetricsServer
 
 DEFAULT_INTERVAL = 30.0
 DEFAULT_CSV_DIR = Path("/var/log/envctl")
@@ -109,6 +112,8 @@ class Monitor:
             except OSError as exc:
                 self.say(f"warning: CSV not written in {self.csv.dir}: {exc.strerror}")
         self.collector.update(snap, tick_cpu_seconds=cpu_sample + time.process_time() - cpu1)
+        if self.server is not None:
+            self.server.publish(exposition(self.registry))
         if self.opts.textfile is not None:
             try:
                 write_textfile(self.opts.textfile, self.registry)
@@ -123,13 +128,20 @@ class Monitor:
         self.tick()
         return exposition(self.registry)
 
+    def serve(self, server: MetricsServer) -> None:
+        """Serve /metrics from `server` while `run` loops (the caller made it: a bad address
+        or web config is refused before anything starts)."""
+        self.server = server
+        host, port = server.address
+        shown = f"[{host}]" if ":" in host else host
+        self.say(f"serving metrics on {server.scheme}://{shown}:{port}/metrics")
+
     def run(self) -> None:
         """Tick every interval until SIGTERM or SIGINT; serve /metrics in between."""
-        if self.opts.listen is not None:
-            self.server = MetricsServer(self.opts.listen, self.registry)
-            host, port = self.server.address
-            shown = f"[{host}]" if ":" in host else host
-            self.say(f"serving metrics on http://{shown}:{port}/metrics")
+        if self.opts.listen is not None and self.server is None:
+            from envctl.monitor.http import MetricsServer
+
+            self.serve(MetricsServer(self.opts.listen))
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         old_fd = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         old = {s: signal.signal(s, self._on_stop) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -137,10 +149,10 @@ class Monitor:
         # for its short commands); what the CLI made before is frozen out of its way.
         gc.freeze()
         gc.enable()
-        poller = select.poll()
-        poller.register(wake_r, select.POLLIN)
+        sel = selectors.DefaultSelector()
+        sel.register(wake_r, selectors.EVENT_READ, None)
         if self.server is not None:
-            poller.register(self.server.fileno(), select.POLLIN)
+            self.server.attach(sel)
         try:
             next_at = time.monotonic()
             while not self.stopping:
@@ -153,16 +165,22 @@ class Monitor:
                     # Fixed rate; a tick that overran starts the next one at once, no burst.
                     next_at = max(next_at + self.opts.interval, time.monotonic())
                     continue
-                for fd, _ in poller.poll(max(0.0, next_at - now) * 1000):
-                    if fd == wake_r:
+                wake_at = next_at
+                if self.server is not None:
+                    wake_at = min(wake_at, self.server.next_deadline() or wake_at)
+                for key, events in sel.select(max(0.0, wake_at - now)):
+                    if key.data is None:
                         with contextlib.suppress(BlockingIOError):
                             os.read(wake_r, 512)
-                    elif self.server is not None:
-                        self.server.handle()
+                    else:
+                        key.data(events)
+                if self.server is not None:
+                    self.server.expire()
         finally:
             signal.set_wakeup_fd(old_fd)
             for s, h in old.items():
                 signal.signal(s, h)
+            sel.close()
             os.close(wake_r)
             os.close(wake_w)
             self.close()

@@ -1,7 +1,7 @@
 """The Prometheus exposition of the monitor's last Snapshot: a custom collector in a private
 registry (never prometheus_client's global one), written to a textfile for node_exporter
-(a temporary file renamed over it) and/or served on /metrics by a single-threaded HTTP server
-that the monitor's loop polls between ticks.
+(a temporary file renamed over it) and/or served on /metrics by monitor/http.py, which gets the
+exposition the loop built at each tick.
 
 Names follow the exporters operators already scrape, so their dashboards work unchanged:
 dcgm-exporter's `DCGM_FI_DEV_*` per GPU (labels gpu, UUID, device, modelName, environment:
@@ -12,9 +12,7 @@ values: it never samples the host itself. docs/monitoring.md lists every metric.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
-from http.server import HTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +23,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import CollectorRegistry
 
-from envctl.errors import HostError, InputError
+from envctl.errors import HostError
 
 if TYPE_CHECKING:
     from envctl.monitor.collect import Snapshot
@@ -243,55 +241,7 @@ def write_textfile(path: Path, registry: CollectorRegistry) -> None:
         raise HostError(f"write metrics textfile {path}: {exc.strerror}") from exc
 
 
-# ---------------------------------------------------------------- /metrics
-
-
-def parse_listen(text: str) -> tuple[str, int] | None:
-    """`ADDR:PORT` (`[::1]:9464` for IPv6) -> (addr, port); "none" -> None."""
-    if text.strip().lower() == "none":
-        return None
-    addr, sep, port = text.strip().rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not addr:
-        raise InputError(f"--listen '{text}': give ADDR:PORT (127.0.0.1:9464, [::1]:9464) or "
-                         "none")
-    return addr.strip("[]"), int(port)
-
-
-class MetricsServer:
-    """/metrics (any path, in fact, as prometheus_client serves it) from `registry`, handled
-    one request at a time by `handle()` when `fileno()` is readable: no thread, so nothing
-    runs beside the tick (a fork of a service supervisor during a heal included)."""
-
-    # A client that connects and sends nothing must not hold the loop for long.
-    REQUEST_TIMEOUT = 5.0
-
-    def __init__(self, addr: tuple[str, int], registry: CollectorRegistry):
-        from prometheus_client.exposition import MetricsHandler
-
-        handler = type("Handler", (MetricsHandler,), {"registry": registry,
-                                                      "timeout": self.REQUEST_TIMEOUT})
-        family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
-        server_cls = type("Server", (HTTPServer,), {"address_family": family})
-        try:
-            self.httpd = server_cls(addr, handler)
-        except OSError as exc:
-            raise HostError(f"listen on {addr[0]}:{addr[1]} for /metrics: {exc.strerror}") \
-                from exc
-        self.httpd.timeout = 0  # handle_request never waits: the loop's poll said readable
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.httpd.server_address[:2]
-        return str(host), int(port)
-
-    def fileno(self) -> int:
-        return self.httpd.fileno()
-
-    def handle(self) -> None:
-        self.httpd.handle_request()
-
-    def close(self) -> None:
-        self.httpd.server_close()
+# ---------------------------------------------------------------- parsing
 
 
 def parse_exposition(text: str) -> dict[str, Any]:
