@@ -225,3 +225,65 @@ def test_metrics_endpoint_on_loopback_and_sigterm_ends_it(box, tmp_path):
     residue = sb.residue()
     assert residue.pop("state_dir", None) in (None, ["lock"]), residue
     assert residue == {}, residue
+
+
+PROBE = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()
+    print("open")
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+
+
+NET_SPEC = """\
+name: netbox
+kind: cpu
+network:
+  bridge: t-br0
+  bridge_address: 10.231.0.1/24
+  address: 10.231.0.2
+  ports: [9090]
+"""
+
+
+def test_a_partition_reaches_the_metrics_port_only_when_bound_beyond_loopback(sandbox):
+    """The choice docs/monitoring.md states: envctl's firewall filters nothing addressed to
+    the host itself, so /metrics stays on loopback by default, which an environment cannot
+    reach (its gateway address has no listener; loopback packets arriving on the bridge are
+    dropped: test_network), and an address beyond loopback is reached by every environment
+    through its gateway: the monitor warns when started so."""
+    sb = sandbox
+    sb.write_spec("netbox", NET_SPEC)
+    res = sb.envctl("up", "netbox")
+    assert res.returncode == 0, res.stderr
+    gateway = "10.231.0.1"
+
+    def probe(ns: str | None, addr: str, port: int) -> str:
+        argv = ["ip", "netns", "exec", ns] if ns else []
+        res = sb.run(*argv, sys.executable, "-c", PROBE, addr, str(port))
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip()
+
+    try:
+        for listen, port, want in (("127.0.0.1", 9464, "ConnectionRefusedError"),
+                                   ("0.0.0.0", 9465, "open")):
+            proc = sb.popen(sys.executable, "-m", "envctl", "monitor", "--interval", "5",
+                            "--listen", f"{listen}:{port}", "--csv-dir", "none", "--no-heal")
+            try:
+                line = proc.stderr.readline()
+                assert "serving metrics on" in line, line + proc.stderr.read()
+                warned = proc.stderr.readline() if listen != "127.0.0.1" else ""
+                assert wait_until(lambda p=port: probe(None, "127.0.0.1", p) == "open")
+                assert probe("netbox", gateway, port) == want
+                if listen != "127.0.0.1":
+                    assert "every environment reaches it through its gateway" in warned
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(30) == 0, proc.stderr.read()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    finally:
+        assert sb.envctl("down", "netbox").returncode == 0

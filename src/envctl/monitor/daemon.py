@@ -53,6 +53,15 @@ class Options:
     heal: bool = True
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Monitor:
     """The sampler, the health loop and the exporters, driven one tick at a time."""
 
@@ -135,6 +144,11 @@ class Monitor:
         host, port = server.address
         shown = f"[{host}]" if ":" in host else host
         self.say(f"serving metrics on {server.scheme}://{shown}:{port}/metrics")
+        if not _loopback(host):
+            # envctl's firewall filters nothing addressed to the host itself (docs/monitoring.md)
+            self.say(f"warning: /metrics on {shown}:{port}: every environment reaches it "
+                     "through its gateway; bind 127.0.0.1, or use --web-config-file for TLS "
+                     "and basic auth")
 
     def run(self) -> None:
         """Tick every interval until SIGTERM or SIGINT; serve /metrics in between."""
