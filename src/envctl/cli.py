@@ -951,6 +951,25 @@ def monitor(
 
 
 @app.command()
+def maintenance(
+    env: Annotated[str, typer.Argument(help="The environment.", show_default=False,
+                                       autocompletion=_complete_envs)],
+    mode: Annotated[str, typer.Argument(help="on: the monitor stops healing it; off: heals "
+                                        "again.", show_default=False)],
+    json_: JsonOpt = False,
+) -> None:
+    """Pause (on) or resume (off) the monitor's healing of one environment, while you work on
+    it: the monitor still checks it, reports its drift and exports its metrics. Shown in
+    `envctl status`; independent of up and down; lasts until turned off or the next boot.
+
+    Example: sudo envctl maintenance gpu-compute on
+    """
+    from envctl import commands
+
+    _exit(commands.maintenance(env, mode.strip().lower(), _opts(), json_=json_))
+
+
+@app.command()
 def top(
     interval: Annotated[float, typer.Option(
         "--interval", "-n", help="Seconds between redraws.")] = 2.0,

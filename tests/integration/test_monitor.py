@@ -287,3 +287,51 @@ def test_a_partition_reaches_the_metrics_port_only_when_bound_beyond_loopback(sa
                     proc.wait()
     finally:
         assert sb.envctl("down", "netbox").returncode == 0
+
+
+def test_healing_respects_restart_no_and_maintenance(box, tmp_path):
+    """A `restart: no` service that ended stays ended through monitor ticks (status still says
+    it is missing; `up` is the operator's way to start it); `envctl maintenance box on` stops
+    the heal of a killed supervisor (status shows it), `off` lets the next tick heal it."""
+    sb = box
+    once = SPEC.format(data=sb.data).replace("exec sleep 100000", "exit 3").replace(
+        "restart: on-failure", 'restart: "no"')
+    sb.write_spec("box", once)
+    assert sb.envctl("up", "box").returncode == 0
+    assert wait_until(lambda: (service_state(sb) or {}).get("state") == "failed")
+    assert wait_until(lambda: not alive(service_state(sb)["supervisor"]))
+    for _ in range(2):
+        res = sb.envctl("monitor", "--once", "--heal", env=sb.gpu_env)
+        assert res.returncode == 0, res.stderr
+    assert service_state(sb)["state"] == "failed"
+    assert (sb.data / "runs").read_text().count("run") == 2  # the first up's and this one's
+    assert not (sb.state / "events.jsonl").exists()  # no drift, no heal
+    (env,) = sb.envctl_json("status", "box")
+    assert env["state"] == "degraded"  # status still says so: the operator decides
+    # Back to a service that runs; maintenance pauses the heal of its killed supervisor.
+    sb.write_spec("box", SPEC.format(data=sb.data))
+    assert sb.envctl("up", "box").returncode == 0
+    assert wait_until(lambda: (service_state(sb) or {}).get("state") == "running")
+    res = sb.envctl("maintenance", "box", "on")
+    assert res.returncode == 0 and "maintenance on" in res.stdout, res.stderr
+    before = service_state(sb)
+    os.kill(before["supervisor"]["pid"], signal.SIGKILL)
+    assert wait_until(lambda: not alive(before["supervisor"]))
+    res = sb.envctl("monitor", "--once", "--heal", env=sb.gpu_env)
+    assert res.returncode == 0, res.stderr
+    assert "heal-paused" in res.stderr
+    assert not alive(service_state(sb)["supervisor"])  # not healed
+    (env,) = sb.envctl_json("status", "box")
+    assert env["maintenance"]["since"] > 0 and env["state"] == "degraded"
+    assert "maintenance: on since" in sb.envctl("status", "box").stdout
+    assert sb.envctl("maintenance", "box", "off").returncode == 0
+    res = sb.envctl("monitor", "--once", "--heal", env=sb.gpu_env)
+    assert res.returncode == 0, res.stderr
+    assert service_state(sb)["state"] == "running" and alive(service_state(sb)["supervisor"])
+    # Refusals: an unknown environment, a mode that is neither on nor off (exit 2).
+    assert sb.envctl("maintenance", "nothere", "on").returncode == 2
+    assert sb.envctl("maintenance", "box", "maybe").returncode == 2
+    assert sb.envctl("down", "box").returncode == 0
+    residue = sb.residue()
+    assert residue.pop("state_dir", None) == ["events.jsonl", "lock"], residue
+    assert residue == {}, residue
