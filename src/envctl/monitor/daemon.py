@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from envctl.monitor.collect import Sampler, Snapshot
 from envctl.monitor.csvout import CsvWriter
 from envctl.monitor.health import Health
+from envctl.monitor.notify import Notifier
 from envctl.monitor.prom import (
     SnapshotCollector,
     exposition,
@@ -84,6 +85,7 @@ class Monitor:
         self.registry = registry_for(self.collector)
         self.server: MetricsServer | None = None
         self.told: set[str] = set()
+        self.notifier: Notifier | None = None  # None: the one $NOTIFY_SOCKET names, at run
         self.stopping = False
 
     def close(self) -> None:
@@ -167,6 +169,9 @@ class Monitor:
         sel.register(wake_r, selectors.EVENT_READ, None)
         if self.server is not None:
             self.server.attach(sel)
+        notifier = self.notifier or Notifier()
+        ready = False
+        pinged = 0.0
         try:
             next_at = time.monotonic()
             while not self.stopping:
@@ -176,10 +181,21 @@ class Monitor:
                         self.tick()
                     except Exception as exc:  # noqa: BLE001 - the daemon outlives one bad tick
                         self.say(f"monitor: tick failed: bug: {exc!r}")
+                    if not ready:
+                        notifier.send("READY=1")
+                        ready = True
                     # Fixed rate; a tick that overran starts the next one at once, no burst.
                     next_at = max(next_at + self.opts.interval, time.monotonic())
                     continue
                 wake_at = next_at
+                if notifier.watchdog is not None:
+                    # The loop turning is the proof of life: a tick (a heal) that hangs stops
+                    # it. Pinged at half the watchdog, between ticks too (an interval longer
+                    # than WatchdogSec= is no hang).
+                    if now - pinged >= notifier.watchdog / 2:
+                        notifier.send("WATCHDOG=1")
+                        pinged = now
+                    wake_at = min(wake_at, pinged + notifier.watchdog / 2)
                 if self.server is not None:
                     wake_at = min(wake_at, self.server.next_deadline() or wake_at)
                 for key, events in sel.select(max(0.0, wake_at - now)):
@@ -191,6 +207,7 @@ class Monitor:
                 if self.server is not None:
                     self.server.expire()
         finally:
+            notifier.send("STOPPING=1")
             signal.set_wakeup_fd(old_fd)
             for s, h in old.items():
                 signal.signal(s, h)
