@@ -23,6 +23,7 @@ from envctl.runtime.context import parse_cpus, read_journal
 if TYPE_CHECKING:
     from envctl.host.cgroups import Cgroups
     from envctl.monitor.nvml import GpuSample, NvmlSession
+    from envctl.monitor.nvmlkeep import NvmlKeeper
 
 # Kinds whose presence in this boot's journal means the environment is up (their objects die
 # with a reboot; runtime.context drops entries of another boot).
@@ -258,7 +259,7 @@ class Sampler:
     records. `close()` shuts NVML down."""
 
     def __init__(self, *, state_dir: Path, run_dir: Path, boot_id: str, cgroups: Cgroups,
-                 nvml: NvmlSession | None = None, nvml_problem: str = "",
+                 nvml: NvmlSession | NvmlKeeper | None = None, nvml_problem: str = "",
                  proc: Path = Path("/proc"), host_stats: bool = True,
                  clock: Callable[[], float] = time.monotonic):
         self.state_dir = state_dir
@@ -281,14 +282,15 @@ class Sampler:
             psutil.cpu_percent(None)  # the first call starts the interval; it says 0.0
 
     @classmethod
-    def for_host(cls, host: Any, **kwargs: Any) -> Sampler:
-        """A sampler of `host` (envctl.host.context.Host), with NVML when this host allows it."""
-        from envctl.monitor.nvml import open_session
+    def for_host(cls, host: Any, *, say: Callable[[str], None] | None = None,
+                 **kwargs: Any) -> Sampler:
+        """A sampler of `host` (envctl.host.context.Host), with NVML when this host allows it,
+        opened again after a failure (monitor/nvmlkeep.py, which tells `say` why)."""
+        from envctl.monitor.nvmlkeep import NvmlKeeper
 
-        session, why = open_session(host.gpu_root)
         return cls(state_dir=host.state_dir, run_dir=host.run_dir, boot_id=host.boot_id,
-                   cgroups=host.cgroups, nvml=session, nvml_problem=why, proc=host.proc,
-                   **kwargs)
+                   cgroups=host.cgroups, nvml=NvmlKeeper(host.gpu_root, say=say),
+                   proc=host.proc, **kwargs)
 
     def close(self) -> None:
         if self.nvml is not None:

@@ -74,7 +74,7 @@ class Monitor:
         self.host = host
         self.opts = options
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.sampler = sampler or Sampler.for_host(host)
+        self.sampler = sampler or Sampler.for_host(host, say=self.say)
         if health is None:
             # `monitor --once` without --heal is a probe: drift is said, not logged.
             health = Health(host, heal=options.heal, log=options.heal or not options.once,

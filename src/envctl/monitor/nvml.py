@@ -19,6 +19,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+# Errors that are NVML's as a whole, not one GPU's: the driver was unloaded or reloaded
+# (LIB_RM_VERSION_MISMATCH), the library went away, NVML is not initialised any more.
+SESSION_ERRORS = (1, 9, 12, 18)  # UNINITIALIZED, DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, RM mismatch
+
 # At most this many XID events are drained per tick (a GPU in an error storm must not hold
 # the tick up).
 MAX_EVENTS = 64
@@ -69,18 +73,26 @@ class NvmlSession:
         self.problems: list[str] = []
         self._unsupported: set[tuple[int, str]] = set()
         self._closed = False
+        self.broken = ""  # an error of the whole session (a driver reload): NvmlKeeper reopens
         nvml.nvmlInit()
         try:
             self.driver = _text(nvml.nvmlSystemGetDriverVersion())
             self.gpus: list[GpuSample] = []
             self._handles: list[Any] = []
             for index in range(nvml.nvmlDeviceGetCount()):
-                h = nvml.nvmlDeviceGetHandleByIndex(index)
+                try:  # one GPU that cannot say who it is must not hide the others
+                    h = nvml.nvmlDeviceGetHandleByIndex(index)
+                    gpu = GpuSample(
+                        index=index, uuid=_text(nvml.nvmlDeviceGetUUID(h)),
+                        name=_text(nvml.nvmlDeviceGetName(h)),
+                        minor=int(nvml.nvmlDeviceGetMinorNumber(h)))
+                except nvml.NVMLError as exc:
+                    if exc.value in SESSION_ERRORS:
+                        raise
+                    self.problems.append(f"GPU {index}: not sampled: NVML: {exc}")
+                    continue
                 self._handles.append(h)
-                self.gpus.append(GpuSample(
-                    index=index, uuid=_text(nvml.nvmlDeviceGetUUID(h)),
-                    name=_text(nvml.nvmlDeviceGetName(h)),
-                    minor=int(nvml.nvmlDeviceGetMinorNumber(h))))
+                self.gpus.append(gpu)
             self._by_key = {_key(h): i for i, h in enumerate(self._handles)}
             self._events = self._register_events()
         except BaseException:
@@ -118,6 +130,8 @@ class NvmlSession:
         except nv.NVMLError as exc:
             if exc.value == nv.NVML_ERROR_NOT_SUPPORTED:
                 self._unsupported.add((i, what))
+            elif exc.value in SESSION_ERRORS:  # all of NVML, not this GPU: open it again
+                self.broken = self.broken or str(exc)
             elif exc.value == getattr(nv, "NVML_ERROR_GPU_IS_LOST", 15):
                 if not self.gpus[i].lost:
                     self.problems.append(f"GPU {i} ({self.gpus[i].uuid}) is lost: it fell off "
@@ -172,6 +186,9 @@ class NvmlSession:
             try:
                 data = nv.nvmlEventSetWait_v2(self._events, 0)
             except nv.NVMLError as exc:
+                if exc.value in SESSION_ERRORS:
+                    self.broken = self.broken or str(exc)
+                    return
                 if exc.value != nv.NVML_ERROR_TIMEOUT:
                     # Said once: the event set stops being read (the problem would otherwise
                     # be appended, and copied into every snapshot, at every tick).

@@ -24,8 +24,10 @@ Ampere), `"retired_pending"` (0 or 1; missing: NOT_SUPPORTED, as on Ampere and n
 host without libnvidia-ml; `"mig": null` makes nvmlDeviceGetMigMode raise NOT_SUPPORTED (a
 pre-Ampere GPU);
 `"mig_pending"` is the pending mode (default: the current one);
-`"fail": "nvmlDeviceGetName"` makes that call raise UNKNOWN; `bytes` returns bytes for strings,
-as pynvml did before nvidia-ml-py 11.515.
+`"fail": "nvmlDeviceGetName"` makes that call raise UNKNOWN (on a GPU: `"fail": [calls]`, on
+that GPU only); `"error": N` (an NVML_ERROR_* number) makes every call after nvmlInit raise N,
+as after a driver reload (18, LIB_RM_VERSION_MISMATCH) or an unload (9, DRIVER_NOT_LOADED);
+`bytes` returns bytes for strings, as pynvml did before nvidia-ml-py 11.515.
 
 MIG (read paths, with nvidia-ml-py's signatures): a GPU's `"mig_profiles"` (the GPU instance
 profiles by NVML profile index: id, name, slices, memory_mb, instances, placements [[start,
@@ -55,6 +57,7 @@ NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 NVML_ERROR_UNKNOWN = 999
 
 NVML_DEVICE_MIG_DISABLE = 0
@@ -87,6 +90,7 @@ _STRINGS = {NVML_ERROR_UNINITIALIZED: "Uninitialized",
             NVML_ERROR_TIMEOUT: "Timeout",
             NVML_ERROR_GPU_IS_LOST: "GPU is lost",
             NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
+            NVML_ERROR_LIB_RM_VERSION_MISMATCH: "RM has detected an NVML/RM version mismatch.",
             NVML_ERROR_UNKNOWN: "Unknown Error"}
 
 calls = {"init": 0, "shutdown": 0}
@@ -182,6 +186,8 @@ def _live() -> dict:
     if _config.get("live"):  # read afresh at every call: a test changes it while a job runs
         with open(os.environ["FAKE_NVML_JSON"]) as f:
             _config = json.load(f)
+    if _config.get("error"):
+        raise NVMLError(int(_config["error"]))
     return _config
 
 
@@ -193,6 +199,8 @@ def _gpu(handle: int, call: str) -> dict:
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     if cfg["gpus"][handle].get("lost"):
         raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+    if call in (cfg["gpus"][handle].get("fail") or ()):
+        raise NVMLError(NVML_ERROR_UNKNOWN)
     return cfg["gpus"][handle]
 
 
@@ -262,7 +270,8 @@ def nvmlInit() -> None:  # noqa: N802 - pynvml's names
 
 def nvmlShutdown() -> None:  # noqa: N802
     global _config
-    _live()
+    if _config is None:
+        raise NVMLError(NVML_ERROR_UNINITIALIZED)
     calls["shutdown"] += 1
     _config = None
 
