@@ -10,6 +10,7 @@ Kept free of typer and rich; prometheus_client is imported when the monitor star
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import selectors
@@ -86,6 +87,7 @@ class Monitor:
         self.server: MetricsServer | None = None
         self.told: set[str] = set()
         self.notifier: Notifier | None = None  # None: the one $NOTIFY_SOCKET names, at run
+        self.textfile_id: tuple[int, int] | None = None  # (dev, inode) of the last written
         self.stopping = False
 
     def close(self) -> None:
@@ -128,8 +130,12 @@ class Monitor:
         if self.opts.textfile is not None:
             try:
                 write_textfile(self.opts.textfile, self.registry)
+                st = os.stat(self.opts.textfile)
+                self.textfile_id = (st.st_dev, st.st_ino)
             except EnvctlError as exc:
                 self.say(f"warning: {exc}")
+            except OSError:  # gone again at once: nothing of ours to remove at the end
+                self.textfile_id = None
         return snap
 
     def once(self) -> bytes:
@@ -208,6 +214,7 @@ class Monitor:
                     self.server.expire()
         finally:
             notifier.send("STOPPING=1")
+            self._remove_textfile()
             signal.set_wakeup_fd(old_fd)
             for s, h in old.items():
                 signal.signal(s, h)
@@ -215,6 +222,22 @@ class Monitor:
             os.close(wake_r)
             os.close(wake_w)
             self.close()
+
+    def _remove_textfile(self) -> None:
+        """A stopped monitor's textfile would be exported as current by node_exporter for as
+        long as it stays: removed, when it is still the file the last tick wrote (something
+        that replaced it since is not ours)."""
+        path = self.opts.textfile
+        if path is None or self.textfile_id is None:
+            return
+        try:
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == self.textfile_id:
+                os.unlink(path)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                self.say(f"warning: metrics textfile {path} not removed: {exc.strerror}")
+        self.textfile_id = None
 
     def _on_stop(self, signum: int, frame: Any) -> None:
         self.stopping = True
