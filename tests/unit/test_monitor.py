@@ -386,7 +386,7 @@ def test_csv_keeps_the_original_columns_plus_environment(tmp_path, fake_nvml, mo
     assert len(gpu) == 1 + 2 * 2 and gpu.count(gpu[0]) == 1
     stamp, kind, util, mem, temp, env = gpu[1].split(",")
     assert (kind, util, mem, temp, env) == ("GPU0", "40", str(10 * 1024), "50", "env0")
-    assert len(stamp) == 19 and stamp[4] == "-" and stamp[13] == ":"
+    assert len(stamp) == 25 and stamp[4] == "-" and stamp[13] == ":" and stamp[19:] == "+00:00"
     rows = [r.split(",") for r in cpu[1:4]]
     assert rows[0][1] == "host" and rows[0][4] == "" and float(rows[0][3]) > 0
     assert [r[1] for r in rows[1:]] == ["environment"] * 2
