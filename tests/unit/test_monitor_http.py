@@ -214,9 +214,16 @@ basic_auth_users:
     ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
     stop = threading.Event()
     t = _serve_in_thread(server, stop)
+    # A client stalled in its handshake (one byte of a ClientHello) holds nothing but itself.
+    stalled = socket.create_connection(server.address)
+    stalled.send(b"\x16")
     try:
         status, body = _get(url, ctx=ctx, auth=("prometheus", "s3cret"))
         assert (status, body) == (200, BODY)
+        deadline = time.monotonic() + 10  # the answered one is closed by the server's thread
+        while len(server.conns) != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(server.conns) == 1  # the stalled one, still waiting for its deadline
         from prometheus_client.parser import text_string_to_metric_families
 
         assert [f.name for f in text_string_to_metric_families(body.decode())] == ["envctl_x"]
@@ -232,6 +239,7 @@ basic_auth_users:
                 res = subprocess.run([*base, "-u", user], capture_output=True, text=True)
                 assert res.stdout == want, res.stderr
     finally:
+        stalled.close()
         stop.set()
         t.join(10)
         server.close()
