@@ -115,3 +115,19 @@ def test_every_gpu_lost_is_reported_then_nvml_opened_again(tmp_path, fake_nvml, 
     clock.t = 10.0
     (g,) = k.sample()
     assert not g.lost and g.util == 40
+
+
+def test_a_surprise_from_the_binding_costs_the_gpus_not_the_tick(tmp_path, fake_nvml,
+                                                                 monkeypatch):
+    fh = fake_host(tmp_path, 1, gpus=1)
+    monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))
+    _config(fh)
+    clock, said = Clock(0.0), []
+    k = _keeper(fake_nvml, clock, said)
+    temperature = fake_nvml.nvmlDeviceGetTemperature
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetTemperature",
+                        lambda *a: (_ for _ in ()).throw(TypeError("a new signature")))
+    assert k.sample() == [] and "bug: TypeError('a new signature')" in said[-1]
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetTemperature", temperature)
+    clock.t = 10.0
+    assert [g.temp for g in k.sample()] == [50]

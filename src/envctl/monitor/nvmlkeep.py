@@ -77,8 +77,11 @@ class NvmlKeeper:
             self._open()
             if self.session is None:
                 return []
-        gpus = self.session.sample()
-        broken = self.session.broken
+        try:
+            gpus = self.session.sample()
+            broken = self.session.broken
+        except Exception as exc:  # noqa: BLE001 - a binding's surprise costs GPUs, not the tick
+            gpus, broken = [], f"bug: {exc!r}"
         lost = bool(gpus) and all(g.lost for g in gpus)
         if not broken and not lost:
             self.failures = 0  # it works: a later failure starts the backoff afresh
