@@ -803,6 +803,7 @@ def test_status_watch_redraws(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["monitor", "--no-heal", "--listen", "9464"], "--listen '9464'"),
     (["monitor", "--no-heal", "--interval", "0"], "--interval 0"),
+    (["monitor", "--no-heal", "--compat", "dcgm,prometheus"], "--compat 'dcgm,prometheus'"),
     (["status", "--watch", "--json"], "--watch"),
     (["top", "-n", "-1"], "--interval -1"),
 ])

@@ -126,6 +126,20 @@ _ENV_COUNTERS = {
 }
 
 
+def _env_families(envs: list[EnvSample], table: tuple[tuple[str, str, str, bool], ...],
+                  labels: list[str]) -> Iterator[Metric]:
+    """One family per (name, help, EnvSample attribute, counter?) of `table`, a sample per
+    environment that has a value, labelled (environment, its cgroup)."""
+    for name, doc, attr, counter in table:
+        cls = CounterMetricFamily if counter else GaugeMetricFamily
+        fam = cls(name, doc, labels=labels)
+        for s in envs:
+            value = getattr(s, attr)
+            if value is not None:
+                fam.add_metric([s.env, s.cgroup], value)
+        yield fam
+
+
 class SnapshotCollector:
     """Yields the metric families of the last Snapshot given to `update`; `compat` adds the
     dcgm-exporter and/or cAdvisor names (COMPAT)."""
@@ -226,14 +240,7 @@ class SnapshotCollector:
         yield used
 
     def _envs(self, snap: Snapshot) -> Iterator[Metric]:
-        for name, doc, attr, counter in _ENV_METRICS:
-            cls = CounterMetricFamily if counter else GaugeMetricFamily
-            fam = cls(name, doc, labels=ENV_LABELS)
-            for s in snap.envs:
-                value = getattr(s, attr)
-                if value is not None:
-                    fam.add_metric([s.env, s.cgroup], value)
-            yield fam
+        yield from _env_families(snap.envs, _ENV_METRICS, ENV_LABELS)
         limit = GaugeMetricFamily("envctl_environment_memory_limit_bytes", "Its memory limit "
                                   "(0: none, as cAdvisor).", labels=ENV_LABELS)
         cpus = GaugeMetricFamily("envctl_environment_cpus", "CPUs of the environment's cpuset "
@@ -399,14 +406,7 @@ def _dcgm(snap: Snapshot, hostname: str) -> Iterator[Metric]:
 def _cadvisor(snap: Snapshot) -> Iterator[Metric]:
     """cAdvisor's names, units and labels (`environment`, `id`)."""
     envs: list[EnvSample] = snap.envs
-    for name, doc, attr, counter in _CADVISOR:
-        cls = CounterMetricFamily if counter else GaugeMetricFamily
-        fam = cls(name, doc, labels=CADVISOR_LABELS)
-        for s in envs:
-            value = getattr(s, attr)
-            if value is not None:
-                fam.add_metric([s.env, s.cgroup], value)
-        yield fam
+    yield from _env_families(envs, _CADVISOR, CADVISOR_LABELS)
     limit = GaugeMetricFamily("container_spec_memory_limit_bytes", "Memory limit for the "
                               "container (0: none).", labels=CADVISOR_LABELS)
     for s in envs:
