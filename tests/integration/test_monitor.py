@@ -138,6 +138,16 @@ def test_once_writes_csv_and_metrics_of_the_environment(box, tmp_path):
     assert 0 < usage < 256 << 20
     assert by_env(m["envctl_environment_tasks"])["box"] >= 2  # the service's init and sleep
     assert by_env(m["envctl_environment_cpu_usage_seconds_total"])["box"] > 0
+    # The real kernel's v1 files: IO bytes (blkio), OOM kills (memory.oom_control), the CFS
+    # period (cpu.cfs_period_us); no PSI on v1.
+    io = {x["direction"]: v for x, v in m["envctl_environment_io_bytes_total"]
+          if x["envctl_environment"] == "box"}
+    assert io.keys() == {"read", "write"} and min(io.values()) >= 0
+    events = {(x["envctl_environment"], x["event"]): v
+              for x, v in m["envctl_environment_memory_events_total"]}
+    assert events == {("box", "oom_kill"): 0}
+    assert by_env(m["envctl_environment_cpu_period_seconds"])["box"] > 0
+    assert "envctl_environment_pressure_stalled_seconds_total" not in m
     (labels, _), = [x for x in m["envctl_environment_memory_usage_bytes"]]
     assert labels["id"] == f"/{sb.cgroup_parent}/box"
     # The fake GPUs, through NVML (opened once, in the monitor).
