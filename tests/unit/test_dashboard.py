@@ -1,7 +1,8 @@
 """monitoring/grafana/envctl.json names only what envctl exports: every PromQL expression of
 every panel and template variable is tokenized, and each metric it selects (and each label its
-selectors match on) is looked up in a real exposition, the collector's over a Snapshot of the
-monitor tests' fake host (cgroup v2, GPUs through the fake NVML, a veth, configured specs).
+selectors match on, or its legend names) is looked up in a real exposition: the collector's
+over a Snapshot of the monitor tests' fake host (cgroup v2, GPUs through the fake NVML, a veth,
+configured specs).
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ def _variable_query(query: str) -> str | None:
     return None
 
 
-def expressions(dashboard: dict) -> list[tuple[str, str]]:
-    """(where, PromQL) of every panel target and query variable, rows' panels included."""
+def expressions(dashboard: dict) -> list[tuple[str, str, str]]:
+    """(where, PromQL, legend format) of every panel target and query variable, rows' panels
+    included."""
     out = []
 
     def panels(items: list, where: str) -> None:
@@ -116,7 +118,8 @@ def expressions(dashboard: dict) -> list[tuple[str, str]]:
             title = f"{where}panel {p.get('title', p.get('id'))!r}"
             for t in p.get("targets") or []:
                 if t.get("expr"):
-                    out.append((f"{title} target {t.get('refId')}", t["expr"]))
+                    out.append((f"{title} target {t.get('refId')}", t["expr"],
+                                t.get("legendFormat") or ""))
             panels(p.get("panels") or [], f"{title} > ")
 
     panels(dashboard.get("panels") or [], "")
@@ -127,21 +130,26 @@ def expressions(dashboard: dict) -> list[tuple[str, str]]:
         q = q.get("query") if isinstance(q, dict) else q
         expr = _variable_query(q or "")
         if expr is not None:
-            out.append((f"variable ${v['name']}", expr))
+            out.append((f"variable ${v['name']}", expr, ""))
     return out
 
 
 def problems(dashboard: dict, exported: dict[str, set[str]]) -> list[str]:
     """What the dashboard names that the exposition does not have."""
     bad = []
-    for where, expr in expressions(dashboard):
+    for where, expr, legend in expressions(dashboard):
+        seen = set(TARGET_LABELS)
         for name, labels in selectors(expr):
             if name and name not in exported:
                 bad.append(f"{where}: metric {name} is not exported")
                 continue
             known = (exported[name] if name else set()) | TARGET_LABELS
+            seen |= known
             for label in sorted(labels - known - {"__name__"}):
                 bad.append(f"{where}: {name} has no label {label}")
+        # A legend naming a label none of its metrics has draws an empty name.
+        for label in sorted(set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend)) - seen):
+            bad.append(f"{where}: legend {{{{{label}}}}} names a label its metrics lack")
     return bad
 
 
@@ -200,7 +208,7 @@ def test_every_query_names_metrics_envctl_exports(exported):
     exprs = expressions(dashboard)
     assert len(exprs) >= 30  # every panel's targets and the variables were found
     assert problems(dashboard, exported) == []
-    used = {name for _, e in exprs for name, _ in selectors(e)}
+    used = {name for _, e, _ in exprs for name, _ in selectors(e)}
     # What the dashboard is for: environments' CPU, memory, IO, pressure; GPUs' utilisation,
     # memory, power, temperature and health; jobs by state.
     for name in ("envctl_environment_cpu_utilization_ratio",
@@ -221,13 +229,16 @@ def test_a_panel_naming_what_envctl_does_not_export_fails(exported):
     row["panels"] = [{"title": "old", "targets": [
         {"refId": "A", "expr": 'sum by (environment) (rate(container_cpu_usage_seconds_total'
                                '{environment=~"$environment"}[5m]))'},
-        {"refId": "B", "expr": 'envctl_jobs{environmnet="box", state="RUNNING"}'}]}]
+        {"refId": "B", "expr": 'envctl_jobs{environmnet="box", state="RUNNING"}'},
+        {"refId": "C", "expr": "envctl_service_up", "legendFormat": "{{environment}}"}]}]
     broken["templating"]["list"].append({"type": "query", "name": "old",
                                          "query": "label_values(DCGM_FI_DEV_GPU_UTIL, gpu)"})
     assert problems(broken, exported) == [
         "panel 'Overview' > panel 'old' target A: metric container_cpu_usage_seconds_total is "
         "not exported",
         "panel 'Overview' > panel 'old' target B: envctl_jobs has no label environmnet",
+        "panel 'Overview' > panel 'old' target C: legend {{environment}} names a label its "
+        "metrics lack",
         "variable $old: metric DCGM_FI_DEV_GPU_UTIL is not exported"]
 
 
