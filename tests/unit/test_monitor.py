@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -578,6 +579,22 @@ def test_compat_names_are_only_there_when_asked(tmp_path, fake_nvml, monkeypatch
     only_dcgm = _exposition(snap, compat={"dcgm"})
     assert "DCGM_FI_DEV_GPU_UTIL" in only_dcgm and not [
         n for n in only_dcgm if n.startswith("container_")]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian: prometheus) "
+                    "not installed")
+@pytest.mark.parametrize("version", [1, 2])
+def test_promtool_finds_nothing_but_the_dcgm_label_case(tmp_path, fake_nvml, monkeypatch,
+                                                        version):
+    """`promtool check metrics` (its naming lint: _total, base units, no percents) passes but
+    for dcgm-exporter's camelCase labels (UUID, modelName, Hostname), kept to join with it."""
+    snap = _gpu_snapshot(tmp_path, fake_nvml, monkeypatch, version=version)
+    col = prom.SnapshotCollector(compat={"dcgm", "cadvisor"})
+    col.update(snap)
+    res = subprocess.run(["promtool", "check", "metrics"], capture_output=True, text=True,
+                         input=prom.exposition(prom.registry_for(col)).decode(), timeout=60)
+    lines = (res.stdout + res.stderr).splitlines()
+    assert lines and not [x for x in lines if "not 'camelCase'" not in x], lines
 
 
 @pytest.mark.parametrize("text, want", [("dcgm,cadvisor", {"dcgm", "cadvisor"}),
