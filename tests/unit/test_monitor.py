@@ -339,6 +339,27 @@ def test_gpus_sampled_through_one_nvml_session(tmp_path, fake_nvml, monkeypatch)
     assert fake_nvml.calls["shutdown"] == 1
 
 
+def test_calls_an_old_driver_or_pynvml_lacks_are_absent_and_not_asked_again(
+        tmp_path, fake_nvml, monkeypatch):
+    fh = fake_host(tmp_path, 1, gpus=1)
+    monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))
+    asked = []
+
+    def old_driver(handle, clock_type):
+        asked.append(clock_type)
+        raise fake_nvml.NVMLError(fake_nvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetClockInfo", old_driver)
+    monkeypatch.delattr(fake_nvml, "nvmlDeviceGetPcieReplayCounter")  # an older pynvml
+    s = fh.sampler(nvml=NvmlSession(fake_nvml), host_stats=False)
+    for _ in range(3):
+        g = s.tick().gpus[0]
+    assert (g.sm_clock_hz, g.mem_clock_hz, g.pcie_replays) == (None, None, None)
+    assert g.power_limit_w == 700.0 and g.util == 40  # the rest is sampled as before
+    assert len(asked) == 2  # SM and memory clock, once each
+    s.close()
+
+
 def test_a_lost_gpu_is_reported_once_and_not_asked_again(tmp_path, fake_nvml, monkeypatch):
     fh = fake_host(tmp_path, 1, gpus=1)
     monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))

@@ -134,14 +134,20 @@ class NvmlSession:
 
     # -- sampling
     def _ask(self, i: int, what: str, call: Any, *args: Any) -> Any:
-        """`call(handle, *args)`, None when this GPU does not support it (remembered)."""
+        """`call(handle, *args)`, None when this GPU does not support it (remembered): NVML
+        says NOT_SUPPORTED, or FUNCTION_NOT_FOUND (a driver older than the call), or this
+        pynvml has no such function (`call` None)."""
         if (i, what) in self._unsupported:
             return None
         nv = self.nv
+        if call is None:
+            self._unsupported.add((i, what))
+            return None
         try:
             return call(self._handles[i], *args)
         except nv.NVMLError as exc:
-            if exc.value == nv.NVML_ERROR_NOT_SUPPORTED:
+            if exc.value in (nv.NVML_ERROR_NOT_SUPPORTED,
+                             getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", 13)):
                 self._unsupported.add((i, what))
             elif exc.value == getattr(nv, "NVML_ERROR_GPU_IS_LOST", 15):
                 if not self.gpus[i].lost:
@@ -195,22 +201,21 @@ class NvmlSession:
         """Clocks and their event reasons, the power limit, the energy counter, remapped rows
         and PCIe replays: one call each, every tick (NOT_SUPPORTED ones once)."""
         nv = self.nv
-        sm = self._ask(i, "sm_clock", nv.nvmlDeviceGetClockInfo, getattr(nv, "NVML_CLOCK_SM", 1))
+        clock = getattr(nv, "nvmlDeviceGetClockInfo", None)
+        sm = self._ask(i, "sm_clock", clock, getattr(nv, "NVML_CLOCK_SM", 1))
         g.sm_clock_hz = None if sm is None else int(sm) * 1_000_000  # NVML says MHz
-        mem = self._ask(i, "mem_clock", nv.nvmlDeviceGetClockInfo,
-                        getattr(nv, "NVML_CLOCK_MEM", 2))
+        mem = self._ask(i, "mem_clock", clock, getattr(nv, "NVML_CLOCK_MEM", 2))
         g.mem_clock_hz = None if mem is None else int(mem) * 1_000_000
-        reasons_call = _clock_reasons_call(nv)
-        reasons = None if reasons_call is None else self._ask(i, "clock_reasons", reasons_call)
+        reasons = self._ask(i, "clock_reasons", _clock_reasons_call(nv))
         g.clock_reasons = None if reasons is None else int(reasons)
-        limit = self._ask(i, "power_limit", nv.nvmlDeviceGetEnforcedPowerLimit)
+        limit = self._ask(i, "power_limit", getattr(nv, "nvmlDeviceGetEnforcedPowerLimit", None))
         g.power_limit_w = None if limit is None else int(limit) / 1000.0  # mW
-        energy = self._ask(i, "energy", nv.nvmlDeviceGetTotalEnergyConsumption)
+        energy = self._ask(i, "energy", getattr(nv, "nvmlDeviceGetTotalEnergyConsumption", None))
         g.energy_j = None if energy is None else int(energy) / 1000.0  # mJ
-        rows = self._ask(i, "remapped", nv.nvmlDeviceGetRemappedRows)
+        rows = self._ask(i, "remapped", getattr(nv, "nvmlDeviceGetRemappedRows", None))
         g.remapped = None if rows is None else (int(rows[0]), int(rows[1]), int(rows[2]),
                                                 int(rows[3]))
-        replays = self._ask(i, "pcie_replays", nv.nvmlDeviceGetPcieReplayCounter)
+        replays = self._ask(i, "pcie_replays", getattr(nv, "nvmlDeviceGetPcieReplayCounter", None))
         g.pcie_replays = None if replays is None else int(replays)
 
     def _drain_events(self) -> None:
