@@ -894,6 +894,11 @@ def monitor(
     heal: Annotated[bool | None, typer.Option(
         "--heal/--no-heal", help="Re-converge environments that drifted, or only report "
         "drift. Default: heal; with --once, only report.", show_default=False)] = None,
+    compat: Annotated[str | None, typer.Option(
+        "--compat", help="Also export dcgm-exporter's DCGM_FI_DEV_* and/or cAdvisor's "
+        "container_* names (dcgm,cadvisor) for dashboards built on them. Off by default: on "
+        "a host that runs those exporters the series would be doubled.",
+        show_default=False)] = None,
 ) -> None:
     """Watch the host: GPUs (NVML), each environment's cgroup, service and jobs, host CPU and
     memory; export CSV and Prometheus metrics; re-converge environments that drift.
@@ -902,8 +907,8 @@ def monitor(
     environment that is up as `status` does; one that drifted or whose service died is
     brought up again as `envctl up NAME` would, under the global lock (never while a user's
     up/down holds it), with exponential backoff per environment; what it found and did goes
-    to the events log that `status` shows. Metric names follow dcgm-exporter and cAdvisor
-    (see docs/monitoring.md).
+    to the events log that `status` shows. Metrics are envctl_* with labels that join
+    dcgm-exporter's and cAdvisor's (see docs/monitoring.md).
 
     Example: sudo envctl monitor --textfile /var/lib/node_exporter/textfile/envctl.prom
     """
@@ -911,6 +916,7 @@ def monitor(
     from envctl.host.context import Host
     from envctl.monitor import daemon
     from envctl.monitor.http import parse_listen
+    from envctl.monitor.prom import parse_compat
 
     interval = interval if interval_i is None else interval_i
     if not interval > 0:
@@ -919,6 +925,7 @@ def monitor(
     if web_config_file is not None and addr is None:
         raise typer.BadParameter("--web-config-file: nothing is served (--once or --listen "
                                  "none)")
+    compat_names = parse_compat(compat)
     heal = not once if heal is None else heal
     if csv_dir is None:
         csv_dir = "none" if once else DEFAULT_CSV_DIR
@@ -926,7 +933,7 @@ def monitor(
         ops.require_root("monitor (which heals environments; --no-heal only reports)")
     opts = daemon.Options(interval=interval, once=once, listen=addr, textfile=textfile,
                           csv_dir=None if csv_dir.strip().lower() == "none" else Path(csv_dir),
-                          heal=heal)
+                          heal=heal, compat=compat_names)
     server = None
     if addr is not None:
         from envctl.monitor.http import Auth, MetricsServer

@@ -89,7 +89,42 @@ def monitor_once(sb, tmp_path, *args: str) -> dict:
 
 
 def by_env(samples) -> dict[str, float]:
-    return {labels["environment"]: value for labels, value in samples}
+    return {labels["envctl_environment"]: value for labels, value in samples}
+
+
+def test_network_bytes_of_its_veth_and_a_spec_that_is_not_up(sandbox, tmp_path):
+    """Bytes sent to an environment through its bridge show as received on its veth (the
+    monitor reads /sys/class/net of its own netns: a sysfs mounted there); a spec in the
+    config directory that is not up shows up=0, configured=1."""
+    sb = sandbox
+    sb.write_spec("net", "name: net\nkind: cpu\n"
+                  "network: {address: 10.231.0.2, bridge_address: 10.231.0.1/24}\n")
+    sb.write_spec("later", "name: later\nkind: cpu\n")
+    res = sb.envctl("up", "net")
+    assert res.returncode == 0, res.stderr
+    try:
+        send = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                "for _ in range(100): s.sendto(b'x' * 1000, ('10.231.0.2', 9))")
+        sb.run(sys.executable, "-c", send, check=True)
+        sysfs = tmp_path / "sys"
+        sysfs.mkdir()
+        # --propagation unchanged: /run/netns stays the shared mount `up` made (the health
+        # check would call a private one drift); the sysfs mount is undone before it exits.
+        res = sb.run("unshare", "-m", "--propagation", "unchanged", "sh", "-c",
+                     'mount -t sysfs sysfs "$1" || exit 1; d=$1; shift; "$@"; rc=$?; '
+                     'umount "$d"; exit $rc', "sh", str(sysfs),
+                     sys.executable, "-m", "envctl", "monitor", "--once", "--no-heal",
+                     env={"ENVCTL_SYS_ROOT": str(sysfs)})
+        assert res.returncode == 0, res.stderr
+        m = parse_exposition(res.stdout)
+        got = {(x["envctl_environment"], x["direction"]): v
+               for x, v in m["envctl_environment_network_bytes_total"]}
+        assert got[("net", "receive")] >= 100 * 1000, got  # UDP payloads, plus headers
+        assert by_env(m["envctl_environment_configured"]) == {"net": 1, "later": 1}
+        assert by_env(m["envctl_environment_up"]) == {"net": 1, "later": 0}, res.stderr
+    finally:
+        res = sb.envctl("down", "net")
+        assert res.returncode == 0, res.stderr
 
 
 def test_once_writes_csv_and_metrics_of_the_environment(box, tmp_path):
@@ -97,15 +132,33 @@ def test_once_writes_csv_and_metrics_of_the_environment(box, tmp_path):
     m = monitor_once(sb, tmp_path, "--no-heal")
     assert by_env(m["envctl_environment_up"]) == {"box": 1}
     assert by_env(m["envctl_service_up"]) == {"box": 1}
-    assert by_env(m["container_spec_memory_limit_bytes"]) == {"box": 256 << 20}
-    usage = by_env(m["container_memory_usage_bytes"])["box"]
+    assert by_env(m["envctl_environment_configured"]) == {"box": 1}  # its spec is there
+    assert by_env(m["envctl_environment_memory_limit_bytes"]) == {"box": 256 << 20}
+    usage = by_env(m["envctl_environment_memory_usage_bytes"])["box"]
     assert 0 < usage < 256 << 20
-    assert by_env(m["container_threads"])["box"] >= 2  # the service's init and sleep
-    assert by_env(m["container_cpu_usage_seconds_total"])["box"] > 0
-    (labels, _), = [x for x in m["container_memory_usage_bytes"]]
+    assert by_env(m["envctl_environment_tasks"])["box"] >= 2  # the service's init and sleep
+    assert by_env(m["envctl_environment_cpu_usage_seconds_total"])["box"] > 0
+    # The real kernel's v1 files: IO bytes (blkio), OOM kills (memory.oom_control), the CFS
+    # period (cpu.cfs_period_us); no PSI on v1.
+    io = {x["direction"]: v for x, v in m["envctl_environment_io_bytes_total"]
+          if x["envctl_environment"] == "box"}
+    assert io.keys() == {"read", "write"} and min(io.values()) >= 0
+    events = {(x["envctl_environment"], x["event"]): v
+              for x, v in m["envctl_environment_memory_events_total"]}
+    assert events == {("box", "oom_kill"): 0}
+    assert by_env(m["envctl_environment_cpu_period_seconds"])["box"] > 0
+    assert "envctl_environment_pressure_stalled_seconds_total" not in m
+    (labels, _), = [x for x in m["envctl_environment_memory_usage_bytes"]]
     assert labels["id"] == f"/{sb.cgroup_parent}/box"
     # The fake GPUs, through NVML (opened once, in the monitor).
-    assert sorted(x["UUID"] for x, _ in m["DCGM_FI_DEV_FB_FREE"]) == UUIDS
+    assert sorted(x["UUID"] for x, _ in m["envctl_gpu_memory_free_bytes"]) == UUIDS
+    assert not [n for n in m if n.startswith(("DCGM_", "container_"))]  # no --compat
+    # --compat adds dcgm-exporter's and cAdvisor's names (a run without CSV: rows above).
+    compat = monitor_once(sb, tmp_path, "--no-heal", "--compat", "dcgm,cadvisor", "--csv-dir",
+                          "none")
+    assert sorted(x["UUID"] for x, _ in compat["DCGM_FI_DEV_FB_FREE"]) == UUIDS
+    assert {x["environment"]: v for x, v in compat["container_spec_memory_limit_bytes"]} == {
+        "box": 256 << 20}
     # The textfile says the same as stdout did.
     text = (tmp_path / "tf" / "envctl.prom").read_text()
     assert by_env(parse_exposition(text)["envctl_service_up"]) == {"box": 1}
@@ -136,7 +189,7 @@ def test_one_tick_heals_a_dead_service_and_logs_it(box, tmp_path):
     assert wait_until(lambda: (sb.data / "runs").read_text().count("run") == 2)
     assert "edited" not in (sb.data / "runs").read_text()
     assert after["command"] == before["command"]
-    assert {(x["environment"], x["result"]): v for x, v in m["envctl_heals_total"]} == {
+    assert {(x["envctl_environment"], x["result"]): v for x, v in m["envctl_heals_total"]} == {
         ("box", "ok"): 1, ("box", "failed"): 0}
     assert by_env(m["envctl_service_up"]) == {"box": 1}
     lines = [json.loads(x) for x in (sb.state / "events.jsonl").read_text().splitlines()]

@@ -72,4 +72,4 @@ def test_once_leaves_the_textfile(tmp_path):
     mon = _monitor(tmp_path, Monitor)
     mon.once()
     mon.close()
-    assert "container_threads" in (tmp_path / "tf" / "envctl.prom").read_text()
+    assert "envctl_environment_tasks" in (tmp_path / "tf" / "envctl.prom").read_text()

@@ -53,6 +53,7 @@ class Options:
     textfile: Path | None = None
     csv_dir: Path | None = DEFAULT_CSV_DIR
     heal: bool = True
+    compat: frozenset[str] = frozenset()  # dcgm / cadvisor names besides envctl's own
 
 
 def _loopback(host: str) -> bool:
@@ -82,7 +83,7 @@ class Monitor:
                             say=self.say)
         self.health: Health | None = health or None
         self.csv = CsvWriter(options.csv_dir) if options.csv_dir is not None else None
-        self.collector = SnapshotCollector()
+        self.collector = SnapshotCollector(compat=options.compat)
         self.registry = registry_for(self.collector)
         self.server: MetricsServer | None = None
         self.told: set[str] = set()

@@ -9,7 +9,10 @@ For the monitor (envctl.monitor.nvml), a GPU may also carry what a sample reads:
 `"used"` (bytes of memory used), `"util"` / `"mem_util"` (percent), `"temp"` (C), `"power"`
 (milliwatts), `"ecc"` ({"sbe_vol", "dbe_vol", "sbe_agg", "dbe_agg"} counts, or null: "not
 supported", as on GPUs without ECC), `"processes"` ([[pid, used bytes or null], …]) and
-`"xids"` (XID numbers delivered once each through the event set, in order). For a job's
+`"xids"` (XID numbers delivered once each through the event set, in order), `"clocks"`
+({"sm": MHz, "mem": MHz}), `"clock_reasons"` (the nvmlClocksEventReason bit mask),
+`"power_limit"` (milliwatts) and `"pcie_replays"` (a count); a key left out answers
+NOT_SUPPORTED. For a job's
 accounting (envctl.monitor.nvml.JobGpuMeter): `"energy"` (millijoules since the driver loaded:
 a number, or a list read one value a call, the last one staying). A missing sample key makes
 its call raise NOT_SUPPORTED.
@@ -56,6 +59,7 @@ NVML_ERROR_INSUFFICIENT_SIZE = 7
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 NVML_ERROR_UNKNOWN = 999
@@ -75,6 +79,9 @@ NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2 = 9
 NVML_GPU_INSTANCE_PROFILE_COUNT = 10
 NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0
 NVML_TEMPERATURE_GPU = 0
+NVML_CLOCK_GRAPHICS = 0
+NVML_CLOCK_SM = 1
+NVML_CLOCK_MEM = 2
 NVML_VOLATILE_ECC = 0
 NVML_AGGREGATE_ECC = 1
 NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
@@ -91,6 +98,7 @@ _STRINGS = {NVML_ERROR_UNINITIALIZED: "Uninitialized",
             NVML_ERROR_GPU_IS_LOST: "GPU is lost",
             NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
             NVML_ERROR_LIB_RM_VERSION_MISMATCH: "RM has detected an NVML/RM version mismatch.",
+            NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
             NVML_ERROR_UNKNOWN: "Unknown Error"}
 
 calls = {"init": 0, "shutdown": 0}
@@ -475,6 +483,26 @@ def nvmlDeviceGetTotalEccErrors(handle: int, error_type: int, counter_type: int)
     key = ("sbe" if error_type == NVML_MEMORY_ERROR_TYPE_CORRECTED else "dbe") + (
         "_vol" if counter_type == NVML_VOLATILE_ECC else "_agg")
     return int(ecc.get(key, 0))
+
+
+def nvmlDeviceGetClockInfo(handle: int, clock_type: int) -> int:  # noqa: N802
+    clocks = _sampled(handle, "nvmlDeviceGetClockInfo", "clocks")
+    key = {NVML_CLOCK_SM: "sm", NVML_CLOCK_MEM: "mem"}.get(clock_type)
+    if key is None or key not in clocks:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return int(clocks[key])  # MHz
+
+
+def nvmlDeviceGetCurrentClocksEventReasons(handle: int) -> int:  # noqa: N802
+    return int(_sampled(handle, "nvmlDeviceGetCurrentClocksEventReasons", "clock_reasons"))
+
+
+def nvmlDeviceGetEnforcedPowerLimit(handle: int) -> int:  # noqa: N802
+    return int(_sampled(handle, "nvmlDeviceGetEnforcedPowerLimit", "power_limit"))  # mW
+
+
+def nvmlDeviceGetPcieReplayCounter(handle: int) -> int:  # noqa: N802
+    return int(_sampled(handle, "nvmlDeviceGetPcieReplayCounter", "pcie_replays"))
 
 
 def nvmlDeviceGetRemappedRows(handle: int) -> tuple:  # noqa: N802
