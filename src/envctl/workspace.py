@@ -28,7 +28,8 @@ from envctl.plan.userns import assign_userns, wants_userns
 from envctl.runtime.context import SYSTEM_CONFIG_DIR, config_dir  # noqa: F401 - re-exported
 from envctl.spec.conflicts import find_conflicts
 from envctl.spec.loader import LoadedSpec, read_each, spec_files, unsafe_spec_paths
-from envctl.spec.models import EnvSpec
+from envctl.spec.models import EnvSpec, NearGpuCpus
+from envctl.spec.resolve import assign_near_cpus
 
 
 @dataclass
@@ -193,7 +194,14 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
     facts = dataclasses.replace(facts, gpu_held=_gpus_held(host))
     facts = _with_quarantine(facts, host)
     assigned, refused = assign_gpus(gpus, facts)
-    return dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused)
+    facts = dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused)
+    if not any(isinstance(s.resources.cpu.dedicated, NearGpuCpus) for s in specs):
+        return facts
+    # CPUs near the GPUs, once the GPUs are known, around what every environment that is up
+    # dedicates (its own included: it keeps them).
+    held = {env: claims.get("cpus", []) for env, claims in _up_claims(host).items()}
+    near, why = assign_near_cpus(specs, facts, held)
+    return dataclasses.replace(facts, cpu_assigned=near, cpu_refused=why)
 
 
 FINDINGS_KEY = "gpu.findings"  # facts.extra: what the health probe found now (for `up`)
@@ -267,15 +275,21 @@ def _userns_held(host: Host) -> dict[str, int]:
     return held
 
 
-def _gpus_held(host: Host) -> dict[str, str]:
-    """GPU UUID -> the environment that is up and holds it, from every journal's claims."""
-    held = {}
+def _up_claims(host: Host) -> dict[str, dict]:
+    """Environment that is up -> its journal's claims (damaged journals left out: `status`
+    reports them)."""
+    out = {}
     for env in Journal.environments(host.state_dir):
         try:
             journal = Journal.open(host.state_dir, env, boot=host.boot_id)
         except (StateCorrupt, UsageError):
             continue
         if journal.entries:
-            for uuid in (journal.claims or {}).get("gpus", {}).get("uuids", []):
-                held[uuid] = env
-    return held
+            out[env] = journal.claims or {}
+    return out
+
+
+def _gpus_held(host: Host) -> dict[str, str]:
+    """GPU UUID -> the environment that is up and holds it, from every journal's claims."""
+    return {uuid: env for env, claims in _up_claims(host).items()
+            for uuid in claims.get("gpus", {}).get("uuids", [])}

@@ -196,7 +196,8 @@ def _clean_loc(loc: tuple[Any, ...]) -> Loc:
     for part in loc:
         if isinstance(part, int) or isinstance(part, str) and not (
             "[" in part or part.startswith(("function-", "tagged-union")) or part in
-            ("tuple[int, ...]", "ReservedCpus", "constrained-str", "str", "int", "float")
+            ("tuple[int, ...]", "ReservedCpus", "NearGpuCpus", "constrained-str", "str", "int",
+             "float")
         ):
             out.append(part)
     return tuple(out)
