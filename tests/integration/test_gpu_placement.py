@@ -1,0 +1,75 @@
+"""Placement near the GPUs on the real kernel: a fake two-GPU host whose GPU 0 is local to CPU 0
+and GPU 1 to CPU 1 (tests/fakes/gpuhost.py --gpus 2 --numa 2 --cpus 2: this VM has two CPUs),
+and environments asking `dedicated: {near_gpus: true}` get their GPU's CPU in their cgroup's
+cpuset; one that cannot have it is refused with exit 2 and nothing made."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.fakes import gpuhost
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture
+def near_host(sandbox, tmp_path):
+    if shutil.which("gcc") is None or shutil.which("ldconfig") is None:
+        pytest.skip("needs gcc and ldconfig (scripts/install-deps installs them)")
+    if len(os.sched_getaffinity(0)) < 2 or not Path("/sys/devices/system/cpu/cpu1").exists():
+        pytest.skip("needs CPUs 0 and 1")
+    return sandbox, gpuhost.make_host(tmp_path / "gpuroot", gpus=2, numa=2, cpus=2)
+
+
+def near_spec(name: str, gpu: int) -> str:
+    return f"""
+name: {name}
+kind: gpu
+rootfs:
+  binaries: [cat]
+gpus: [{gpu}]
+resources:
+  cpu:
+    dedicated: {{near_gpus: true, count: 1}}
+"""
+
+
+def cpuset_cpus(sb, env: str) -> str:
+    found = list(Path("/sys/fs/cgroup").glob(f"cpuset/{sb.cgroup_parent}/{env}")) or \
+        [Path("/sys/fs/cgroup") / sb.cgroup_parent / env]
+    return (found[0] / "cpuset.cpus").read_text().strip()
+
+
+def test_each_environment_gets_the_cpu_near_its_gpu(near_host):
+    sb, env = near_host
+    sb.write_spec("near-one", near_spec("near-one", 1))
+    sb.write_spec("near-zero", near_spec("near-zero", 0))
+    plan = sb.envctl("plan", "near-one", env=env)
+    assert plan.returncode == 0, plan.stderr
+    assert "placement: GPU 1 <-> NUMA 1 <-> CPUs 1" in plan.stdout
+    for name in ("near-one", "near-zero"):
+        res = sb.envctl("up", name, env=env)
+        assert res.returncode == 0, res.stderr
+    assert cpuset_cpus(sb, "near-one") == "1"
+    assert cpuset_cpus(sb, "near-zero") == "0"
+    # A second `up` keeps them where they are.
+    assert sb.envctl("up", "near-one", env=env).returncode == 0
+    assert cpuset_cpus(sb, "near-one") == "1"
+    for name in ("near-one", "near-zero"):
+        assert sb.envctl("down", name, env=env).returncode == 0
+    assert sb.residue() == {}
+
+
+def test_a_cpu_near_the_gpu_taken_elsewhere_is_refused_with_what_is_free(near_host):
+    sb, env = near_host
+    sb.write_spec("pinned", "name: pinned\nkind: cpu\nresources:\n  cpu:\n    dedicated: [1]\n")
+    sb.write_spec("near-one", near_spec("near-one", 1))
+    res = sb.envctl("up", "near-one", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "wants 1 dedicated CPU near GPU 1 (CPUs 1), and none are free there (the others " \
+           "are dedicated to pinned)" in res.stderr
+    assert sb.residue() == {}
