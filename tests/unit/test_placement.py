@@ -257,3 +257,45 @@ def test_sysfs_without_numa_says_none(tmp_path):
     assert hg.read_pci_affinity(tmp_path, "0000:3b:00.0") == (None, (0, 1, 2, 3))
     assert hg.read_pci_affinity(tmp_path, "0000:00:00.0") == (None, ())
     assert os.path.exists(pci)
+
+
+# ---------------------------------------------------------------- a job's CPUs near its GPUs
+
+
+def test_a_jobs_cpus_by_count_come_from_its_gpus_node_first():
+    from envctl.runtime.slices import Ask, Pool, Slice, allocate
+
+    near = {"GPU-0": (0, 1, 2, 3), "GPU-1": (0, 1, 2, 3), "GPU-4": (4, 5, 6, 7),
+            "GPU-5": (4, 5, 6, 7)}
+    pool = Pool(cpus=tuple(range(8)), gpus=("GPU-0", "GPU-1", "GPU-4", "GPU-5"), near=near)
+    held = [(1, Slice(cpus=(), gpus=("GPU-0", "GPU-1"), gpus_exclusive=True))]
+    got = allocate(pool, held, Ask(cpus=2, gpus=1))
+    assert got == Slice(cpus=(4, 5), cpus_exclusive=True, gpus=("GPU-4",), gpus_exclusive=True)
+    # Two GPUs on two nodes: CPUs from both; more CPUs than are near: the rest after them.
+    got = allocate(pool, [], Ask(cpus=6, gpus=3))
+    assert got.gpus == ("GPU-0", "GPU-1", "GPU-4") and got.cpus == (0, 1, 2, 4, 5, 6)
+    got = allocate(Pool(cpus=tuple(range(8)), gpus=("GPU-4",), near=near), [],
+                   Ask(cpus=6, gpus=1))
+    assert got.cpus == (0, 1, 4, 5, 6, 7)
+    # Without a GPU, or without affinity known, the lowest CPUs as before.
+    assert allocate(pool, [], Ask(cpus=2)).cpus == (0, 1)
+    assert allocate(Pool(cpus=tuple(range(8)), gpus=("GPU-4",)), [],
+                    Ask(cpus=2, gpus=1)).cpus == (0, 1)
+
+
+def test_near_cpus_held_by_another_job_are_passed_over():
+    from envctl.runtime.slices import Ask, Pool, Slice, allocate
+
+    pool = Pool(cpus=tuple(range(8)), gpus=("GPU-4", "GPU-5"),
+                near={"GPU-4": (4, 5, 6, 7), "GPU-5": (4, 5, 6, 7)})
+    held = [(1, Slice(cpus=(4, 5, 6), cpus_exclusive=True, gpus=("GPU-4",),
+                      gpus_exclusive=True))]
+    assert allocate(pool, held, Ask(cpus=2, gpus=1)).cpus == (0, 7)
+
+
+def test_up_records_where_each_gpu_sits_for_the_jobs():
+    from envctl.plan.claims import spec_claims
+
+    s = spec("g1", count=2, gpus={"indices": [4]})
+    assert spec_claims(s, facts({"g1": ("GPU-4",)}))["gpu_cpus"] == {
+        "GPU-4": list(range(32, 64))}
