@@ -73,3 +73,29 @@ def test_a_cpu_near_the_gpu_taken_elsewhere_is_refused_with_what_is_free(near_ho
     assert "wants 1 dedicated CPU near GPU 1 (CPUs 1), and none are free there (the others " \
            "are dedicated to pinned)" in res.stderr
     assert sb.residue() == {}
+
+
+def test_gpu_probe_prints_the_fake_hosts_facts_through_nvml_and_changes_nothing(tmp_path):
+    """scripts/gpu-probe on the fake HGX host with its device nodes (mknod: root), so NVML is
+    asked: MIG mode, profiles with placements, the 56 instances, sysfs against NVML's
+    affinity, the health fields; the fake NVML's state file is byte for byte as before."""
+    import subprocess
+    import sys
+
+    env = gpuhost.make_host(tmp_path / "hgx", gpus=8, numa=2, mig=True, libraries=False)
+    before = Path(env["FAKE_NVML_JSON"]).read_bytes()
+    probe = Path(__file__).resolve().parents[2] / "scripts" / "gpu-probe"
+    res = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", **env}, timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "GPUs: 8" in out and "driver: 550.54.15" in out
+    assert out.count("MIG mode: current 1, pending 1") == 8
+    assert out.count("MIG devices: 7") == 8
+    assert "profile 2: 3g.71gb id 9, 3 slices, 69632 MiB, up to 2; placements 0:4 4:4" in out
+    assert f"GI 7 CI 0 {gpuhost.mig_uuid(7, 7, 0)}" in out
+    assert out.count("sysfs numa_node / local_cpulist: 1 / 32-63") == 4
+    assert out.count("NVML CPU affinity: 32-63") == 4
+    assert "remapped rows (corrected, uncorrected, pending, failure): [Not Supported]" in out
+    assert "XIDs: none" in out
+    assert Path(env["FAKE_NVML_JSON"]).read_bytes() == before

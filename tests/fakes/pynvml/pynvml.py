@@ -162,7 +162,10 @@ def __getattr__(name: str):
 
 
 def _placement(start: int, size: int):
-    return __getattr__("c_nvmlGpuInstancePlacement_t")(start, size)
+    # The module's own structure once made: a fresh class each call would not fit an array of
+    # the caller's (ctypes: "incompatible types").
+    name = "c_nvmlGpuInstancePlacement_t"
+    return (globals().get(name) or __getattr__(name))(start, size)
 
 
 class _Info:
