@@ -5,6 +5,7 @@ cpuset; one that cannot have it is refused with exit 2 and nothing made."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -56,6 +57,9 @@ def test_each_environment_gets_the_cpu_near_its_gpu(near_host):
         assert res.returncode == 0, res.stderr
     assert cpuset_cpus(sb, "near-one") == "1"
     assert cpuset_cpus(sb, "near-zero") == "0"
+    # Where its GPU sits, recorded for the jobs' CPU choice (EnvContext.gpu_cpus).
+    claims = json.loads((sb.state / "journal" / "near-one.json").read_text())["meta"]["claims"]
+    assert claims["gpu_cpus"] == {gpuhost.gpu_uuid(1): [1]} and claims["cpus"] == [1]
     # A second `up` keeps them where they are.
     assert sb.envctl("up", "near-one", env=env).returncode == 0
     assert cpuset_cpus(sb, "near-one") == "1"
