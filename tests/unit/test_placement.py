@@ -91,6 +91,18 @@ def test_near_gpus_without_gpus_is_refused_where_it_is_written(tmp_path):
     assert "e.yaml:7:5: resources.memory.nodes: memory nodes near_gpus need GPUs" in text
 
 
+def test_an_unknown_key_lists_the_fields_of_its_own_form(tmp_path):
+    with pytest.raises(SpecError) as exc:
+        _load(tmp_path, "name: g\nkind: gpu\ngpus: 1\nresources:\n  cpu:\n"
+                        "    dedicated: {near_gpus: true, count: 2, reserve_first: 2}\n")
+    assert "unknown field 'reserve_first'; allowed here: count, near_gpus" in str(exc.value)
+    with pytest.raises(SpecError) as exc:
+        _load(tmp_path, "name: g\nkind: gpu\ngpus: 1\nresources:\n  cpu:\n"
+                        "    dedicated: {reserve_first: 2, count: 2}\n")
+    assert "unknown field 'count'; allowed here: reserve_first, reserve_last, small_host" \
+        in str(exc.value)
+
+
 def test_listed_memory_nodes_still_parse():
     s = EnvSpec.model_validate({"name": "c", "kind": "cpu",
                                 "resources": {"memory": {"nodes": "0-1"}}})
