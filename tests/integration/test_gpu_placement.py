@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes import gpuhost
+from tests.integration.test_jobs import script
 
 pytestmark = pytest.mark.root
 
@@ -103,3 +104,40 @@ def test_gpu_probe_prints_the_fake_hosts_facts_through_nvml_and_changes_nothing(
     assert "remapped rows (corrected, uncorrected, pending, failure): [Not Supported]" in out
     assert "XIDs: none" in out
     assert Path(env["FAKE_NVML_JSON"]).read_bytes() == before
+
+
+def test_a_jobs_cpu_by_count_is_the_one_near_its_gpu(near_host):
+    """An environment with both GPUs and both CPUs; a job given GPU 1 and `--cpus 1` runs on
+    CPU 1 (its GPU's), not on CPU 0 (the lowest free, as before); one given GPU 0 on CPU 0.
+    The job's own cgroup's cpuset says so."""
+    sb, env = near_host
+    sb.write_spec("near-ab", near_spec("near-ab", 0).replace("gpus: [0]", "gpus: all")
+                  .replace("binaries: [cat]", "binaries: [bash, sleep]")
+                  .replace("count: 1", "count: 2"))
+    res = sb.envctl("up", "near-ab", env=env)
+    assert res.returncode == 0, res.stderr
+    hold = script(sb, "hold.sh", "#!/bin/bash\nexec sleep 600\n")
+    jobs = []
+    try:
+        for gpu in (1, 0):
+            out = sb.envctl("submit-job", "--json", "--user", "root", "near-ab", "--gpus",
+                            gpuhost.gpu_uuid(gpu), "--cpus", "1", hold, env=env)
+            assert out.returncode == 0, out.stderr
+            rec = json.loads(out.stdout)
+            jobs.append(rec["id"])
+            assert (rec["state"], rec["gpus"], rec["cpus"]) == (
+                "RUNNING", [gpuhost.gpu_uuid(gpu)], [gpu]), rec
+            cg = rec["cgroup"]  # the job's own cgroup: its cpuset is the kernel's word
+            cpuset = Path("/sys/fs/cgroup/cpuset") / cg["parent"] / cg["name"] / "cpuset.cpus"
+            if not cpuset.exists():  # a v2 host
+                cpuset = Path("/sys/fs/cgroup") / cg["parent"] / cg["name"] / "cpuset.cpus"
+            assert cpuset.read_text().strip() == str(gpu), rec
+    finally:
+        for jid in jobs:
+            assert sb.envctl("cancel", str(jid), "--grace", "0", env=env).returncode == 0
+        if jobs:
+            sb.envctl("wait", *map(str, jobs), timeout=120, env=env)
+        assert sb.envctl("down", "near-ab", env=env).returncode == 0
+    residue = sb.residue()
+    assert residue.pop("state_dir", None) in (["jobs", "lock"], None), residue  # job records
+    assert residue == {}, residue
