@@ -75,8 +75,8 @@ def test_a_cpu_near_the_gpu_taken_elsewhere_is_refused_with_what_is_free(near_ho
     sb.write_spec("near-one", near_spec("near-one", 1))
     res = sb.envctl("up", "near-one", env=env)
     assert res.returncode == 2, res.stderr
-    assert "wants 1 dedicated CPU near GPU 1 (CPUs 1), and none are free there (the others " \
-           "are dedicated to pinned)" in res.stderr
+    assert "wants 1 dedicated CPU near GPU 1 (CPUs 1), and none are free there (1 dedicated " \
+           "to pinned); lower count or free those CPUs" in res.stderr
     assert sb.residue() == {}
 
 

@@ -129,8 +129,15 @@ def test_too_few_free_near_the_gpus_names_what_is_free():
     with pytest.raises(ValueError) as exc:
         near_gpu_cpus(4, [gpus[6]], tuple(range(64)), taken)
     assert str(exc.value) == ("wants 4 dedicated CPUs near GPU 6 (CPUs 32-63), and only 62-63 "
-                              "are free there (the others are dedicated to train); lower count "
-                              "or free those CPUs")
+                              "are free there (32-61 dedicated to train); lower count or free "
+                              "those CPUs")
+
+
+def test_a_gpu_whose_local_cpus_are_all_offline():
+    with pytest.raises(ValueError) as exc:
+        near_gpu_cpus(1, [hgx()[4]], (0, 1), {})
+    assert str(exc.value) == ("wants 1 dedicated CPU near GPU 4, and none of its local CPUs "
+                              "(32-63) is online (online: 0-1)")
 
 
 def test_a_gpu_with_no_known_affinity_is_near_every_cpu():

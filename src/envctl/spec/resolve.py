@@ -59,7 +59,6 @@ def dedicated_cpus(spec: EnvSpec, facts: HostFacts) -> CpuPlacement:
     return CpuPlacement((), note=msg + "; sharing all online CPUs instead (small_host: share)")
 
 
-
 # ---------------------------------------------------------------- near the GPUs
 
 
@@ -102,13 +101,19 @@ def near_gpu_cpus(count: int, gpus: Sequence[GpuFact], online: tuple[int, ...],
     free = sorted({c for grp in groups for c in grp})
     if len(free) < count:
         near = sorted({c for g in gpus for c in _local(g, online)})
-        others = sorted({taken[c] for c in near if c in taken})
+        wants = (f"wants {count} dedicated CPU{'s' if count > 1 else ''} near GPU "
+                 f"{', '.join(str(g.index) for g in gpus)}")
+        if not near:
+            listed = sorted({c for g in gpus for c in g.local_cpus})
+            raise ValueError(f"{wants}, and none of its local CPUs ({format_cpu_list(listed)}) "
+                             f"is online (online: {format_cpu_list(online)})")
+        busy = [c for c in near if c in taken]
+        owners = sorted({taken[c] for c in busy})
         raise ValueError(
-            f"wants {count} dedicated CPU{'s' if count > 1 else ''} near GPU "
-            f"{', '.join(str(g.index) for g in gpus)} (CPUs {format_cpu_list(near)}), and "
+            f"{wants} (CPUs {format_cpu_list(near)}), and "
             f"{'only ' if free else ''}{format_cpu_list(free) if free else 'none'} "
             f"{'is' if len(free) == 1 else 'are'} free there"
-            + (f" (the others are dedicated to {', '.join(others)})" if others else "")
+            + (f" ({format_cpu_list(busy)} dedicated to {', '.join(owners)})" if busy else "")
             + "; lower count or free those CPUs")
     picked: list[int] = []
     cursor = [0] * len(groups)
