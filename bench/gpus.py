@@ -92,6 +92,9 @@ def main() -> None:
     args = ap.parse_args()
     runs = 1 if args.smoke else args.runs
     precompile()
+    if os.geteuid() != 0:
+        print("bench/gpus.py: not root, so the fake host has no device nodes and discovery does "
+              "not ask NVML (no MIG instances): run it as root", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="envctl-bench-gpus-") as tmp:
         root, state = Path(tmp) / "hgx", Path(tmp) / "state"
         fake = gpuhost.make_host(root, gpus=8, numa=2, mig=True)
