@@ -7,6 +7,7 @@ from the journal alone and never imports pydantic, YAML or the planner.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,7 +200,7 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
         return facts
     # CPUs near the GPUs, once the GPUs are known, around what every environment that is up
     # dedicates (its own included: it keeps them).
-    held = {env: claims.get("cpus", []) for env, claims in _up_claims(host).items()}
+    held = {env: claims.get("cpus", []) for env, claims in _up_claims(host)}
     near, why = assign_near_cpus(specs, facts, held)
     return dataclasses.replace(facts, cpu_assigned=near, cpu_refused=why)
 
@@ -275,21 +276,19 @@ def _userns_held(host: Host) -> dict[str, int]:
     return held
 
 
-def _up_claims(host: Host) -> dict[str, dict]:
-    """Environment that is up -> its journal's claims (damaged journals left out: `status`
-    reports them)."""
-    out = {}
+def _up_claims(host: Host) -> Iterator[tuple[str, dict]]:
+    """(environment, its recorded claims) of every environment that is up here (its journal
+    has entries of this boot); damaged journals are skipped (`status` reports them)."""
     for env in Journal.environments(host.state_dir):
         try:
             journal = Journal.open(host.state_dir, env, boot=host.boot_id)
         except (StateCorrupt, UsageError):
             continue
         if journal.entries:
-            out[env] = journal.claims or {}
-    return out
+            yield env, journal.claims or {}
 
 
 def _gpus_held(host: Host) -> dict[str, str]:
     """GPU UUID -> the environment that is up and holds it, from every journal's claims."""
-    return {uuid: env for env, claims in _up_claims(host).items()
+    return {uuid: env for env, claims in _up_claims(host)
             for uuid in claims.get("gpus", {}).get("uuids", [])}
