@@ -262,20 +262,6 @@ def _assign_userns(specs: list[EnvSpec], facts: HostFacts, held: dict[str, int])
     return dataclasses.replace(facts, userns_assigned=assigned, userns_refused=refused)
 
 
-def _userns_held(host: Host) -> dict[str, int]:
-    """Environment that is up -> the first host id of its user namespace block (its claims)."""
-    held = {}
-    for env in Journal.environments(host.state_dir):
-        try:
-            journal = Journal.open(host.state_dir, env, boot=host.boot_id)
-        except (StateCorrupt, UsageError):
-            continue
-        base = ((journal.claims or {}).get("userns") or {}).get("base")
-        if journal.entries and isinstance(base, int):
-            held[env] = base
-    return held
-
-
 def _up_claims(host: Host) -> Iterator[tuple[str, dict]]:
     """(environment, its recorded claims) of every environment that is up here (its journal
     has entries of this boot); damaged journals are skipped (`status` reports them)."""
@@ -286,6 +272,16 @@ def _up_claims(host: Host) -> Iterator[tuple[str, dict]]:
             continue
         if journal.entries:
             yield env, journal.claims or {}
+
+
+def _userns_held(host: Host) -> dict[str, int]:
+    """Environment that is up -> the first host id of its user namespace block (its claims)."""
+    held = {}
+    for env, claims in _up_claims(host):
+        base = (claims.get("userns") or {}).get("base")
+        if isinstance(base, int):
+            held[env] = base
+    return held
 
 
 def _gpus_held(host: Host) -> dict[str, str]:

@@ -162,10 +162,11 @@ def __getattr__(name: str):
 
 
 def _placement(start: int, size: int):
-    # The module's own structure once made: a fresh class each call would not fit an array of
-    # the caller's (ctypes: "incompatible types").
-    name = "c_nvmlGpuInstancePlacement_t"
-    return (globals().get(name) or __getattr__(name))(start, size)
+    # Through the module's globals once made: a second class of the same name would be
+    # another type to ctypes' arrays.
+    cls = globals().get("c_nvmlGpuInstancePlacement_t") or __getattr__(
+        "c_nvmlGpuInstancePlacement_t")
+    return cls(start, size)
 
 
 class _Info:
