@@ -84,6 +84,8 @@ class EnvContext(Record, frozen=True):
     cgroup: EnvCgroup | None = None
     cpus: tuple[int, ...] = ()  # its cpuset (dedicated CPUs), or every online CPU
     gpus: tuple[str, ...] = ()  # UUIDs of the GPUs it holds
+    # GPU UUID -> the CPUs local to it, as `up` found them (the journal's gpu_cpus).
+    gpu_cpus: dict[str, tuple[int, ...]] = Factory(dict)
     # Groups owning the device nodes of its /dev beyond the safe set (its GPUs: mode 0660,
     # group `gpus.group`): every job is a member, so that its GPUs are its jobs' to use.
     device_gids: tuple[int, ...] = ()
@@ -146,6 +148,7 @@ class EnvContext(Record, frozen=True):
                    netns=host.netns_dir / netns["name"] if netns else None, hostname=env,
                    environ=read_environment(root), cgroup=cgroup,
                    cpus=cpus or online_cpus(host.sys), gpus=tuple(gpus), device_gids=gids,
+                   gpu_cpus={u: tuple(c) for u, c in (claims.get("gpu_cpus") or {}).items()},
                    caps=tuple(caps) if isinstance(caps, list) else None,
                    isolation=sandbox.get("level", "native"),
                    platform=sandbox.get("platform", ""),

@@ -23,6 +23,10 @@ pending, failure], as nvmlDeviceGetRemappedRows answers; missing: NOT_SUPPORTED,
 Ampere), `"retired_pending"` (0 or 1; missing: NOT_SUPPORTED, as on Ampere and newer), and
 `"lost": true`, which makes every call on that GPU raise GPU_IS_LOST.
 
+Placement: `"cpu_affinity"` (CPU numbers) and `"memory_affinity"` (NUMA node numbers), served
+as NVML's masks by nvmlDeviceGetCpuAffinity / nvmlDeviceGetMemoryAffinity (missing:
+NOT_SUPPORTED).
+
 `fail_init`: true (or an NVML_ERROR_* number) makes nvmlInit raise, as on a
 host without libnvidia-ml; `"mig": null` makes nvmlDeviceGetMigMode raise NOT_SUPPORTED (a
 pre-Ampere GPU);
@@ -170,7 +174,11 @@ def __getattr__(name: str):
 
 
 def _placement(start: int, size: int):
-    return __getattr__("c_nvmlGpuInstancePlacement_t")(start, size)
+    # Through the module's globals once made: a second class of the same name would be
+    # another type to ctypes' arrays.
+    cls = globals().get("c_nvmlGpuInstancePlacement_t") or __getattr__(
+        "c_nvmlGpuInstancePlacement_t")
+    return cls(start, size)
 
 
 class _Info:
@@ -450,6 +458,37 @@ def nvmlComputeInstanceGetInfo(computeInstance: int):  # noqa: N802, N803
 def nvmlDeviceGetPciInfo(handle: int) -> nvmlPciInfo_t:  # noqa: N802
     # NVML writes an 8-digit domain and upper-case hex: 00000000:3B:00.0.
     return nvmlPciInfo_t(_str(_gpu(handle, "nvmlDeviceGetPciInfo")["pci"]))
+
+
+# ---------------------------------------------------------------- affinity (placement)
+
+NVML_AFFINITY_SCOPE_NODE = 0
+NVML_AFFINITY_SCOPE_SOCKET = 1
+
+
+def _mask(items: list[int], words: int) -> list[int]:
+    """A list of numbers as NVML's mask of `words` unsigned longs (64 bits each)."""
+    out = [0] * words
+    for n in items:
+        if n < 64 * words:
+            out[n // 64] |= 1 << (n % 64)
+    return out
+
+
+def nvmlDeviceGetCpuAffinity(handle: int, cpuSetSize: int) -> list[int]:  # noqa: N802, N803
+    gpu = _gpu(handle, "nvmlDeviceGetCpuAffinity")
+    if gpu.get("cpu_affinity") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return _mask(gpu["cpu_affinity"], cpuSetSize)
+
+
+def nvmlDeviceGetMemoryAffinity(handle: int, nodeSetSize: int, scope: int) -> list[int]:  # noqa: N802, N803
+    gpu = _gpu(handle, "nvmlDeviceGetMemoryAffinity")
+    if gpu.get("memory_affinity") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    if scope not in (NVML_AFFINITY_SCOPE_NODE, NVML_AFFINITY_SCOPE_SOCKET):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return _mask(gpu["memory_affinity"], nodeSetSize)
 
 
 # ---------------------------------------------------------------- what the monitor samples
