@@ -5,6 +5,7 @@ changing call."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -76,7 +77,8 @@ def test_instances_at_placements_seen_by_another_process(nvml):
     assert (caps / "gi1/ci0/access").read_text().startswith(
         f"DeviceFileMinor: {gpuhost.ci_minor(0, 1, 0)}\n")
     # A separate process (a later envctl) lists what this one made.
-    code = ("import pynvml; pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(0, 0);"
+    code = ("import pynvml; pynvml.nvmlInit();"
+            "h = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(0, 0);"
             "print(pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetName(h))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"PYTHONPATH": str(PYNVML_DIR),
@@ -107,12 +109,11 @@ def test_h200_profiles_and_placements_as_nvidia_smi_lists_them(nvml):
             info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(0, index)
         except pynvml.NVMLError:
             continue
-        count = __import__("ctypes").c_uint()
-        pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(0, info.id, None,
-                                                          __import__("ctypes").byref(count))
+        count = ctypes.c_uint()
+        pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(0, info.id, None, ctypes.byref(count))
         array = (pynvml.c_nvmlGpuInstancePlacement_t * count.value)()
         pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(0, info.id, array,
-                                                          __import__("ctypes").byref(count))
+                                                          ctypes.byref(count))
         seen[info.name] = [(p.start, p.size) for p in array]
     assert seen == {"MIG 1g.18gb": [(i, 1) for i in range(7)],
                     "MIG 1g.18gb+me": [(i, 1) for i in range(7)],
