@@ -54,6 +54,25 @@ def up(plans: list[Plan], engine: Engine, claims: dict[str, dict]) -> UpResult:
     return UpResult(outcomes, {env: str(exc) for env, exc in failed.items()}, cdi_error)
 
 
+MIG_KINDS = ("mig-mode", "mig-instance")
+
+
+def make_mig(plans: list[Plan], engine: Engine, claims: dict[str, dict]) -> dict[str, str]:
+    """The first half of `up` for environments with MIG instances to make (plan.mig): their
+    plans up to the last MIG step, without touching the rest of what their journals hold.
+    The instances' UUIDs and access nodes exist only once made, so the caller plans these
+    environments again and then runs `up`, which finds the MIG steps done. Env -> the error
+    of each one that failed (rolled back)."""
+    items = []
+    for p in plans:
+        last = max(i for i, r in enumerate(p.resources) if r.kind in MIG_KINDS)
+        items.append((p.env, p.resources[:last + 1],
+                      {"claims": claims.get(p.env, {}), "warnings": p.warnings}))
+    with engine.locked():
+        _, failed = engine.up_many(items, locked=True, prune=False)
+    return {env: str(exc) for env, exc in failed.items()}
+
+
 def quarantine_findings(host: Host, findings: list, held: dict[str, str]) -> dict[str, str]:
     """Record health findings (envctl.host.gpuhealth) in the GPU quarantine ledger and raise a
     `gpu-quarantined` event for each GPU newly quarantined or with new evidence, under the

@@ -22,6 +22,7 @@ from envctl.plan.builder import Plan, PlanError
 from envctl.plan.claims import held_conflicts, spec_claims
 from envctl.plan.gpus import assign_gpus
 from envctl.plan.host import find_host_conflicts
+from envctl.plan.mig import assign_mig
 from envctl.plan.planner import plan_env
 from envctl.plan.rootfs import wants_rootfs
 from envctl.plan.userns import assign_userns, wants_userns
@@ -190,10 +191,17 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
         facts = _assign_userns(specs, facts, held)
     if not gpus:
         return facts
-    facts = dataclasses.replace(facts, gpu_held=_gpus_held(host))
+    facts = dataclasses.replace(facts, gpu_held=_gpus_held(host), mig_held=_mig_held(host))
     facts = _with_quarantine(facts, host)
-    assigned, refused = assign_gpus(gpus, facts)
-    return dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused)
+    placed, mig_refused = assign_mig(gpus, facts)
+    # A GPU carved for MIG instances is not free to be given whole to another spec.
+    carved = {p[1]: env for env, items in placed.items() for p in items}
+    assigned, refused = assign_gpus(gpus, dataclasses.replace(
+        facts, gpu_held={**carved, **facts.gpu_held}))
+    for env, items in placed.items():
+        assigned[env] = tuple(p[5] for p in items if p[5])
+    return dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused,
+                               mig_assigned=placed, mig_refused=mig_refused)
 
 
 FINDINGS_KEY = "gpu.findings"  # facts.extra: what the health probe found now (for `up`)
@@ -279,3 +287,18 @@ def _gpus_held(host: Host) -> dict[str, str]:
             for uuid in (journal.claims or {}).get("gpus", {}).get("uuids", []):
                 held[uuid] = env
     return held
+
+
+def _mig_held(host: Host) -> tuple[tuple[str, str, str, int, int], ...]:
+    """The MIG placements every environment that is up claims: (environment, GPU UUID,
+    profile, start, size)."""
+    held = []
+    for env in Journal.environments(host.state_dir):
+        try:
+            journal = Journal.open(host.state_dir, env, boot=host.boot_id)
+        except (StateCorrupt, UsageError):
+            continue
+        if journal.entries:
+            for p in (journal.claims or {}).get("mig", []):
+                held.append((env, p["gpu"], p["profile"], int(p["start"]), int(p["size"])))
+    return tuple(held)

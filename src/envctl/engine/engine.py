@@ -169,7 +169,8 @@ class Engine:
             return self._up(env, resources, meta, self.ledger(), fold_ledger=True)
 
     def up_many(self, items: Sequence[tuple[str, Sequence[Resource], dict[str, Any] | None]], *,
-                locked: bool = False) -> tuple[list[Outcome], dict[str, EnvctlError]]:
+                locked: bool = False, prune: bool = True
+                ) -> tuple[list[Outcome], dict[str, EnvctlError]]:
         """`up` of each (env, resources, meta) in turn, under one lock hold, with one ledger:
         folded once, at the end (its records are in its log as they happen, as `down_many`
         does), not once per environment. One that fails is rolled back and the others still
@@ -182,7 +183,7 @@ class Engine:
                 for env, resources, meta in items:
                     try:
                         outcomes.append(self._up(env, resources, meta, ledger,
-                                                 fold_ledger=False))
+                                                 fold_ledger=False, prune=prune))
                     except StepInterrupted:
                         raise
                     except EnvctlError as exc:
@@ -195,7 +196,7 @@ class Engine:
         return outcomes, failed
 
     def _up(self, env: str, resources: Sequence[Resource], meta: dict[str, Any] | None,
-            ledger: Ledger, *, fold_ledger: bool) -> Outcome:
+            ledger: Ledger, *, fold_ledger: bool, prune: bool = True) -> Outcome:
         journal = self.journal(env)
         folded = (journal, ledger) if fold_ledger else (journal,)
         outcome = Outcome(env)
@@ -206,7 +207,7 @@ class Engine:
             if meta is not None:
                 journal.set_meta(meta)
             # Resources the spec no longer asks for go first, newest first.
-            for entry in reversed(list(journal.entries)):
+            for entry in reversed(list(journal.entries) if prune else []):
                 if entry.key not in wanted:
                     res = entry.load()
                     step_name = f"remove {res.describe()} (no longer in the spec)"

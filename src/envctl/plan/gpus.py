@@ -141,6 +141,8 @@ def _wanted(spec: EnvSpec) -> str:
         return "every GPU"
     if g.count:
         return f"{g.count} GPU{'s' if g.count > 1 else ''}"
+    if g.mig:
+        return "MIG instances"
     items = [str(i) for i in g.indices] or list(g.uuids)
     return f"GPU {', '.join(items)}"
 
@@ -160,6 +162,16 @@ def plan_gpus(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     if not facts.gpu.gpus:
         plan.error(("gpus",), f"wants {_wanted(spec)}, but this host has {_found(facts)}")
         return
+    if spec.gpus.mig:
+        # Its MIG instances: those that exist resolve like MIG UUIDs named in the spec; those
+        # `up` makes first are planned again, with their nodes, once made (app.up).
+        from envctl.plan.mig import plan_mig
+
+        made = plan_mig(spec, facts, plan)
+        if made is None:
+            return
+        _plan_nodes(spec, facts, plan, made)
+        return
     assigned = facts.gpu_assigned.get(spec.name)
     if spec.name in facts.gpu_refused:
         # Resolved with the other specs read together: planning it alone would not see theirs.
@@ -171,6 +183,11 @@ def plan_gpus(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
             plan.error(("gpus",), f"{why[spec.name]} (this host has {_found(facts)})")
             return
         assigned = alone[spec.name]
+    _plan_nodes(spec, facts, plan, assigned)
+
+
+def _plan_nodes(spec: EnvSpec, facts: HostFacts, plan: Plan, assigned: tuple[str, ...]) -> None:
+    """The nodes, allow-list rules and variables of the GPUs and MIG devices `assigned`."""
     gid = _gid(spec, facts, plan)
     if gid is None:
         return

@@ -1,0 +1,90 @@
+"""MIG instances declared in the spec (`gpus: {mig: […]}`) on the fake GPU host: `up` turns
+MIG mode on and makes them through the fake NVML (state in its JSON file, as separate
+processes see it), the environment gets exactly their access nodes, a second `up` changes
+nothing in NVML, `down` destroys only what envctl made and gives MIG mode back; kill -9 at
+every step then `down` leaves NVML as it was; after a reboot they are made again."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.fakes import gpuhost
+from tests.integration.test_gpu_env import gpu_spec, inside
+
+pytestmark = pytest.mark.root
+
+LAYOUT = "{mig: [{gpu: 0, profile: 3g.71gb}, {gpu: 0, profile: 1g.18gb, count: 2}]}"
+
+
+@pytest.fixture
+def h200(sandbox, tmp_path):
+    if shutil.which("gcc") is None or shutil.which("ldconfig") is None:
+        pytest.skip("needs gcc and ldconfig (scripts/install-deps installs them)")
+    return sandbox, gpuhost.make_host(tmp_path / "gpuroot", gpus=2, numa=1)
+
+
+def nvml_state(env: dict[str, str]) -> dict:
+    return json.loads(Path(env["FAKE_NVML_JSON"]).read_text())
+
+
+def gpus_of(env: dict[str, str]) -> list[dict]:
+    """The fake NVML's GPUs as NVML's state, without its log and UUID counter."""
+    return nvml_state(env)["gpus"]
+
+
+def writes(env: dict[str, str]) -> list:
+    return nvml_state(env).get("writes", [])
+
+
+def test_up_makes_the_layout_gives_its_nodes_and_down_gives_the_gpu_back(h200):
+    sb, env = h200
+    before = gpus_of(env)
+    assert not before[0]["mig"]
+    sb.write_spec("mig-a", gpu_spec("mig-a", LAYOUT))
+    plan = sb.envctl("plan", "mig-a", env=env)
+    assert plan.returncode == 0, plan.stderr
+    text = " ".join(plan.stdout.split())
+    assert "GPU 0: 3g.71gb at slots 0-3 (new)" in text, plan.stdout
+    assert "GPU 0: 1g.18gb at slot 4 (new)" in text and "1g.18gb at slot 5 (new)" in text
+    assert writes(env) == []  # plan is read-only
+
+    res = sb.envctl("up", "mig-a", env=env)
+    assert res.returncode == 0, res.stderr
+    gpu0 = gpus_of(env)[0]
+    assert gpu0["mig"] is True
+    made = sorted((gi["start"], gi["size"]) for gi in gpu0["gpu_instances"])
+    assert made == [(0, 4), (4, 1), (5, 1)]
+    uuids = [gi["cis"][0]["uuid"] for gi in sorted(gpu0["gpu_instances"],
+                                                   key=lambda g: g["id"])]
+    minors = sorted(m for gi in gpu0["gpu_instances"] for m in (
+        gpuhost.gi_minor(0, gi["id"]), gpuhost.ci_minor(0, gi["id"], 0)))
+    out = inside(sb, "mig-a", "ls", "/dev", "/dev/nvidia-caps", extra=env)
+    assert out.returncode == 0, out.stderr
+    listed = out.stdout.split("\n\n")
+    assert {"nvidia0", "nvidiactl", "nvidia-caps"} <= set(listed[0].split()[1:])
+    assert "nvidia1" not in listed[0]
+    assert sorted(listed[1].split()[1:]) == sorted(f"nvidia-cap{m}" for m in minors)
+    environment = inside(sb, "mig-a", "cat", "/etc/environment", extra=env).stdout
+    visible = [line for line in environment.splitlines()
+               if line.startswith("CUDA_VISIBLE_DEVICES=")]
+    assert visible and sorted(visible[0].split("=", 1)[1].split(",")) == sorted(uuids)
+    held = {m["uuid"]: m["env"] for g in sb.envctl_json("gpus", env=env)["gpus"]
+            for m in g["instances"]}
+    assert held == {u: "mig-a" for u in uuids}
+
+    log = writes(env)
+    again = sb.envctl("up", "mig-a", env=env)
+    assert again.returncode == 0, again.stderr
+    assert writes(env) == log  # a second `up` changes nothing in NVML
+
+    down = sb.envctl("down", "mig-a", env=env)
+    assert down.returncode == 0, down.stderr
+    assert [{k: v for k, v in g.items()} for g in gpus_of(env)] == before
+    caps = Path(env["ENVCTL_GPU_ROOT"]) / "proc/driver/nvidia/capabilities/gpu0/mig"
+    assert not caps.exists() or list(caps.iterdir()) == []
+    (sb.config_dir / "mig-a.yaml").unlink()
+    assert sb.residue() == {}
