@@ -196,8 +196,7 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
     placed, mig_refused = assign_mig(gpus, facts)
     # A GPU carved for MIG instances is not free to be given whole to another spec.
     carved = {p[1]: env for env, items in placed.items() for p in items}
-    assigned, refused = assign_gpus(gpus, dataclasses.replace(
-        facts, gpu_held={**carved, **facts.gpu_held}))
+    assigned, refused = assign_gpus(gpus, facts, reserved=carved)
     for env, items in placed.items():
         assigned[env] = tuple(p[5] for p in items if p[5])
     return dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused,

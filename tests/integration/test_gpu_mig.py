@@ -88,3 +88,92 @@ def test_up_makes_the_layout_gives_its_nodes_and_down_gives_the_gpu_back(h200):
     assert not caps.exists() or list(caps.iterdir()) == []
     (sb.config_dir / "mig-a.yaml").unlink()
     assert sb.residue() == {}
+
+
+def test_what_does_not_fit_and_slots_others_hold_are_refused_before_any_change(h200):
+    sb, env = h200
+    sb.write_spec("mig-a", gpu_spec("mig-a", "{mig: [{gpu: 0, profile: 3g.71gb, start: 4}]}"))
+    assert sb.envctl("up", "mig-a", env=env).returncode == 0
+    log = writes(env)
+    # Another spec asking for the same slots: refused, naming who holds them and what is free.
+    sb.write_spec("mig-b", gpu_spec("mig-b", "{mig: [{gpu: 0, profile: 3g.71gb, start: 4}]}"))
+    res = sb.envctl("up", "mig-b", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "no room on GPU 0 for 3g.71gb (it needs slots 4-7; free slots: 0-3; held by " \
+        "environment 'mig-a')" in res.stderr, res.stderr
+    # More than the GPU holds, and a profile name no GPU has.
+    sb.write_spec("mig-b", gpu_spec("mig-b", "{mig: [{gpu: 0, profile: 1g.18gb, count: 5}]}"))
+    res = sb.envctl("plan", "mig-b", env=env)
+    assert res.returncode == 2 and "free slots: 0-3" in res.stderr, res.stderr
+    sb.write_spec("mig-b", gpu_spec("mig-b", "{mig: [{gpu: 0, profile: 3g.80gb}]}"))
+    res = sb.envctl("plan", "mig-b", env=env)
+    assert res.returncode == 2 and "no MIG profile '3g.80gb': allowed are" in res.stderr
+    assert len(res.stderr.strip().splitlines()) <= 3, res.stderr
+    # Two specs read together claiming the same slots: the second in name order is refused.
+    sb.write_spec("mig-b", gpu_spec("mig-b", "{mig: [{gpu: 1, profile: 4g.71gb}]}"))
+    sb.write_spec("mig-c", gpu_spec("mig-c", "{mig: [{gpu: 1, profile: 3g.71gb, start: 0}]}"))
+    res = sb.envctl("up", "mig-b", "mig-c", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "no room on GPU 1 for 3g.71gb (it needs slots 0-3; free slots: 4-7; held by " \
+        "environment 'mig-b')" in res.stderr, res.stderr
+    assert writes(env) == log  # nothing changed
+    # A whole GPU the spec read with it would carve is not given (mig-b carves GPU 1) ...
+    sb.write_spec("mig-c", gpu_spec("mig-c", "[1]"))
+    res = sb.envctl("plan", "mig-c", env=env)
+    assert res.returncode == 2 and "also claimed by environment 'mig-b'" in res.stderr, \
+        res.stderr
+    # ... and one another environment holds cannot be carved.
+    (sb.config_dir / "mig-b.yaml").unlink()
+    assert sb.envctl("up", "mig-c", env=env).returncode == 0
+    sb.write_spec("mig-b", gpu_spec("mig-b", "{mig: [{gpu: 1, profile: 4g.71gb}]}"))
+    res = sb.envctl("plan", "mig-b", env=env)
+    assert res.returncode == 2 and "GPU 1 is held whole by environment 'mig-c'" in res.stderr
+    for name in ("mig-a", "mig-c"):
+        assert sb.envctl("down", name, env=env).returncode == 0
+    for name in ("mig-a", "mig-b", "mig-c"):
+        (sb.config_dir / f"{name}.yaml").unlink()
+    assert sb.residue() == {}
+
+
+def _set(env: dict[str, str], index: int, **fields) -> None:
+    path = Path(env["FAKE_NVML_JSON"])
+    state = json.loads(path.read_text())
+    state["gpus"][index].update(fields)
+    path.write_text(json.dumps(state))
+
+
+def test_mig_mode_is_not_turned_on_under_processes_nor_over_a_pending_reset(h200):
+    sb, env = h200
+    sb.write_spec("mig-a", gpu_spec("mig-a", "{mig: [{gpu: 0, profile: 7g.141gb}]}"))
+    _set(env, 0, processes=[[4242, 1 << 30]])
+    res = sb.envctl("up", "mig-a", env=env)
+    assert res.returncode == 1
+    assert "processes hold the GPU (pid 4242); stop them first" in res.stderr, res.stderr
+    _set(env, 0, processes=[], mig_pending=True)  # someone asked; only a reset makes it so
+    res = sb.envctl("up", "mig-a", env=env)
+    assert res.returncode == 1 and "pending a GPU reset" in res.stderr, res.stderr
+    assert writes(env) == []
+    _set(env, 0, mig_pending=False, mig_reset_required=True)  # an A100-like GPU
+    res = sb.envctl("up", "mig-a", env=env)
+    assert res.returncode == 1 and "pending a GPU reset" in res.stderr, res.stderr
+    assert gpus_of(env)[0]["mig"] is False
+    assert sb.envctl("status", "mig-a", env=env).returncode in (0, 1)
+    (sb.config_dir / "mig-a.yaml").unlink()
+    assert sb.residue() == {}
+
+
+def test_kill_9_at_every_step_then_down_leaves_nvml_as_before(h200):
+    sb, env = h200
+    before = gpus_of(env)
+    sb.write_spec("mig-a", gpu_spec("mig-a", LAYOUT))
+    for point in ("apply", "after"):
+        for index in range(200):  # until the fault's index is past the last step
+            res = sb.envctl("up", "mig-a", env={**env, "ENVCTL_FAULT": f"kill@{point}:#{index}"})
+            down = sb.envctl("down", "mig-a", env=env)
+            assert down.returncode == 0, down.stderr
+            assert gpus_of(env) == before, (point, index, res.stderr, down.stdout)
+            if res.returncode == 0:
+                break
+        assert index > 5  # killed at the MIG steps and after them
+    (sb.config_dir / "mig-a.yaml").unlink()
+    assert sb.residue() == {}

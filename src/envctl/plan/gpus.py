@@ -31,18 +31,20 @@ NODES_KEY = "gpu.nodes"  # ((name under /dev, major or its /proc/devices name, m
 ENV_KEY = "gpu.env"  # {"CUDA_VISIBLE_DEVICES": "GPU-…,GPU-…", "NVIDIA_VISIBLE_DEVICES": …}
 
 
-def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts
+def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts, *,
+                reserved: dict[str, str] | None = None
                 ) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
     """The GPUs (UUIDs, in index order) each spec that wants some gets, and why a spec gets
     none. Explicit claims (all, indices, UUIDs) are served first, then counts in name order;
     a count keeps the GPUs its environment already holds (it never moves at re-`up`) and
     takes the lowest free indices for the rest. GPUs held by environments that are up
     (`facts.gpu_held`) are never given to another; quarantined ones (`facts.gpu_quarantined`,
-    a whole GPU covering its MIG devices) are given to no one."""
+    a whole GPU covering its MIG devices) are given to no one; nor are those `reserved` (GPU
+    UUID -> the spec that carves it into MIG instances: plan.mig)."""
     by_index = {g.index: g for g in facts.gpu.gpus}
     by_uuid = {g.uuid: g for g in facts.gpu.gpus}
     migs = facts.gpu.migs()
-    taken = dict(facts.gpu_held)  # uuid -> environment
+    taken = {**(reserved or {}), **facts.gpu_held}  # uuid -> environment
     out: dict[str, tuple[str, ...]] = {}
     why: dict[str, str] = {}
 
