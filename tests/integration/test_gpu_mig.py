@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.fakes import gpuhost
 from tests.integration.test_gpu_env import gpu_spec, inside
+from tests.integration.test_lifecycle import fake_boot, reboot
 
 pytestmark = pytest.mark.root
 
@@ -177,3 +179,37 @@ def test_kill_9_at_every_step_then_down_leaves_nvml_as_before(h200):
         assert index > 5  # killed at the MIG steps and after them
     (sb.config_dir / "mig-a.yaml").unlink()
     assert sb.residue() == {}
+
+
+def test_after_a_reboot_up_makes_the_instances_again_rather_than_adopting(h200):
+    sb, env = h200
+    fake_boot(sb, str(uuid.uuid4()))
+    booted = Path(env["FAKE_NVML_JSON"]).read_text()  # the driver's state at each boot
+    sb.write_spec("mig-a", gpu_spec("mig-a", LAYOUT))
+    assert sb.envctl("up", "mig-a", env=env).returncode == 0
+    first = {gi["cis"][0]["uuid"] for gi in gpus_of(env)[0]["gpu_instances"]}
+    after = reboot(sb)  # instances and (on Hopper) MIG mode are gone with the boot
+    try:
+        for stale in after.run_dir.iterdir():  # /run is a tmpfs: empty at boot
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        state = json.loads(booted)  # the driver as it boots, its UUID counter going on
+        state["mig_serial"] = nvml_state(env)["mig_serial"]
+        Path(env["FAKE_NVML_JSON"]).write_text(json.dumps(state))
+        shutil.rmtree(Path(env["ENVCTL_GPU_ROOT"]) / "proc/driver/nvidia/capabilities/gpu0")
+        status = after.envctl_json("status", "mig-a", env=env)[0]
+        assert status["up"] is False
+        res = after.envctl("up", "mig-a", env=env)
+        assert res.returncode == 0, res.stderr
+        made = [w[0] for w in writes(env)]
+        assert made.count("nvmlDeviceCreateGpuInstanceWithPlacement") == 3
+        assert made.count("nvmlDeviceSetMigMode") == 1
+        second = {gi["cis"][0]["uuid"] for gi in gpus_of(env)[0]["gpu_instances"]}
+        assert len(second) == 3 and not second & first  # new instances, new UUIDs
+        environment = inside(after, "mig-a", "cat", "/etc/environment", extra=env).stdout
+        assert all(u in environment for u in second), environment
+        assert after.envctl("down", "mig-a", env=env).returncode == 0
+        assert gpus_of(env) == state["gpus"]
+        (after.config_dir / "mig-a.yaml").unlink()
+        assert after.residue() == {}
+    finally:
+        after.close()
