@@ -106,7 +106,8 @@ def test_what_does_not_fit_and_slots_others_hold_are_refused_before_any_change(h
     # More than the GPU holds, and a profile name no GPU has.
     sb.write_spec("mig-b", gpu_spec("mig-b", "{mig: [{gpu: 0, profile: 1g.18gb, count: 5}]}"))
     res = sb.envctl("plan", "mig-b", env=env)
-    assert res.returncode == 2 and "free slots: 0-3" in res.stderr, res.stderr
+    assert res.returncode == 2 and "free slots: none; its instances before it take slots " \
+        "0, 1, 2, 3; held by environment 'mig-a')" in res.stderr, res.stderr
     sb.write_spec("mig-b", gpu_spec("mig-b", "{mig: [{gpu: 0, profile: 3g.80gb}]}"))
     res = sb.envctl("plan", "mig-b", env=env)
     assert res.returncode == 2 and "no MIG profile '3g.80gb': allowed are" in res.stderr

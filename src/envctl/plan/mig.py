@@ -25,9 +25,11 @@ PENDING_KEY = "mig.pending"  # plan.resolved: how many of its instances `up` has
 Placement = tuple[int, str, str, int, int, str]  # index, GPU UUID, profile, start, size, MIG
 
 
-def _free_text(used: dict[int, str]) -> str:
-    """The free memory slices of a GPU as ranges ("4-7, none" when none is)."""
-    free = [s for s in range(SLOTS) if s not in used]
+def _free_text(used: dict[int, str], mine: list[Placement], uuid: str, env: str) -> str:
+    """The memory slices of GPU `uuid` free for `env` as ranges ("4-7"; "none"): held by no
+    one else and not yet given to one of its own instances (`mine`)."""
+    free = [s for s in range(SLOTS)
+            if used.get(s, env) == env and not _mine_at(mine, uuid, s)]
     runs: list[list[int]] = []
     for s in free:
         if runs and runs[-1][-1] == s - 1:
@@ -116,7 +118,10 @@ def assign_mig(specs: Sequence[EnvSpec], facts: HostFacts
                                       if (w := have.get(x)) and w != spec.name})
                     problem = (f"mig.{n}: no room on GPU {gpu.index} for {req.profile} (it "
                                f"needs slots {' or '.join(slots(s, prof.size) for s in starts)}"
-                               f"; free slots: {_free_text(have)}"
+                               f"; free slots: {_free_text(have, mine, gpu.uuid, spec.name)}"
+                               + (f"; its instances before it take slots {', '.join(ours)}"
+                                  if (ours := [slots(p[3], p[4]) for p in mine
+                                               if p[1] == gpu.uuid]) else "")
                                + (f"; held by environment {', '.join(map(repr, holders))}"
                                   if holders else "")
                                + ("; an instance envctl did not make holds some" if any(
