@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.fakes import gpuhost
 from tests.integration.test_gpu_env import gpu_spec, inside
@@ -74,6 +75,12 @@ def test_up_makes_the_layout_gives_its_nodes_and_down_gives_the_gpu_back(h200):
     visible = [line for line in environment.splitlines()
                if line.startswith("CUDA_VISIBLE_DEVICES=")]
     assert visible and sorted(visible[0].split("=", 1)[1].split(",")) == sorted(uuids)
+    cdi = yaml.safe_load((Path(env["ENVCTL_CDI_DIR"]) / "envctl.yaml").read_text())
+    devices = {d["name"]: sorted(n["path"] for n in d["containerEdits"]["deviceNodes"])
+               for d in cdi["devices"]}
+    assert sorted(devices) == sorted(["mig-a", *uuids])
+    assert [p for p in devices["mig-a"] if "nvidia-caps" in p] == sorted(
+        f"/dev/nvidia-caps/nvidia-cap{m}" for m in minors)
     held = {m["uuid"]: m["env"] for g in sb.envctl_json("gpus", env=env)["gpus"]
             for m in g["instances"]}
     assert held == {u: "mig-a" for u in uuids}
