@@ -7,6 +7,7 @@ from the journal alone and never imports pydantic, YAML or the planner.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,44 +261,36 @@ def _assign_userns(specs: list[EnvSpec], facts: HostFacts, held: dict[str, int])
     return dataclasses.replace(facts, userns_assigned=assigned, userns_refused=refused)
 
 
-def _userns_held(host: Host) -> dict[str, int]:
-    """Environment that is up -> the first host id of its user namespace block (its claims)."""
-    held = {}
+def _up_claims(host: Host) -> Iterator[tuple[str, dict]]:
+    """(environment, its recorded claims) of every environment that is up here (its journal
+    has entries of this boot); damaged journals are skipped (`status` reports them)."""
     for env in Journal.environments(host.state_dir):
         try:
             journal = Journal.open(host.state_dir, env, boot=host.boot_id)
         except (StateCorrupt, UsageError):
             continue
-        base = ((journal.claims or {}).get("userns") or {}).get("base")
-        if journal.entries and isinstance(base, int):
+        if journal.entries:
+            yield env, journal.claims or {}
+
+
+def _userns_held(host: Host) -> dict[str, int]:
+    """Environment that is up -> the first host id of its user namespace block (its claims)."""
+    held = {}
+    for env, claims in _up_claims(host):
+        base = (claims.get("userns") or {}).get("base")
+        if isinstance(base, int):
             held[env] = base
     return held
 
 
 def _gpus_held(host: Host) -> dict[str, str]:
     """GPU UUID -> the environment that is up and holds it, from every journal's claims."""
-    held = {}
-    for env in Journal.environments(host.state_dir):
-        try:
-            journal = Journal.open(host.state_dir, env, boot=host.boot_id)
-        except (StateCorrupt, UsageError):
-            continue
-        if journal.entries:
-            for uuid in (journal.claims or {}).get("gpus", {}).get("uuids", []):
-                held[uuid] = env
-    return held
+    return {uuid: env for env, claims in _up_claims(host)
+            for uuid in claims.get("gpus", {}).get("uuids", [])}
 
 
 def _mig_held(host: Host) -> tuple[tuple[str, str, str, int, int], ...]:
     """The MIG placements every environment that is up claims: (environment, GPU UUID,
     profile, start, size)."""
-    held = []
-    for env in Journal.environments(host.state_dir):
-        try:
-            journal = Journal.open(host.state_dir, env, boot=host.boot_id)
-        except (StateCorrupt, UsageError):
-            continue
-        if journal.entries:
-            for p in (journal.claims or {}).get("mig", []):
-                held.append((env, p["gpu"], p["profile"], int(p["start"]), int(p["size"])))
-    return tuple(held)
+    return tuple((env, p["gpu"], p["profile"], int(p["start"]), int(p["size"]))
+                 for env, claims in _up_claims(host) for p in claims.get("mig", []))

@@ -28,6 +28,9 @@ class MigProfile:
 _GEOMETRY = {"1g": (1, tuple(range(7)), 7), "1g+me": (1, tuple(range(7)), 1),
              "1gX2": (2, (0, 2, 4, 6), 4), "2g": (2, (0, 2, 4), 3), "3g": (4, (0, 4), 2),
              "4g": (4, (0,), 1), "7g": (8, (0,), 1)}
+# An 80 GB A100 and H100 name their profiles alike.
+_NAMES_80GB = {"1g": "1g.10gb", "1g+me": "1g.10gb+me", "1gX2": "1g.20gb", "2g": "2g.20gb",
+               "3g": "3g.40gb", "4g": "4g.40gb", "7g": "7g.80gb"}
 # The memory in each profile's name, by model (the test on the GPU's name, in order).
 _MODELS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
     ("H200", ("H200",), {"1g": "1g.18gb", "1g+me": "1g.18gb+me", "1gX2": "1g.35gb",
@@ -35,12 +38,8 @@ _MODELS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
     ("H100 NVL", ("H100", "NVL"), {"1g": "1g.12gb", "1g+me": "1g.12gb+me", "1gX2": "1g.24gb",
                                    "2g": "2g.24gb", "3g": "3g.47gb", "4g": "4g.47gb",
                                    "7g": "7g.94gb"}),
-    ("H100 80GB", ("H100",), {"1g": "1g.10gb", "1g+me": "1g.10gb+me", "1gX2": "1g.20gb",
-                              "2g": "2g.20gb", "3g": "3g.40gb", "4g": "4g.40gb",
-                              "7g": "7g.80gb"}),
-    ("A100 80GB", ("A100", "80GB"), {"1g": "1g.10gb", "1g+me": "1g.10gb+me", "1gX2": "1g.20gb",
-                                     "2g": "2g.20gb", "3g": "3g.40gb", "4g": "4g.40gb",
-                                     "7g": "7g.80gb"}),
+    ("H100 80GB", ("H100",), _NAMES_80GB),
+    ("A100 80GB", ("A100", "80GB"), _NAMES_80GB),
     ("A100 40GB", ("A100",), {"1g": "1g.5gb", "1g+me": "1g.5gb+me", "1gX2": "1g.10gb",
                               "2g": "2g.10gb", "3g": "3g.20gb", "4g": "4g.20gb",
                               "7g": "7g.40gb"}),
