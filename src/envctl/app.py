@@ -71,7 +71,8 @@ def make_mig(plans: list[Plan], engine: Engine, claims: dict[str, dict]
         items.append((p.env, p.resources[:last + 1],
                       {"claims": claims.get(p.env, {}), "warnings": p.warnings}))
     with engine.locked():
-        outcomes, failed = engine.up_many(items, locked=True, prune=False)
+        # MIG instances the spec no longer asks for go first: their slots may be wanted now.
+        outcomes, failed = engine.up_many(items, locked=True, prune=MIG_KINDS)
     return outcomes, {env: str(exc) for env, exc in failed.items()}
 
 

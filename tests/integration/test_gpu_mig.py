@@ -223,3 +223,23 @@ def test_after_a_reboot_up_makes_the_instances_again_rather_than_adopting(h200):
         assert after.residue() == {}
     finally:
         after.close()
+
+
+def test_a_changed_layout_gives_back_the_old_instances_before_making_the_new(h200):
+    sb, env = h200
+    before = gpus_of(env)
+    sb.write_spec("mig-a", gpu_spec("mig-a", LAYOUT))
+    assert sb.envctl("up", "mig-a", env=env).returncode == 0
+    # The same slots, another layout: the old instances go first, then the 7g is made.
+    sb.write_spec("mig-a", gpu_spec("mig-a", "{mig: [{gpu: 0, profile: 7g.141gb}]}"))
+    res = sb.envctl("up", "mig-a", env=env)
+    assert res.returncode == 0, res.stderr
+    gis = gpus_of(env)[0]["gpu_instances"]
+    assert [(gi["start"], gi["size"]) for gi in gis] == [(0, 8)]
+    uuid = gis[0]["cis"][0]["uuid"]
+    environment = inside(sb, "mig-a", "cat", "/etc/environment", extra=env).stdout
+    assert f"CUDA_VISIBLE_DEVICES={uuid}\n" in environment
+    assert sb.envctl("down", "mig-a", env=env).returncode == 0
+    assert gpus_of(env) == before
+    (sb.config_dir / "mig-a.yaml").unlink()
+    assert sb.residue() == {}
