@@ -243,3 +243,44 @@ def test_a_changed_layout_gives_back_the_old_instances_before_making_the_new(h20
     assert gpus_of(env) == before
     (sb.config_dir / "mig-a.yaml").unlink()
     assert sb.residue() == {}
+
+
+def test_two_environments_carve_one_gpu_and_mig_mode_goes_back_with_the_last(h200):
+    sb, env = h200
+    before = gpus_of(env)
+    sb.write_spec("mig-a", gpu_spec("mig-a", "{mig: [{gpu: 0, profile: 3g.71gb}]}"))
+    sb.write_spec("mig-b", gpu_spec("mig-b", "{mig: [{gpu: 0, profile: 3g.71gb}]}"))
+    res = sb.envctl("up", "mig-a", "mig-b", env=env)
+    assert res.returncode == 0, res.stderr
+    assert sorted(gi["start"] for gi in gpus_of(env)[0]["gpu_instances"]) == [0, 4]
+    assert sb.envctl("down", "mig-a", env=env).returncode == 0
+    gpu0 = gpus_of(env)[0]
+    assert gpu0["mig"] is True  # mig-b still carves it
+    assert [gi["start"] for gi in gpu0["gpu_instances"]] == [4]
+    assert sb.envctl("down", "mig-b", env=env).returncode == 0
+    assert gpus_of(env) == before
+    for name in ("mig-a", "mig-b"):
+        (sb.config_dir / f"{name}.yaml").unlink()
+    assert sb.residue() == {}
+
+
+def test_instances_and_mig_mode_envctl_found_are_left_as_found(sandbox, tmp_path):
+    if shutil.which("gcc") is None or shutil.which("ldconfig") is None:
+        pytest.skip("needs gcc and ldconfig (scripts/install-deps installs them)")
+    sb, env = sandbox, gpuhost.make_host(tmp_path / "gpuroot", gpus=1, numa=1,
+                                         mig_layout=["3g.71gb"])
+    before = gpus_of(env)
+    sb.write_spec("mig-a", gpu_spec("mig-a", "{mig: [{gpu: 0, profile: 3g.71gb}]}"))
+    plan = sb.envctl("plan", "mig-a", env=env)
+    assert "GPU 0: 3g.71gb at slots 4-7 (new)" in " ".join(plan.stdout.split()), plan.stdout
+    assert sb.envctl("up", "mig-a", env=env).returncode == 0
+    assert sorted(gi["start"] for gi in gpus_of(env)[0]["gpu_instances"]) == [0, 4]
+    # Pinned over the instance envctl did not make: refused, naming it.
+    sb.write_spec("mig-b", gpu_spec("mig-b", "{mig: [{gpu: 0, profile: 3g.71gb, start: 0}]}"))
+    res = sb.envctl("plan", "mig-b", env=env)
+    assert res.returncode == 2 and "an instance envctl did not make holds some" in res.stderr
+    (sb.config_dir / "mig-b.yaml").unlink()
+    assert sb.envctl("down", "mig-a", env=env).returncode == 0
+    assert gpus_of(env) == before  # its own instance and MIG mode on, as found
+    (sb.config_dir / "mig-a.yaml").unlink()
+    assert sb.residue() == {}
