@@ -187,6 +187,15 @@ def test_kill_9_at_every_step_then_down_leaves_nvml_as_before(h200):
             if res.returncode == 0:
                 break
         assert index > 5  # killed at the MIG steps and after them
+    for index in range(200):  # `down` killed at each of its steps, then `down` again
+        assert sb.envctl("up", "mig-a", env=env).returncode == 0
+        res = sb.envctl("down", "mig-a", env={**env, "ENVCTL_FAULT": f"kill@remove:#{index}"})
+        down = sb.envctl("down", "mig-a", env=env)
+        assert down.returncode == 0, down.stderr
+        assert gpus_of(env) == before, (index, res.stderr, down.stdout)
+        if res.returncode == 0:
+            break
+    assert index > 5
     (sb.config_dir / "mig-a.yaml").unlink()
     assert sb.residue() == {}
 
