@@ -83,11 +83,9 @@ class _Gpu:
 
         nvml = self.nvml
         info = self.profile(name)
+        # NVML fills a buffer as large as the profile's instance count (nvml.h), no size query.
         count = ctypes.c_uint()
-        nvml.nvmlDeviceGetGpuInstances(self.handle, info.id, None, ctypes.byref(count))
-        if not count.value:
-            return None
-        array = (nvml.c_nvmlGpuInstance_t * count.value)()
+        array = (nvml.c_nvmlGpuInstance_t * max(int(info.instanceCount), 1))()
         nvml.nvmlDeviceGetGpuInstances(self.handle, info.id, array, ctypes.byref(count))
         for gi in list(array)[:count.value]:
             gi_info = nvml.nvmlGpuInstanceGetInfo(gi)
@@ -119,11 +117,9 @@ class _Gpu:
         found = []
         for p in self._ci_profiles(gi):
             count = ctypes.c_uint()
-            nvml.nvmlGpuInstanceGetComputeInstances(gi, p.id, None, ctypes.byref(count))
-            if count.value:
-                array = (nvml.c_nvmlComputeInstance_t * count.value)()
-                nvml.nvmlGpuInstanceGetComputeInstances(gi, p.id, array, ctypes.byref(count))
-                found += list(array)[:count.value]
+            array = (nvml.c_nvmlComputeInstance_t * max(int(p.instanceCount), 1))()
+            nvml.nvmlGpuInstanceGetComputeInstances(gi, p.id, array, ctypes.byref(count))
+            found += list(array)[:count.value]
         return found
 
     def create(self, name: str, start: int, size: int) -> None:
