@@ -88,6 +88,8 @@ def test_up_makes_the_layout_gives_its_nodes_and_down_gives_the_gpu_back(h200):
     assert held == {u: "mig-a" for u in uuids}
 
     log = writes(env)
+    status = sb.envctl_json("status", "mig-a", env=env)[0]
+    assert status["up"] is True, status
     again = sb.envctl("up", "mig-a", env=env)
     assert again.returncode == 0, again.stderr
     assert writes(env) == log  # a second `up` changes nothing in NVML
