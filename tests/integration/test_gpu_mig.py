@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
@@ -293,5 +294,38 @@ def test_instances_and_mig_mode_envctl_found_are_left_as_found(sandbox, tmp_path
     (sb.config_dir / "mig-b.yaml").unlink()
     assert sb.envctl("down", "mig-a", env=env).returncode == 0
     assert gpus_of(env) == before  # its own instance and MIG mode on, as found
+    (sb.config_dir / "mig-a.yaml").unlink()
+    assert sb.residue() == {}
+
+
+def test_an_instance_made_by_someone_else_between_plan_and_apply_is_refused_not_adopted(
+        sandbox, tmp_path):
+    from tests.integration.test_engine import wait_for
+
+    if shutil.which("gcc") is None or shutil.which("ldconfig") is None:
+        pytest.skip("needs gcc and ldconfig (scripts/install-deps installs them)")
+    sb, env = sandbox, gpuhost.make_host(tmp_path / "gpuroot", gpus=1, numa=1,
+                                         mig_layout=["1g.18gb"])
+    sb.write_spec("mig-a", gpu_spec("mig-a", "{mig: [{gpu: 0, profile: 3g.71gb, start: 4}]}"))
+    go = tmp_path / "go"
+    proc = sb.popen(sys.executable, "-m", "envctl", "up", "mig-a",
+                    env={**env, "ENVCTL_FAULT": f"until={go}@before:mig-instance:*"})
+    try:
+        wait_for("up to reach the MIG instance step", Path(f"{go}.waiting").exists, proc)
+        path = Path(env["FAKE_NVML_JSON"])
+        state = json.loads(path.read_text())  # someone runs nvidia-smi mig -cgi 9 meanwhile
+        state["gpus"][0]["gpu_instances"].append(
+            {"id": 2, "profile": 2, "start": 4, "size": 4,
+             "cis": [{"id": 0, "profile": 2, "uuid": "MIG-someone-elses"}]})
+        path.write_text(json.dumps(state))
+        before = gpus_of(env)
+    finally:
+        go.touch()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert "a MIG instance envctl did not make is there" in err, err
+    assert gpus_of(env) == before  # not adopted, not destroyed; MIG mode on, as found
+    assert sb.envctl("down", "mig-a", env=env).returncode == 0
+    assert gpus_of(env) == before
     (sb.config_dir / "mig-a.yaml").unlink()
     assert sb.residue() == {}
