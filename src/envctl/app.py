@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from envctl.engine.engine import REMOVE, Engine, Outcome, Step
+from envctl.engine.engine import KEEP, REMOVE, Engine, Outcome, Step
 from envctl.engine.journal import Entry, Journal, Ledger
 from envctl.errors import EnvctlError, HostError, NeedsRootError, SpecError, StateCorrupt
 from envctl.host.context import Host
@@ -52,6 +52,37 @@ def up(plans: list[Plan], engine: Engine, claims: dict[str, dict]) -> UpResult:
             # Also after a failure or a signal: what was rolled back holds nothing.
             cdi_error = sync_cdi(engine.host)
     return UpResult(outcomes, {env: str(exc) for env, exc in failed.items()}, cdi_error)
+
+
+MIG_KINDS = ("mig-mode", "mig-instance")
+
+
+def make_mig(plans: list[Plan], engine: Engine, claims: dict[str, dict]
+             ) -> tuple[list[Outcome], dict[str, str]]:
+    """The first half of `up` for environments with MIG instances to make (plan.mig): their
+    plans up to the last MIG step, without touching the rest of what their journals hold.
+    The instances' UUIDs and access nodes exist only once made, so the caller plans these
+    environments again and then runs `up`, which finds the MIG steps done (with_made shows
+    them as made). What was done, and env -> the error of each one that failed (rolled
+    back)."""
+    items = []
+    for p in plans:
+        last = max(i for i, r in enumerate(p.resources) if r.kind in MIG_KINDS)
+        items.append((p.env, p.resources[:last + 1],
+                      {"claims": claims.get(p.env, {}), "warnings": p.warnings}))
+    with engine.locked():
+        # MIG instances the spec no longer asks for go first: their slots may be wanted now.
+        outcomes, failed = engine.up_many(items, locked=True, prune=MIG_KINDS)
+    return outcomes, {env: str(exc) for env, exc in failed.items()}
+
+
+def with_made(outcomes: list[Outcome], first: list[Outcome]) -> list[Outcome]:
+    """`outcomes` with each step the first half of `up` (make_mig) made or changed shown as
+    made there, not as kept: the second half found it done."""
+    done = {(o.env, s.resource.key): s for o in first for s in o.steps if s.op != KEEP}
+    for o in outcomes:
+        o.steps = [done.get((o.env, s.resource.key), s) for s in o.steps]
+    return outcomes
 
 
 def quarantine_findings(host: Host, findings: list, held: dict[str, str]) -> dict[str, str]:

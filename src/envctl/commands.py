@@ -211,11 +211,40 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
     engine = ws.engine(lock_timeout=opts.lock_timeout, on_wait=stderr,
                        progress=None if json_ else step_printer(console()))
     from envctl.listing import spec_digest
+    from envctl.plan.mig import PENDING_KEY
 
-    # With what the spec said (its digest), for `list` to tell up from not-applied quickly.
-    result = ops.up(plans, engine, {p.env: {**ws.claims(p.env),
-                                            "spec_digest": spec_digest(ws.get(p.env).spec)}
-                                    for p in plans})
+    def claims() -> dict[str, dict]:
+        # With what the spec said (its digest), for `list` to tell up from not-applied quickly.
+        return {p.env: {**ws.claims(p.env), "spec_digest": spec_digest(ws.get(p.env).spec)}
+                for p in plans}
+
+    carving = [p for p in plans if p.resolved.get(PENDING_KEY)]
+    mig_failed: dict[str, str] = {}
+    rolled_back: dict[str, str] = {}
+    first: list = []
+    fresh = set()
+    if carving:
+        # MIG instances first: their UUIDs and access nodes exist only once made, then the
+        # environments are planned again with them (as if named by MIG UUID).
+        fresh = {p.env for p in carving if not engine.journal(p.env).entries}
+        first, rolled_back = ops.make_mig(carving, engine, claims())
+        mig_failed = dict(rolled_back)
+        ws = ws.with_host_facts()
+        again = [ws.get(p.env) for p in plans if p.env not in mig_failed]
+        plans, more = ws.plan_each(again) if all_ else (ws.plan_all(again), {})
+        skipped.update(more)
+        for p in plans:
+            if p.resolved.get(PENDING_KEY):  # made, yet discovery does not show them
+                mig_failed[p.env] = (f"the MIG instances made for it are not among those NVML "
+                                     f"lists ({p.resolved['mig']}); `envctl gpus` shows them")
+        plans = [p for p in plans if p.env not in mig_failed]
+    result = ops.up(plans, engine, claims())
+    if carving:
+        result.outcomes = ops.with_made(result.outcomes, first)
+    result.failed = {**mig_failed, **result.failed}
+    for env in fresh & set(result.failed) - set(rolled_back):
+        # It held nothing before this `up`: its MIG instances go too, as a rollback would.
+        ops.down(engine, [env])
     for env, err in result.failed.items():
         stderr(f"error: {env}: {err}")
     if result.cdi_error:

@@ -197,6 +197,15 @@ class HostFacts:
     # read together (envctl.spec.resolve.assign_near_cpus), and environment -> why it gets none.
     cpu_assigned: dict[str, tuple[int, ...]] = field(default_factory=dict)
     cpu_refused: dict[str, str] = field(default_factory=dict)
+    # MIG placements environments that are up hold (their journals' claims): (environment,
+    # GPU UUID, profile, first memory slice, memory slices).
+    mig_held: tuple[tuple[str, str, str, int, int], ...] = ()
+    # Environment -> the MIG placements it gets, resolved for all specs read together
+    # (envctl.plan.mig.assign_mig): (GPU index, GPU UUID, profile, start, size, the MIG UUID
+    # when the instance exists, "" when `up` is to make it); and why a spec gets none.
+    mig_assigned: dict[str, tuple[tuple[int, str, str, int, int, str], ...]] = field(
+        default_factory=dict)
+    mig_refused: dict[str, str] = field(default_factory=dict)
     # Ids the host's users, groups and /etc/subuid, /etc/subgid ranges hold, (first, end,
     # what) (read only when a spec wants a user namespace).
     host_ids: tuple[tuple[int, int, str], ...] = ()

@@ -23,6 +23,7 @@ from envctl.plan.builder import Plan, PlanError
 from envctl.plan.claims import held_conflicts, spec_claims
 from envctl.plan.gpus import assign_gpus
 from envctl.plan.host import find_host_conflicts
+from envctl.plan.mig import assign_mig
 from envctl.plan.planner import plan_env
 from envctl.plan.rootfs import wants_rootfs
 from envctl.plan.userns import assign_userns, wants_userns
@@ -192,10 +193,16 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
         facts = _assign_userns(specs, facts, held)
     if not gpus:
         return facts
-    facts = dataclasses.replace(facts, gpu_held=_gpus_held(host))
+    facts = dataclasses.replace(facts, gpu_held=_gpus_held(host), mig_held=_mig_held(host))
     facts = _with_quarantine(facts, host)
-    assigned, refused = assign_gpus(gpus, facts)
-    facts = dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused)
+    placed, mig_refused = assign_mig(gpus, facts)
+    # A GPU carved for MIG instances is not free to be given whole to another spec.
+    carved = {p[1]: env for env, items in placed.items() for p in items}
+    assigned, refused = assign_gpus(gpus, facts, reserved=carved)
+    for env, items in placed.items():
+        assigned[env] = tuple(p[5] for p in items if p[5])
+    facts = dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused,
+                                mig_assigned=placed, mig_refused=mig_refused)
     if not any(isinstance(s.resources.cpu.dedicated, NearGpuCpus) for s in specs):
         return facts
     # CPUs near the GPUs, once the GPUs are known, around what every environment that is up
@@ -288,3 +295,10 @@ def _gpus_held(host: Host) -> dict[str, str]:
     """GPU UUID -> the environment that is up and holds it, from every journal's claims."""
     return {uuid: env for env, claims in _up_claims(host)
             for uuid in claims.get("gpus", {}).get("uuids", [])}
+
+
+def _mig_held(host: Host) -> tuple[tuple[str, str, str, int, int], ...]:
+    """The MIG placements every environment that is up claims: (environment, GPU UUID,
+    profile, start, size)."""
+    return tuple((env, p["gpu"], p["profile"], int(p["start"]), int(p["size"]))
+                 for env, claims in _up_claims(host) for p in claims.get("mig", []))

@@ -173,6 +173,13 @@ def test_mig_devices_count_as_their_parent():
     assert dedicated_cpus(spec("a", count=2, gpus={"uuids": ["MIG-6-7-0"]}), f).cpus == (32, 33)
 
 
+def test_mig_instances_up_is_still_to_make_count_as_their_parent():
+    """A `gpus.mig` placement has no MIG UUID until `up` makes it: its GPU is the parent's."""
+    f = facts({"a": ()}, mig_assigned={"a": ((6, "GPU-6", "1g.18gb", 0, 1, ""),)})
+    assert dedicated_cpus(spec("a", count=2, gpus={"mig": [{"gpu": 6, "profile": "1g.18gb"}]}),
+                          f).cpus == (32, 33)
+
+
 # ---------------------------------------------------------------- the plan
 
 

@@ -169,11 +169,16 @@ class Engine:
             return self._up(env, resources, meta, self.ledger(), fold_ledger=True)
 
     def up_many(self, items: Sequence[tuple[str, Sequence[Resource], dict[str, Any] | None]], *,
-                locked: bool = False) -> tuple[list[Outcome], dict[str, EnvctlError]]:
+                locked: bool = False, prune: tuple[str, ...] | None = None
+                ) -> tuple[list[Outcome], dict[str, EnvctlError]]:
         """`up` of each (env, resources, meta) in turn, under one lock hold, with one ledger:
         folded once, at the end (its records are in its log as they happen, as `down_many`
         does), not once per environment. One that fails is rolled back and the others still
-        come up: its error is returned by name. A signal stops everything (after rollback)."""
+        come up: its error is returned by name. A signal stops everything (after rollback).
+
+        `prune` (kinds) applies a part of each plan (the MIG instances `up` makes before it
+        plans the rest: app.make_mig): of the journal's entries the part does not name, only
+        those of these kinds are removed (None: all of them, as for a whole plan)."""
         outcomes: list[Outcome] = []
         failed: dict[str, EnvctlError] = {}
         with nullcontext() if locked else self.locked():
@@ -182,7 +187,7 @@ class Engine:
                 for env, resources, meta in items:
                     try:
                         outcomes.append(self._up(env, resources, meta, ledger,
-                                                 fold_ledger=False))
+                                                 fold_ledger=False, prune=prune))
                     except StepInterrupted:
                         raise
                     except EnvctlError as exc:
@@ -195,7 +200,8 @@ class Engine:
         return outcomes, failed
 
     def _up(self, env: str, resources: Sequence[Resource], meta: dict[str, Any] | None,
-            ledger: Ledger, *, fold_ledger: bool) -> Outcome:
+            ledger: Ledger, *, fold_ledger: bool, prune: tuple[str, ...] | None = None
+            ) -> Outcome:
         journal = self.journal(env)
         folded = (journal, ledger) if fold_ledger else (journal,)
         outcome = Outcome(env)
@@ -207,7 +213,8 @@ class Engine:
                 journal.set_meta(meta)
             # Resources the spec no longer asks for go first, newest first.
             for entry in reversed(list(journal.entries)):
-                if entry.key not in wanted:
+                if entry.key not in wanted and (prune is None
+                                                or entry.key.split(":", 1)[0] in prune):
                     res = entry.load()
                     step_name = f"remove {res.describe()} (no longer in the spec)"
                     self._release(env, entry.key, res, journal, ledger, index=-1)

@@ -288,6 +288,27 @@ def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+nvml_text = _text
+
+
+def profile_infos(pynvml: Any, handle: Any) -> dict[str, Any]:
+    """GPU instance profile name (3g.71gb, as nvidia-smi mig -lgip names it) -> NVML's profile
+    info, over NVML's profile indices. Read calls only."""
+    out: dict[str, Any] = {}
+    for profile in range(getattr(pynvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", 10)):
+        try:
+            info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, profile)
+        except pynvml.NVMLError as exc:
+            # Profiles this GPU lacks answer "not supported" (or "invalid" on older drivers).
+            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+                continue
+            raise
+        name = _text(getattr(info, "name", "") or "").removeprefix("MIG ")
+        # A v1 structure has no name: nvidia-smi's form from the slices and memory.
+        out[name or f"{info.sliceCount}g.{round(info.memorySizeMB / 1024)}gb"] = info
+    return out
+
+
 def _nvml_gpus() -> tuple[str, list[GpuFact]]:
     """The driver version and GPUs as NVML reports them; _NvmlUnavailable when it cannot."""
     try:
@@ -411,18 +432,8 @@ def _with_affinity(root: Path, gpu: GpuFact, problems: list[str]) -> GpuFact:
 def _nvml_mig(pynvml: Any, handle: Any, index: int) -> tuple[MigFact, ...]:
     """The MIG devices of a MIG-enabled GPU: each compute instance with its GPU instance's
     profile and placement. Read calls only (no instance is made or destroyed)."""
-    names: dict[int, str] = {}  # profile id -> name, over NVML's profile indices
-    for profile in range(getattr(pynvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", 10)):
-        try:
-            info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, profile)
-        except pynvml.NVMLError as exc:
-            # Profiles this GPU lacks answer "not supported" (or "invalid" on older drivers).
-            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                continue
-            raise
-        name = _text(getattr(info, "name", "") or "").removeprefix("MIG ")
-        # A v1 structure has no name: nvidia-smi's form from the slices and memory.
-        names[int(info.id)] = name or f"{info.sliceCount}g.{round(info.memorySizeMB / 1024)}gb"
+    # profile id -> name
+    names = {int(info.id): name for name, info in profile_infos(pynvml, handle).items()}
     out = []
     for n in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
         try:

@@ -81,6 +81,12 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
     elif gpus.wanted:
         out["gpus"] = {"all": gpus.all, "indices": list(gpus.indices),
                        "uuids": list(gpus.uuids)}
+    placed = facts.mig_assigned.get(spec.name) if facts is not None else None
+    if placed:
+        # The slots of the MIG instances it makes (plan.mig): sticky at the next `up`, and
+        # no other spec may place an instance over them while it is up.
+        out["mig"] = [{"gpu": uuid, "index": index, "profile": profile, "start": start,
+                       "size": size} for index, uuid, profile, start, size, _ in placed]
     if spec.runtime.capabilities is not None:
         # Not a claim: recorded with them so that every launch reads it from the journal.
         out["capabilities"] = list(spec.runtime.capabilities)

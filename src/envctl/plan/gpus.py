@@ -31,18 +31,20 @@ NODES_KEY = "gpu.nodes"  # ((name under /dev, major or its /proc/devices name, m
 ENV_KEY = "gpu.env"  # {"CUDA_VISIBLE_DEVICES": "GPU-…,GPU-…", "NVIDIA_VISIBLE_DEVICES": …}
 
 
-def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts
+def assign_gpus(specs: Sequence[EnvSpec], facts: HostFacts, *,
+                reserved: dict[str, str] | None = None
                 ) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
     """The GPUs (UUIDs, in index order) each spec that wants some gets, and why a spec gets
     none. Explicit claims (all, indices, UUIDs) are served first, then counts in name order;
     a count keeps the GPUs its environment already holds (it never moves at re-`up`) and
     takes the lowest free indices for the rest. GPUs held by environments that are up
     (`facts.gpu_held`) are never given to another; quarantined ones (`facts.gpu_quarantined`,
-    a whole GPU covering its MIG devices) are given to no one."""
+    a whole GPU covering its MIG devices) are given to no one; nor are those `reserved` (GPU
+    UUID -> the spec that carves it into MIG instances: plan.mig)."""
     by_index = {g.index: g for g in facts.gpu.gpus}
     by_uuid = {g.uuid: g for g in facts.gpu.gpus}
     migs = facts.gpu.migs()
-    taken = dict(facts.gpu_held)  # uuid -> environment
+    taken = {**(reserved or {}), **facts.gpu_held}  # uuid -> environment
     out: dict[str, tuple[str, ...]] = {}
     why: dict[str, str] = {}
 
@@ -141,6 +143,8 @@ def _wanted(spec: EnvSpec) -> str:
         return "every GPU"
     if g.count:
         return f"{g.count} GPU{'s' if g.count > 1 else ''}"
+    if g.mig:
+        return "MIG instances"
     items = [str(i) for i in g.indices] or list(g.uuids)
     return f"GPU {', '.join(items)}"
 
@@ -160,6 +164,16 @@ def plan_gpus(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     if not facts.gpu.gpus:
         plan.error(("gpus",), f"wants {_wanted(spec)}, but this host has {_found(facts)}")
         return
+    if spec.gpus.mig:
+        # Its MIG instances: those that exist resolve like MIG UUIDs named in the spec; those
+        # `up` makes first are planned again, with their nodes, once made (app.up).
+        from envctl.plan.mig import plan_mig
+
+        made = plan_mig(spec, facts, plan)
+        if made is None:
+            return
+        _plan_nodes(spec, facts, plan, made)
+        return
     assigned = facts.gpu_assigned.get(spec.name)
     if spec.name in facts.gpu_refused:
         # Resolved with the other specs read together: planning it alone would not see theirs.
@@ -171,6 +185,11 @@ def plan_gpus(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
             plan.error(("gpus",), f"{why[spec.name]} (this host has {_found(facts)})")
             return
         assigned = alone[spec.name]
+    _plan_nodes(spec, facts, plan, assigned)
+
+
+def _plan_nodes(spec: EnvSpec, facts: HostFacts, plan: Plan, assigned: tuple[str, ...]) -> None:
+    """The nodes, allow-list rules and variables of the GPUs and MIG devices `assigned`."""
     gid = _gid(spec, facts, plan)
     if gid is None:
         return

@@ -21,6 +21,8 @@ MODULES = {
     "firewall-base": "firewall",
     "governor": "governor",
     "kmod": "kmod",
+    "mig-instance": "mig",
+    "mig-mode": "mig",
     "mntns-dir": "mounts",
     "mntns": "mounts",
     "mount": "mounts",

@@ -619,13 +619,43 @@ GroupName = Annotated[str, _pattern(r"[a-z_][a-z0-9_-]{0,31}\$?|[0-9]{1,10}",
                                     "numeric gid")]
 
 
+class MigInstance(Strict):
+    """MIG instances `up` makes on GPU `gpu` (its index): `count` GPU instances of `profile`,
+    each with one compute instance spanning it; `start` pins the first memory slice of a
+    single one (as `nvidia-smi mig -lgipp` numbers placements), else the planner picks."""
+
+    gpu: Annotated[int, _whole(0, GPU_INDEX_MAX)]
+    profile: str
+    count: Annotated[int, _whole(1, 7)] = 1
+    start: Annotated[int | None, _whole(0, 7)] = None
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        from envctl.spec.migprofiles import PROFILE_NAMES
+
+        if v not in PROFILE_NAMES:
+            raise ValueError(f"no MIG profile {_shown(v)}: allowed are the names `nvidia-smi mig "
+                             f"-lgip` prints: {', '.join(PROFILE_NAMES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_start(self) -> MigInstance:
+        if self.start is not None and self.count != 1:
+            raise ValueError("start places one instance: give count 1 with it, or no start")
+        return self
+
+
 class Gpus(Strict):
-    """Which GPUs the environment gets (none, all, a count, indices or UUIDs) and how."""
+    """Which GPUs the environment gets (none, all, a count, indices, UUIDs or MIG instances
+    made for it) and how."""
 
     count: Annotated[int | None, _whole(0, GPU_INDEX_MAX + 1)] = None
     indices: tuple[Annotated[int, _whole(0, GPU_INDEX_MAX)], ...] = ()
     uuids: tuple[GpuUuid, ...] = ()
     all: Flag = False
+    # MIG instances `up` makes (and `down` destroys): [{gpu: 0, profile: 3g.71gb}, …].
+    mig: tuple[MigInstance, ...] = ()
     # The device nodes are mode 0660, owned by root and this group (never 0666).
     group: GroupName = "video"
     # /dev/nvidia-modeset (display drivers, Vulkan/OpenGL); compute does not need it.
@@ -684,14 +714,16 @@ class Gpus(Strict):
     @model_validator(mode="after")
     def _one_way(self) -> Gpus:
         # The long form can say two things at once; the shorthand never does.
-        given = [self.all, self.count is not None, bool(self.indices), bool(self.uuids)]
+        given = [self.all, self.count is not None, bool(self.indices), bool(self.uuids),
+                 bool(self.mig)]
         if sum(given) > 1:
-            raise ValueError("give one of all, count, indices or uuids")
+            raise ValueError("give one of all, count, indices, uuids or mig")
         return self
 
     @property
     def wanted(self) -> bool:
-        return self.all or bool(self.count) or bool(self.indices) or bool(self.uuids)
+        return self.all or bool(self.count) or bool(self.indices) or bool(self.uuids) \
+            or bool(self.mig)
 
 
 # ---------------------------------------------------------------- mounts

@@ -72,6 +72,11 @@ def spec_gpus(spec: EnvSpec, facts: HostFacts) -> list[GpuFact]:
         g = by_uuid.get(u) or (migs[u][0] if u in migs else None)
         if g is not None:
             found[g.index] = g
+    # MIG placements `up` is still to make have no MIG UUID yet: their parent GPU is known.
+    for placed in facts.mig_assigned.get(spec.name, ()):
+        g = by_uuid.get(placed[1])
+        if g is not None:
+            found[g.index] = g
     return [found[i] for i in sorted(found)]
 
 

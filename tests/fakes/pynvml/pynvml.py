@@ -45,6 +45,17 @@ device's, a GPU instance's and a compute instance's are tagged above 0x10000, so
 of handle is INVALID_ARGUMENT as in NVML. Functions that fill caller arrays take ctypes arrays
 and byref(c_uint()) counts, as nvidia-ml-py's do (NULL array: the count only).
 
+MIG (write paths): nvmlDeviceSetMigMode (IN_USE while `"processes"` hold the GPU; with
+`"mig_reset_required": true` the new mode is only pending and the activation status is
+RESET_REQUIRED, as on an A100; an H100/H200 changes at once), nvmlDeviceCreateGpuInstance
+[WithPlacement] (the profiles' own placements; INSUFFICIENT_RESOURCES on taken slots),
+nvmlGpuInstanceCreateComputeInstance (the full-size one), nvmlComputeInstanceDestroy and
+nvmlGpuInstanceDestroy (IN_USE while it has compute instances). Each is written back to the
+JSON file under a lock (separate processes see it), appended to its `"writes"` log, and
+mirrored in the fake tree's capabilities/gpuN/mig/giX[/ciY]/access files. Profiles and
+placements: tests/fakes/gpuhost.py (NVIDIA's MIG user guide, "Supported MIG Profiles",
+https://docs.nvidia.com/datacenter/tesla/mig-user-guide/supported-mig-profiles.html).
+
 Tests put this directory first on sys.path /
 PYTHONPATH so that `import pynvml` finds it. `calls` counts init and shutdown.
 """
@@ -59,13 +70,17 @@ NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_NO_PERMISSION = 4
 NVML_ERROR_INSUFFICIENT_SIZE = 7
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_RESET_REQUIRED = 16
 NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
+NVML_ERROR_IN_USE = 19
+NVML_ERROR_INSUFFICIENT_RESOURCES = 23
 NVML_ERROR_UNKNOWN = 999
 
 NVML_DEVICE_MIG_DISABLE = 0
@@ -82,6 +97,7 @@ NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1 = 8
 NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2 = 9
 NVML_GPU_INSTANCE_PROFILE_COUNT = 10
 NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0
+NVML_COMPUTE_INSTANCE_PROFILE_COUNT = 8
 NVML_TEMPERATURE_GPU = 0
 NVML_CLOCK_GRAPHICS = 0
 NVML_CLOCK_SM = 1
@@ -96,6 +112,10 @@ _STRINGS = {NVML_ERROR_UNINITIALIZED: "Uninitialized",
             NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
             NVML_ERROR_NOT_SUPPORTED: "Not Supported",
             NVML_ERROR_NOT_FOUND: "Not Found",
+            NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
+            NVML_ERROR_RESET_REQUIRED: "GPU requires restart",
+            NVML_ERROR_IN_USE: "Resource in use",
+            NVML_ERROR_INSUFFICIENT_RESOURCES: "Insufficient resources",
             NVML_ERROR_INSUFFICIENT_SIZE: "Insufficient Size",
             NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
             NVML_ERROR_TIMEOUT: "Timeout",
@@ -596,3 +616,213 @@ def nvmlEventSetWait(event_set: int, timeoutms: int) -> c_nvmlEventData_t:  # no
 
 def nvmlEventSetFree(event_set: int) -> None:  # noqa: N802
     _event_sets.pop(event_set, None)
+
+
+# ---------------------------------------------------------------- MIG (write paths)
+#
+# As NVML does them (nvml.h, "MIG Management"): each change is read-modify-written to the JSON
+# file under a lock, so separate processes see what earlier ones made, and logged in its
+# "writes" list ([call, GPU index, …]) for tests to assert on what changed. The driver's
+# capability files (proc/driver/nvidia/capabilities/gpuN/mig/giX[/ciY]/access) of the fake
+# tree that holds the JSON file follow the instances, as nvidia.ko's do.
+
+
+def _mutate(call: str, handle: int, change) -> object:
+    """Run change(gpu dict) on GPU `handle` of the file's current state and save it."""
+    import fcntl
+
+    global _config
+    _live()
+    path = os.environ["FAKE_NVML_JSON"]
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(path) as f:
+            fresh = json.load(f)
+        _config = fresh  # what other processes wrote since this one's nvmlInit
+        gpu = _gpu(handle, call)
+        result = change(gpu)
+        fresh.setdefault("writes", []).append([call, handle])
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(fresh, f, indent=1)
+        os.replace(tmp, path)
+    return result
+
+
+def _caps_dir(gpu: dict) -> str | None:
+    """The fake tree's proc/driver/nvidia/capabilities/gpu<minor>/mig (None: no tree)."""
+    root = _live().get("root") or os.path.dirname(os.environ["FAKE_NVML_JSON"])
+    nv = os.path.join(root, "proc", "driver", "nvidia")
+    if not os.path.isdir(nv):
+        return None
+    return os.path.join(nv, "capabilities", f"gpu{gpu['minor']}", "mig")
+
+
+def _minor_of(gpu: dict, key: str) -> int | None:
+    root = _live().get("root") or os.path.dirname(os.environ["FAKE_NVML_JSON"])
+    try:
+        with open(os.path.join(root, "proc", "driver", "nvidia-caps", "mig-minors")) as f:
+            for line in f:
+                name, _, minor = line.strip().rpartition(" ")
+                if name == f"gpu{gpu['minor']}/{key}":
+                    return int(minor)
+    except FileNotFoundError:
+        pass
+    return None
+
+
+def _write_cap(gpu: dict, key: str) -> None:
+    """The access file of capability `key` (gi3/access, gi3/ci0/access), mode 0444 (292)."""
+    base = _caps_dir(gpu)
+    minor = _minor_of(gpu, key)
+    if base is None or minor is None:
+        return
+    path = os.path.join(base, key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+
+
+def _drop_cap(gpu: dict, key: str) -> None:
+    import shutil
+
+    base = _caps_dir(gpu)
+    if base is not None:
+        shutil.rmtree(os.path.join(base, os.path.dirname(key)), ignore_errors=True)
+
+
+def nvmlDeviceSetMigMode(handle: int, mode: int) -> int:  # noqa: N802
+    """Returns the activation status: NVML_SUCCESS, or NVML_ERROR_RESET_REQUIRED when the
+    mode is only pending (`"mig_reset_required": true`, as A100s need a GPU reset; an
+    H100/H200 changes at once). IN_USE while processes hold the GPU (`"processes"`) or, to
+    turn it off, while GPU instances exist."""
+    if mode not in (NVML_DEVICE_MIG_DISABLE, NVML_DEVICE_MIG_ENABLE):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+
+    def change(gpu: dict) -> int:
+        if gpu.get("mig") is None:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        if gpu.get("processes") or (mode == NVML_DEVICE_MIG_DISABLE
+                                    and gpu.get("gpu_instances")):
+            raise NVMLError(NVML_ERROR_IN_USE)
+        gpu["mig_pending"] = bool(mode)
+        if gpu.get("mig_reset_required"):
+            return NVML_ERROR_RESET_REQUIRED
+        gpu["mig"] = bool(mode)
+        return NVML_SUCCESS
+
+    return _mutate("nvmlDeviceSetMigMode", handle, change)
+
+
+def _gi_id(size: int, start: int) -> int:
+    # One id per slot, as tests/fakes/gpuhost.py lays them out: 7g 0, 3g/4g 1-2, 2g 3-6, 1g 7-13.
+    return {8: 0, 4: 1 + start // 4, 2: 3 + start // 2}.get(size, 7 + start)
+
+
+def _create_gi(call: str, handle: int, profile_id: int, placement) -> int:
+    def change(gpu: dict) -> int:
+        if not gpu.get("mig"):
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        p = _profile(gpu, pid=profile_id)
+        gis = gpu.setdefault("gpu_instances", [])
+        used = {s for gi in gis for s in range(gi["start"], gi["start"] + gi["size"])}
+        if sum(1 for gi in gis if gi["profile"] == p["index"]) >= p["instances"]:
+            raise NVMLError(NVML_ERROR_INSUFFICIENT_RESOURCES)
+        if placement is None:
+            free = [(s, n) for s, n in p["placements"] if not used & set(range(s, s + n))]
+            if not free:
+                raise NVMLError(NVML_ERROR_INSUFFICIENT_RESOURCES)
+            start, size = free[0]
+        else:
+            start, size = placement.start, placement.size
+            if [start, size] not in [list(x) for x in p["placements"]]:
+                raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+            if used & set(range(start, start + size)):
+                raise NVMLError(NVML_ERROR_INSUFFICIENT_RESOURCES)
+        gi_id = _gi_id(size, start)
+        gis.append({"id": gi_id, "profile": p["index"], "start": start, "size": size,
+                    "cis": []})
+        _write_cap(gpu, f"gi{gi_id}/access")
+        return _GI | handle << 8 | gi_id
+
+    return _mutate(call, handle, change)
+
+
+def nvmlDeviceCreateGpuInstance(handle: int, profileId: int) -> int:  # noqa: N802, N803
+    """At the first free placement of the profile, as NVML picks one."""
+    return _create_gi("nvmlDeviceCreateGpuInstance", handle, profileId, None)
+
+
+def nvmlDeviceCreateGpuInstanceWithPlacement(handle: int, profileId: int,  # noqa: N802, N803
+                                             placement) -> int:
+    """placement: a c_nvmlGpuInstancePlacement_t (or byref() of one)."""
+    return _create_gi("nvmlDeviceCreateGpuInstanceWithPlacement", handle, profileId,
+                      getattr(placement, "_obj", placement))
+
+
+def nvmlGpuInstanceGetComputeInstanceProfileInfo(gpuInstance: int, profile: int,  # noqa: N802, N803
+                                                 engProfile: int):  # noqa: N803
+    """Only the compute instance profile that spans its GPU instance (the one envctl makes);
+    smaller ones answer NOT_SUPPORTED here."""
+    _, gpu, gi = _gi(gpuInstance, "nvmlGpuInstanceGetComputeInstanceProfileInfo")
+    p = _profile(gpu, index=gi["profile"])
+    if profile != p["ci_profile"] or engProfile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return _Info(id=profile, sliceCount=p["slices"], instanceCount=1,
+                 multiprocessorCount=16 * p["slices"])
+
+
+def nvmlGpuInstanceCreateComputeInstance(gpuInstance: int, profileId: int) -> int:  # noqa: N802, N803
+    index, _, gi_known = _gi(gpuInstance, "nvmlGpuInstanceCreateComputeInstance")
+
+    def change(gpu: dict) -> int:
+        gi = next((g for g in gpu.get("gpu_instances") or [] if g["id"] == gi_known["id"]),
+                  None)
+        if gi is None:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        if profileId != _profile(gpu, index=gi["profile"])["ci_profile"]:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        if gi["cis"]:  # the full-size compute instance fills its GPU instance
+            raise NVMLError(NVML_ERROR_INSUFFICIENT_RESOURCES)
+        serial = _config.get("mig_serial", 0) + 1
+        _config["mig_serial"] = serial
+        digit = "123456789abcdef0"[index % 16]
+        gi["cis"].append({"id": 0, "profile": profileId,
+                          "uuid": f"MIG-{digit * 8}-{gi['id']:04x}-0000-{serial:04x}-"
+                                  f"{index:012x}"})
+        _write_cap(gpu, f"gi{gi['id']}/ci0/access")
+        return _CI | index << 12 | gi["id"] << 4
+
+    return _mutate("nvmlGpuInstanceCreateComputeInstance", index, change)
+
+
+def nvmlGpuInstanceDestroy(gpuInstance: int) -> None:  # noqa: N802, N803
+    """IN_USE while it has compute instances, as NVML refuses."""
+    index, _, gi_known = _gi(gpuInstance, "nvmlGpuInstanceDestroy")
+
+    def change(gpu: dict) -> None:
+        gis = gpu.get("gpu_instances") or []
+        gi = next((g for g in gis if g["id"] == gi_known["id"]), None)
+        if gi is None:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        if gi["cis"]:
+            raise NVMLError(NVML_ERROR_IN_USE)
+        gis.remove(gi)
+        _drop_cap(gpu, f"gi{gi['id']}/access")
+
+    _mutate("nvmlGpuInstanceDestroy", index, change)
+
+
+def nvmlComputeInstanceDestroy(computeInstance: int) -> None:  # noqa: N802, N803
+    info = nvmlComputeInstanceGetInfo(computeInstance)
+    index, gi_id, ci_id = info.device, computeInstance >> 4 & 0xFF, info.id
+
+    def change(gpu: dict) -> None:
+        gi = next((g for g in gpu.get("gpu_instances") or [] if g["id"] == gi_id), None)
+        ci = next((c for c in (gi or {}).get("cis", []) if c["id"] == ci_id), None)
+        if ci is None:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        gi["cis"].remove(ci)
+        _drop_cap(gpu, f"gi{gi_id}/ci{ci_id}/access")
+
+    _mutate("nvmlComputeInstanceDestroy", index, change)
