@@ -36,6 +36,7 @@ rootfs:
   binaries: [sh, sleep, "true"]
 resources:
   cpu: {dedicated: "0"}
+jobs: {max_queued_per_user: %d}
 """
 
 # Run inside the sandbox: N submits from C processes; prints one JSON line of timings.
@@ -45,11 +46,15 @@ from envctl.server import client as cl
 
 def work(n):
     out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        job = cl.submit(cl.route(), "qbench", "true", [], cpus="1", time_limit="1", user="root")
-        out.append((t, time.perf_counter() - t))
-        assert job.state == "PENDING", job
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            job = cl.submit(cl.route(), "qbench", "true", [], cpus="1", time_limit="1",
+                            user="root")
+            out.append((t, time.perf_counter() - t))
+            assert job.state == "PENDING", job
+    except BaseException as exc:  # as text: an envctl error does not unpickle, and the pool
+        return repr(exc)          # would wait for its result for ever
     return out
 
 n, c = int(sys.argv[1]), int(sys.argv[2])
@@ -57,6 +62,9 @@ t0 = time.perf_counter()
 with multiprocessing.Pool(c) as pool:
     got = pool.map(work, [n // c + (i < n % c) for i in range(c)])
 wall = time.perf_counter() - t0
+failed = [g for g in got if isinstance(g, str)]
+if failed:
+    sys.exit(f"a client failed: {failed[0]}")
 lat = sorted(x for g in got for x in g)
 print(json.dumps({"wall": wall, "first": [d for _, d in lat[:100]],
                   "last": [d for _, d in lat[-100:]]}))
@@ -100,7 +108,8 @@ def main() -> None:
         sock = {"ENVCTL_SOCKET": str(Path(tmp) / "envctl.sock")}
         daemon = None
         try:
-            sb.write_spec("qbench", SPEC)
+            # Every job is root's: its jobs.max_queued_per_user (default 1,000) above the run's.
+            sb.write_spec("qbench", SPEC % (args.jobs + 10))
             check(sb.envctl("up", "qbench"), "up")
             # Its log (a line per request) to a file: an unread pipe would fill and stop it.
             log = open(Path(tmp) / "daemon.log", "w")  # noqa: SIM115 - closed with the run
