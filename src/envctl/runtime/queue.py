@@ -272,7 +272,7 @@ def user_load(state_dir: Path, env: str, uid: int) -> tuple[int, int]:
 
 
 LOAD_HEAD = 64  # bytes of the index's start kept in its summary (with its inode): its identity
-LOAD_TAIL = 64 * 1024  # bytes read past the summary before it is written again
+LOAD_TAIL = 8192  # bytes read past the summary before it is written again (~16 lines)
 
 
 def _load_file(state_dir: Path, env: str) -> Path:
