@@ -12,6 +12,11 @@ in it). Children are capped in all and per uid (the rest wait their turn) and re
 pidfds; a `wait` blocks until its jobs end, so waits have caps of their own: a user's pending
 waits never hold that user's submits.
 
+A submit whose job queues is answered once its record and index line are written; the pass
+of the queue that may start it (backfill) is the daemon's, after the answer: the child exits
+PASS_EXIT and the daemon runs one pass for all the submits that asked since the last
+(`want_pass`), so submits arriving together do not each wait on a pass for the jobs lock.
+
 Jobs outlive the daemon: a job's supervisor is double-forked by the request's child and
 detached (runtime.supervisor._spawn); nothing of it waits on the daemon, so kill -9 of the
 daemon, or a restart, ends no job. A request's child is not killed with the daemon either:
@@ -57,6 +62,11 @@ def is_wait(request: dict) -> bool:
                                           and request.get("follow") is True)
 SD_LISTEN_FDS_START = 3
 KICK_EVERY = 2.0  # seconds between the daemon's passes of the job queue
+# A submit's child answers, then exits PASS_EXIT when its job wants a pass (it may be
+# backfilled at once): the daemon runs one, at most every PASS_GAP seconds, so that submits
+# arriving together share a pass instead of queueing behind one each for the jobs lock.
+PASS_EXIT = 3
+PASS_GAP = 0.2
 
 
 class Conn:
@@ -187,6 +197,7 @@ class Daemon:
         # The job queue's timer: a pass (in a child: starts block) at start, where the
         # queue's index is rebuilt from the records, and every KICK_EVERY seconds.
         self.kick_at = 0.0
+        self.kicked_at = 0.0  # when the last pass started
         self.kicker: int | None = None  # its pidfd while one runs
         self.kicks = 0
 
@@ -235,7 +246,8 @@ class Daemon:
         """A pass of the job queue (runtime.supervisor.kick) in a child of its own."""
         rebuild = self.kicks == 0
         self.kicks += 1
-        self.kick_at = time.monotonic() + KICK_EVERY
+        self.kicked_at = time.monotonic()
+        self.kick_at = self.kicked_at + KICK_EVERY
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -249,6 +261,11 @@ class Daemon:
             os.waitpid(pid, 0)
             return
         self.sel.register(self.kicker, selectors.EVENT_READ, "kicker")
+
+    def want_pass(self) -> None:
+        """A pass soon: PASS_GAP after the last one started (or once the one running ends,
+        if that is later). The ones asked for meanwhile are this one."""
+        self.kick_at = min(self.kick_at, self.kicked_at + PASS_GAP)
 
     def reap_kicker(self) -> None:
         assert self.kicker is not None
@@ -428,8 +445,12 @@ class Daemon:
         pid, _, _ = self.children.pop(pidfd)
         self.sel.unregister(pidfd)
         os.close(pidfd)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            return
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == PASS_EXIT:
+            self.want_pass()
 
 
 def run_handler(handler, caller: Caller, request: dict, fds: list[int],
@@ -467,6 +488,7 @@ def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) ->
     if not reply:
         return 0  # the client left
     reply_fds = reply.pop("_fds", [])
+    wants_pass = reply.pop(handlers.PASS_WANTED, False) is True
     sock.settimeout(WRITE_DEADLINE)
     try:
         proto.send_frame(sock, reply, reply_fds)
@@ -475,7 +497,8 @@ def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) ->
             log(f"uid {caller.uid}: {op}: reply: {exc}")
     log(f"uid {caller.uid} pid {caller.pid}: {op}: "
         + ("ok" if reply.get("ok") else f"refused: {reply.get('error')}"))
-    return 0
+    # (whether or not the client took the answer: the job is queued either way)
+    return PASS_EXIT if wants_pass else 0
 
 
 def kick_child(rebuild: bool) -> int:
