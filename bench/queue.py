@@ -90,10 +90,25 @@ def check(res, what: str):
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time of `pid` and of its children it has reaped (a request's children, the
-    queue's passes): /proc/PID/stat utime, stime, cutime, cstime."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    """CPU time of `pid`, of the children it has reaped (a request's children, the queue's
+    passes) and of those still running (its submit workers): /proc/PID/stat utime, stime,
+    cutime, cstime, and the same of each live child."""
+    stats = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:  # (comm may hold spaces and parentheses: the fields follow the last ')')
+                stats[int(d.name)] = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # it ended meanwhile (and is counted by its parent)
+
+    def total(p: int) -> float:
+        fields = stats.get(p)
+        if fields is None:
+            return 0.0
+        own = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+        return own + sum(total(k) for k, f in stats.items() if int(f[1]) == p)
+
+    return total(pid)
 
 
 def rss_mb(pid: int) -> float:
