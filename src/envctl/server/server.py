@@ -250,7 +250,9 @@ class Daemon:
             due.append(self.kick_at)
         busy = [w.since + POOL_WAIT for w in self.workers if w.uid is not None]
         if self.queue and busy:
-            due.append(min(busy))  # a submit waiting for a worker: a child after POOL_WAIT
+            # A submit waiting for a worker: a child of its own once the last to take a
+            # request has been busy for POOL_WAIT (worker_soon).
+            due.append(max(busy))
         timeout = max(0.0, min(due) - now) if due else None
         for key, events in self.sel.select(timeout):
             what = key.data
