@@ -98,6 +98,10 @@ def daemon(tmp_path, monkeypatch):
     poke.close()
     t.join(5)
     listener.close()
+    for w in d.workers:  # a worker finding the daemon gone leaves
+        w.sock.close()
+    for pid in [w.pid for w in d.workers]:
+        os.waitpid(pid, 0)
 
 
 def _call(path: str, obj: dict) -> dict:
