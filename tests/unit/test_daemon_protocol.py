@@ -101,7 +101,10 @@ def daemon(tmp_path, monkeypatch):
     for w in d.workers:  # a worker finding the daemon gone leaves
         w.sock.close()
     for pid in [w.pid for w in d.workers]:
-        os.waitpid(pid, 0)
+        deadline = time.monotonic() + 10
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline, f"worker {pid} outlived the daemon"
+            time.sleep(0.01)
 
 
 def _call(path: str, obj: dict) -> dict:
