@@ -98,6 +98,13 @@ def daemon(tmp_path, monkeypatch):
     poke.close()
     t.join(5)
     listener.close()
+    for w in d.workers:  # a worker finding the daemon gone leaves
+        w.sock.close()
+    for pid in [w.pid for w in d.workers]:
+        deadline = time.monotonic() + 10
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline, f"worker {pid} outlived the daemon"
+            time.sleep(0.01)
 
 
 def _call(path: str, obj: dict) -> dict:
@@ -272,3 +279,76 @@ def test_runtime_never_imports_the_server_and_the_client_stays_light():
     res = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True,
                          text=True, check=True)
     assert json.loads(res.stdout) == []
+
+
+def test_busy_workers_count_in_the_callers_caps(monkeypatch):
+    """A submit served by a worker holds one of its user's MAX_CHILDREN_PER_UID slots, as a
+    child of its own does."""
+    from envctl.runtime.access import Caller
+    from envctl.server import server
+
+    sock = socket.socket(socket.AF_UNIX)
+    d = server.Daemon(sock)
+    forked = []
+
+    def fork(conn):
+        forked.append(conn)
+        d.children[1000 + len(forked)] = (0, conn.caller.uid, False)
+
+    monkeypatch.setattr(d, "fork", fork)
+    for pid in (1, 2, 3):
+        w = server.Worker(pid, socket.socket(socket.AF_UNIX))
+        w.uid = 60001
+        d.workers.append(w)
+    for _ in range(server.MAX_CHILDREN_PER_UID):
+        c = server.Conn(socket.socket(socket.AF_UNIX), Caller(60001, 60001, (), 1))
+        c.request = {"v": 1, "op": "submit"}
+        d.queue.append(c)
+    d.start_queued()
+    assert len(forked) == server.MAX_CHILDREN_PER_UID - 3
+    for c in [*forked, *d.queue]:
+        c.sock.close()
+    for w in d.workers:
+        w.sock.close()
+    sock.close()
+
+
+def _wait_for(what, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_submits_are_served_by_reused_workers_that_are_replaced_when_they_die(daemon,
+                                                                              monkeypatch):
+    """Submits go to a long-lived worker (the same process for the next one, not the
+    daemon), which asks for the queue's pass through the daemon; a killed worker is reaped
+    and the next submit is served all the same; a worker leaves after WORKER_REQUESTS and a
+    fresh one serves on. (The handler here only says which process ran it.)"""
+    import signal
+
+    from envctl.server import handlers, server
+
+    def submit(caller, req, fds):
+        return {"pid": os.getpid(), handlers.PASS_WANTED: True}, []
+
+    monkeypatch.setitem(handlers.FORKED, "submit", submit)
+    monkeypatch.setattr(server, "WORKERS", 1)
+    monkeypatch.setattr(server, "WORKER_REQUESTS", 3)
+    path, d = daemon
+    _wait_for(lambda: d.kicks >= 1)  # the pass at its start
+    d.kick_at = time.monotonic() + 3600  # and no timed one: the pass asked for is the next
+    ask = {"v": 1, "op": "submit"}
+    first = _call(path, ask)
+    assert first["ok"] is True and handlers.PASS_WANTED not in first
+    assert first["pid"] != os.getpid()
+    _wait_for(lambda: d.kicks >= 2)
+    assert _call(path, ask)["pid"] == first["pid"]  # the same worker
+    os.kill(first["pid"], signal.SIGKILL)
+    _wait_for(lambda: all(w.pid != first["pid"] for w in d.workers))
+    pids = [_call(path, ask)["pid"] for _ in range(4)]
+    assert first["pid"] not in pids and len(set(pids[:3])) == 1  # a new worker, 3 requests
+    assert pids[3] != pids[0]  # then it left, and the next one serves
+    _wait_for(lambda: not d.exiting or all(
+        pid in [w.pid for w in d.workers] for pid in d.exiting.values()))

@@ -5,6 +5,9 @@ a backfilled job, a job without a time limit never passes an earlier one, the li
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -262,8 +265,6 @@ def test_a_submit_needs_a_pass_without_a_head_or_past_a_limit(tmp_path):
 def test_a_skipped_pass_would_not_have_started_the_new_job(case, ask, limit, uid, depth):
     """Whenever could_start says no, a pass over the queue with the new job would not have
     started it (the queue as the last pass left it, its reasons in the index)."""
-    import tempfile
-    from pathlib import Path
 
     running, pending, lim = case
     old_depth, q.BACKFILL_DEPTH = q.BACKFILL_DEPTH, depth
@@ -294,3 +295,53 @@ def test_a_skipped_pass_would_not_have_started_the_new_job(case, ask, limit, uid
             assert new.id not in dict(again.start)
     finally:
         q.BACKFILL_DEPTH = old_depth
+
+
+# ---------------------------------------------------------------- a user's load, summarized
+
+
+def _brute_load(tmp: Path, uid: int) -> tuple[int, int]:
+    """user_load as the whole index says it (what the summary must always agree with)."""
+    n = staged = 0
+    for e in q.read_env(tmp, "e"):
+        if int((e.get("submitter") or [e["uid"]])[0]) == uid:
+            n, staged = n + 1, staged + int(e.get("staged_bytes") or 0)
+    return n, staged
+
+
+STEPS = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.integers(0, 2), st.booleans(), st.integers(0, 5000)),
+    st.tuples(st.just("rewrite"), st.integers(0, 7)),  # keep every k-th line (a pass, a cancel)
+    st.tuples(st.just("damage"), st.sampled_from([b"", b"{", b'{"ino": 1}'])),
+    st.tuples(st.just("look"), st.integers(0, 2))), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(STEPS)
+def test_a_users_load_from_the_summary_is_the_whole_indexs(steps):
+    """Appends, rewrites (new inodes), a damaged or missing summary and looks at any point:
+    user_load (the summary plus the lines after it) always says what the whole index says."""
+    from envctl.runtime.jobs import Job
+
+    old_tail, q.LOAD_TAIL = q.LOAD_TAIL, 700  # a summary written every few lines
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            root, jid = Path(tmp), 0
+            q.queue_dir(root).mkdir(parents=True)
+            for step in steps:
+                if step[0] == "append":
+                    _, uid, via_submitter, staged = step
+                    jid += 1
+                    q.append(root, Job(id=jid, env="e", argv=["x"], uid=7 if via_submitter
+                                       else uid, submitter=[uid, uid] if via_submitter
+                                       else None, staged_bytes=staged))
+                elif step[0] == "rewrite":
+                    lines = q.read_env(root, "e")
+                    q.write_env(root, "e", [e for i, e in enumerate(lines)
+                                            if step[1] and i % (step[1] + 1)])
+                elif step[0] == "damage":
+                    (q.queue_dir(root) / ".load-e").write_bytes(step[1])
+                for uid in (0, 1, 2, 7):
+                    assert q.user_load(root, "e", uid) == _brute_load(root, uid), step
+    finally:
+        q.LOAD_TAIL = old_tail

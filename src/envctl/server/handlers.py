@@ -221,9 +221,16 @@ def submit(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
     # Test hooks (ENVCTL_FAULT=ACTION@submit:before|after): checked, nothing written yet;
     # the record written, not yet answered.
     faults.maybe_fault("submit", "before", 0)
-    job = sv.submit(host, ctx, request.replace(**changes))
+    # The pass of the queue a queued job may want: the daemon's, after the answer (a pass
+    # holds the jobs lock, and one per submit was most of a submit's wait).
+    job = sv.submit(host, ctx, request.replace(**changes), run_pass=False)
     faults.maybe_fault("submit", "after", 0)
-    return {"job": job.to_json()}, []
+    return {"job": job.to_json(), PASS_WANTED: sv.wants_pass(host, job)}, []
+
+
+# A reply field the daemon's child takes out before it answers: True when the request
+# wants a pass of the job queue (server.Daemon.want_pass runs it once the answer is sent).
+PASS_WANTED = "_pass"
 
 
 def _run_as(caller: Caller, req: dict) -> dict[str, str]:

@@ -6,11 +6,19 @@ One nonblocking selector loop, so that no client can hold up another: each conne
 capped read buffer and DEADLINE seconds from its accept to send its whole request (a client
 sending a byte a second is dropped, the others are served meanwhile); connections are capped,
 in all and per uid. Cheap reads (ping, jobs) answer inline through a nonblocking write
-buffer; work that can block (submit, cancel, wait, logs) runs in a child forked per request,
-which answers on the connection and exits (a few ms from the warm daemon, and a crash stays
-in it). Children are capped in all and per uid (the rest wait their turn) and reaped through
-pidfds; a `wait` blocks until its jobs end, so waits have caps of their own: a user's pending
-waits never hold that user's submits.
+buffer; work that can block (submit, cancel, wait, logs) runs in another process, which
+answers on the connection (a crash stays in it): a submit in one of WORKERS long-lived
+workers, forked warm and reused (the connection passed to it with SCM_RIGHTS; a fork and exit
+per submit cost more CPU than the submit), the others, and a submit that finds every worker
+busy for POOL_WAIT, in a child forked per request. Children and busy workers are capped in
+all and per uid (the rest wait their turn) and reaped through pidfds; a `wait` blocks until
+its jobs end, so waits have caps of their own: a user's pending waits never hold that user's
+submits.
+
+A submit whose job queues is answered once its record and index line are written; the pass
+of the queue that may start it (backfill) is the daemon's, after the answer: the child exits
+PASS_EXIT and the daemon runs one pass for all the submits that asked since the last
+(`want_pass`), so submits arriving together do not each wait on a pass for the jobs lock.
 
 Jobs outlive the daemon: a job's supervisor is double-forked by the request's child and
 detached (runtime.supervisor._spawn); nothing of it waits on the daemon, so kill -9 of the
@@ -23,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import selectors
 import signal
@@ -57,6 +66,32 @@ def is_wait(request: dict) -> bool:
                                           and request.get("follow") is True)
 SD_LISTEN_FDS_START = 3
 KICK_EVERY = 2.0  # seconds between the daemon's passes of the job queue
+# A submit's child answers, then exits PASS_EXIT when its job wants a pass (it may be
+# backfilled at once): the daemon runs one, at most every PASS_GAP seconds, so that submits
+# arriving together share a pass instead of queueing behind one each for the jobs lock.
+PASS_EXIT = 3
+PASS_GAP = 0.2
+# Submits run in long-lived workers (forked warm like a request's child, then reused): the
+# fork and exit of a child per submit cost more CPU than the submit itself (docs/benchmarks.md
+# "The job queue"). When every worker is busy a submit gets a child of its own, as before.
+POOLED = ("submit",)
+WORKERS = 4
+WORKER_REQUESTS = 1000  # requests a worker serves before it exits (and a fresh one is forked)
+# With every worker busy, a submit waits up to POOL_WAIT seconds for one (a submit takes a few
+# ms; a fork more) before it gets a child of its own: a stuck worker delays others no longer.
+POOL_WAIT = 0.05
+
+
+class Worker:
+    """A submit worker (worker_main), from the daemon's side: its end of their socket pair
+    and whose request it serves now (None: idle)."""
+
+    def __init__(self, pid: int, sock: socket.socket):
+        self.pid = pid
+        self.sock = sock
+        self.uid: int | None = None
+        self.since = 0.0  # when it took its request
+        self.retiring = False  # it said its last request was its last
 
 
 class Conn:
@@ -73,7 +108,10 @@ class Conn:
 
 
 def log(text: str) -> None:
-    print(f"envctl daemon: {text}", file=sys.stderr, flush=True)
+    # A log that cannot be written (its reader gone, a closed stderr) stops no request: the
+    # line is lost, the worker serves on.
+    with contextlib.suppress(OSError, ValueError):
+        print(f"envctl daemon: {text}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- the listening socket
@@ -179,6 +217,8 @@ class Daemon:
         self.sel.register(listener, selectors.EVENT_READ, "listen")
         self.conns: dict[int, Conn] = {}
         self.children: dict[int, tuple[int, int, bool]] = {}  # pidfd -> (pid, uid, a wait)
+        self.workers: list[Worker] = []
+        self.exiting: dict[int, int] = {}  # pidfd -> pid of a worker that left its pool
         self.queue: list[Conn] = []
         self.stopping = False
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -187,6 +227,7 @@ class Daemon:
         # The job queue's timer: a pass (in a child: starts block) at start, where the
         # queue's index is rebuilt from the records, and every KICK_EVERY seconds.
         self.kick_at = 0.0
+        self.kicked_at = 0.0  # when the last pass started
         self.kicker: int | None = None  # its pidfd while one runs
         self.kicks = 0
 
@@ -207,6 +248,11 @@ class Daemon:
         due = [c.deadline for c in self.conns.values() if c.state != "queued"]
         if self.kicker is None:
             due.append(self.kick_at)
+        busy = [w.since + POOL_WAIT for w in self.workers if w.uid is not None]
+        if self.queue and busy:
+            # A submit waiting for a worker: a child of its own once the last to take a
+            # request has been busy for POOL_WAIT (worker_soon).
+            due.append(max(busy))
         timeout = max(0.0, min(due) - now) if due else None
         for key, events in self.sel.select(timeout):
             what = key.data
@@ -219,6 +265,10 @@ class Daemon:
                 self.reap(key.fd)
             elif what == "kicker":
                 self.reap_kicker()
+            elif what == "worker-exit":
+                self.reap_worker(key.fd)
+            elif isinstance(what, Worker):
+                self.worker_done(what)
             else:
                 self.serve_conn(what, events)
         now = time.monotonic()
@@ -235,7 +285,8 @@ class Daemon:
         """A pass of the job queue (runtime.supervisor.kick) in a child of its own."""
         rebuild = self.kicks == 0
         self.kicks += 1
-        self.kick_at = time.monotonic() + KICK_EVERY
+        self.kicked_at = time.monotonic()
+        self.kick_at = self.kicked_at + KICK_EVERY
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -249,6 +300,11 @@ class Daemon:
             os.waitpid(pid, 0)
             return
         self.sel.register(self.kicker, selectors.EVENT_READ, "kicker")
+
+    def want_pass(self) -> None:
+        """A pass soon: PASS_GAP after the last one started (or once the one running ends,
+        if that is later). The ones asked for meanwhile are this one."""
+        self.kick_at = min(self.kick_at, self.kicked_at + PASS_GAP)
 
     def reap_kicker(self) -> None:
         assert self.kicker is not None
@@ -386,9 +442,10 @@ class Daemon:
     def start_queued(self) -> None:
         """Fork the queued requests that fit their caps, first come first served within each
         kind: workers (submit, cancel, logs) and waits are capped apart; root's never wait."""
+        busy = [(w.pid, w.uid, False) for w in self.workers if w.uid is not None]
         for conn in list(self.queue):
             waits = is_wait(conn.request or {})
-            mine = [u for _, u, w in self.children.values() if w == waits]
+            mine = [u for _, u, w in [*self.children.values(), *busy] if w == waits]
             if conn.caller.uid == 0:
                 # Root is never queued behind users' requests: however many users fill the
                 # caps (colluding, or one with a subuid range: each subuid is a peer uid),
@@ -399,12 +456,19 @@ class Daemon:
             if mine.count(conn.caller.uid) >= (MAX_WAITS_PER_UID if waits
                                                else MAX_CHILDREN_PER_UID):
                 continue
+            if (conn.request or {}).get("op") in POOLED and self.worker_soon():
+                continue  # (worker_done starts it)
             self.queue.remove(conn)
             self.fork(conn)
+            busy = [(w.pid, w.uid, False) for w in self.workers if w.uid is not None]
 
     def fork(self, conn: Conn) -> None:
+        """Start `conn`'s request: in an idle worker (a POOLED one), else in a child of its
+        own."""
         request = conn.request or {}
         fds = conn.reader.take_fds()
+        if request.get("op") in POOLED and self.to_worker(conn, request, fds):
+            return
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -424,12 +488,110 @@ class Daemon:
         self.children[pidfd] = (pid, conn.caller.uid, is_wait(request))
         self.sel.register(pidfd, selectors.EVENT_READ, "child")
 
-    def reap(self, pidfd: int) -> None:
-        pid, _, _ = self.children.pop(pidfd)
+    # -- workers
+    def worker_soon(self) -> bool:
+        """No worker can take a request now, none can be forked, and one took its request
+        less than POOL_WAIT ago."""
+        now = time.monotonic()
+        live = [w for w in self.workers if not w.retiring]
+        return (len(self.workers) >= WORKERS and all(w.uid is not None for w in live)
+                and any(now - w.since < POOL_WAIT for w in live))
+
+    def to_worker(self, conn: Conn, request: dict, fds: list[int]) -> bool:
+        """Hand `conn` and its request to an idle worker (forked when fewer than WORKERS
+        run); False, nothing done, when none can take it."""
+        idle = [w for w in self.workers if w.uid is None and not w.retiring]
+        if not idle and len(self.workers) < WORKERS:
+            idle = [self.spawn_worker()]
+        if not idle or idle[0] is None:
+            return False
+        worker = idle[0]
+        c = conn.caller
+        msg = json.dumps({"caller": [c.uid, c.gid, list(c.groups), c.pid],
+                          "request": request}).encode()
+        try:
+            socket.send_fds(worker.sock, [msg], [conn.sock.fileno(), *fds], socket.MSG_NOSIGNAL)
+        except OSError:  # gone (its exit is reaped through its pidfd): a child instead
+            self.drop_worker(worker)
+            return False
+        worker.uid, worker.since = c.uid, time.monotonic()
+        for fd in fds:
+            os.close(fd)
+        self.conns.pop(conn.sock.fileno(), None)
+        conn.sock.close()
+        return True
+
+    def spawn_worker(self) -> Worker | None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET
+                                         | socket.SOCK_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                ours.close()
+                code = worker_main(theirs)
+            finally:
+                os._exit(code)
+        theirs.close()
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            os.waitpid(pid, 0)
+            ours.close()
+            return None
+        self.exiting[pidfd] = pid  # reaped whenever it exits
+        self.sel.register(pidfd, selectors.EVENT_READ, "worker-exit")
+        ours.setblocking(False)
+        worker = Worker(pid, ours)
+        self.workers.append(worker)
+        self.sel.register(ours, selectors.EVENT_READ, worker)
+        return worker
+
+    def worker_done(self, worker: Worker) -> None:
+        """A worker's word: [the request's exit code (PASS_EXIT: a pass wanted), 1 if it was
+        its last]; EOF when it is gone (its request's client saw its connection close)."""
+        try:
+            word = worker.sock.recv(16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            word = b""
+        if len(word) != 2:
+            self.drop_worker(worker)
+            return
+        worker.uid = None
+        worker.retiring = worker.retiring or word[1] == 1
+        if word[0] == PASS_EXIT:
+            self.want_pass()
+        if worker.retiring:
+            self.drop_worker(worker)
+        self.start_queued()  # a submit waiting for a worker
+
+    def drop_worker(self, worker: Worker) -> None:
+        if worker in self.workers:
+            self.workers.remove(worker)
+            self.sel.unregister(worker.sock)
+            worker.sock.close()
+
+    def reap_worker(self, pidfd: int) -> None:
+        pid = self.exiting.pop(pidfd)
         self.sel.unregister(pidfd)
         os.close(pidfd)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
+        for worker in [w for w in self.workers if w.pid == pid]:
+            self.drop_worker(worker)  # died before its socket said so
+
+    def reap(self, pidfd: int) -> None:
+        pid, _, _ = self.children.pop(pidfd)
+        self.sel.unregister(pidfd)
+        os.close(pidfd)
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            return
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == PASS_EXIT:
+            self.want_pass()
 
 
 def run_handler(handler, caller: Caller, request: dict, fds: list[int],
@@ -449,16 +611,78 @@ def run_handler(handler, caller: Caller, request: dict, fds: list[int],
     return {"v": proto.VERSION, "ok": True, **fields, "_fds": reply_fds}
 
 
-def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) -> int:
-    """A request's child: run the handler, answer on `sock`, return the exit code."""
+def _leave_the_daemon(keep: set[int]) -> None:
+    """In a process forked from the daemon: default signals, and none of the daemon's
+    descriptors (the listener, the connections, the workers' sockets) but `keep`."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
-    keep = {0, 1, 2, sock.fileno(), *fds}
+    _close_all_but({0, 1, 2, *keep})
+
+
+def _close_all_but(keep: set[int]) -> None:
     for name in os.listdir("/proc/self/fd"):
         if int(name) not in keep:
             with contextlib.suppress(OSError):
                 os.close(int(name))
+
+
+def worker_main(sock: socket.socket) -> int:
+    """A submit worker: take a request (the client's connection first among its
+    descriptors), serve it as a request's child does (`child`), tell the daemon [its exit
+    code, 1 if it was the last]; WORKER_REQUESTS of them, or until the daemon is gone (EOF:
+    a request in hand is finished and answered first)."""
+    _leave_the_daemon({sock.fileno()})
+    for n in range(1, WORKER_REQUESTS + 1):
+        try:
+            data, fds, _ = proto.recv_fds(sock, proto.MAX_REQUEST + 4096, proto.MAX_FDS + 1)
+        except OSError:
+            return 0
+        if not data:
+            return 0  # the daemon is gone
+        code = 1
+        conn = None
+        passed = _identities(fds[1:])
+        try:
+            msg = json.loads(data)
+            uid, gid, groups, pid = msg["caller"]
+            conn = socket.socket(fileno=fds[0])
+            code = serve(conn, Caller(uid, gid, tuple(groups), pid), msg["request"], fds[1:])
+        except Exception:  # a bug: in the log, and the next request is served
+            with contextlib.suppress(OSError, ValueError):
+                traceback.print_exc()
+        finally:
+            if conn is not None:
+                conn.close()  # (the object's own close: never a later request's reused fd)
+            # The request's descriptors the handler left open; not a number it closed and
+            # the C library (NSS) reused since: only one that still is what came.
+            for fd, ident in passed.items():
+                if _identities([fd]).get(fd) == ident:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+        with contextlib.suppress(OSError):
+            sock.send(bytes([code, n == WORKER_REQUESTS]), socket.MSG_NOSIGNAL)
+    return 0
+
+
+def _identities(fds: list[int]) -> dict[int, tuple[int, int, int]]:
+    out = {}
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            st = os.fstat(fd)
+            out[fd] = (st.st_dev, st.st_ino, os.get_blocking(fd))
+    return out
+
+
+def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) -> int:
+    """A request's child: run the handler, answer on `sock`, return the exit code."""
+    _leave_the_daemon({sock.fileno(), *fds})
+    return serve(sock, caller, request, fds)
+
+
+def serve(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) -> int:
+    """Run the request's handler and answer on `sock`; the exit code (PASS_EXIT: a pass of
+    the queue wanted)."""
     sock.setblocking(True)
     op = request.get("op")
     handler = handlers.FORKED[op]
@@ -467,6 +691,7 @@ def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) ->
     if not reply:
         return 0  # the client left
     reply_fds = reply.pop("_fds", [])
+    wants_pass = reply.pop(handlers.PASS_WANTED, False) is True
     sock.settimeout(WRITE_DEADLINE)
     try:
         proto.send_frame(sock, reply, reply_fds)
@@ -475,19 +700,14 @@ def child(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) ->
             log(f"uid {caller.uid}: {op}: reply: {exc}")
     log(f"uid {caller.uid} pid {caller.pid}: {op}: "
         + ("ok" if reply.get("ok") else f"refused: {reply.get('error')}"))
-    return 0
+    # (whether or not the client took the answer: the job is queued either way)
+    return PASS_EXIT if wants_pass else 0
 
 
 def kick_child(rebuild: bool) -> int:
     """The daemon's pass of the job queue: the index made again from the records first at
     the daemon's start (whatever a crash left), then `kick`."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.set_wakeup_fd(-1)
-    for name in os.listdir("/proc/self/fd"):  # the listener and the connections are not its
-        if int(name) > 2:
-            with contextlib.suppress(OSError):
-                os.close(int(name))
+    _leave_the_daemon(set())  # the listener and the connections are not its
     from envctl.host.context import Host
     from envctl.runtime import jobs, queue
     from envctl.runtime import supervisor as sv
