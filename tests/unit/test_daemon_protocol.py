@@ -272,3 +272,72 @@ def test_runtime_never_imports_the_server_and_the_client_stays_light():
     res = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True,
                          text=True, check=True)
     assert json.loads(res.stdout) == []
+
+
+# `envctl submit-job ENV PROG` as a daemon's client, in a process of its own: the daemon is
+# the other end of a socketpair (a thread answering one request as the daemon does), so the
+# whole path runs (entry, fast parser, client, protocol, printing the id) without a root
+# daemon. What it imported is printed once it is done (at its os._exit).
+_SUBMIT_PROBE = r"""
+import _socket, os, sys, threading
+before = set(sys.modules)
+from envctl.server import client, protocol as proto
+got = []
+
+def connect(path):
+    mine, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+
+    def daemon():
+        req, fds = proto.recv_frame(theirs, limit=proto.MAX_REQUEST)
+        got.append(req)
+        proto.send_frame(theirs, {"v": 1, "ok": True, "job": {
+            "id": 42, "env": req["env"], "argv": [req["exe"]], "state": "PENDING",
+            "queued": True, "reason": "Priority", "start_time": None}})
+        theirs.close()
+    threading.Thread(target=daemon, daemon=True).start()
+    return mine
+
+client._connect = connect
+real_exit = os._exit
+
+def leave(code):
+    sys.stdout.flush()
+    import json
+    print(json.dumps({"sent": got, "imported": sorted(set(sys.modules) - before)}),
+          file=sys.stderr)
+    real_exit(code)
+
+os._exit = leave
+sys.argv = ["envctl", *sys.argv[1:]]
+from envctl.entry import main
+main()
+"""
+
+# What a client that prints a job's id has no use for: the typer CLI and what it renders
+# with, the spec's models and YAML, the job records' module (the id is read from the JSON),
+# and `socket` (the client uses `_socket`) with what it pulls in.
+HEAVY_FOR_A_CLIENT = ("typer", "click", "rich", "pydantic", "yaml", "envctl.cli",
+                      "envctl.spec", "envctl.app", "envctl.runtime.jobs", "envctl.runtime.launch",
+                      "envctl.host", "socket", "selectors", "pathlib", "contextlib", "signal")
+
+
+def test_submit_job_as_a_client_imports_nothing_heavy():
+    """`envctl submit-job ENV ./prog` through the daemon is a ≤ 50 ms target (issue #22,
+    docs/benchmarks.md): nothing of HEAVY_FOR_A_CLIENT may come back on its path."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _SUBMIT_PROBE, "submit-job", "-t", "5m", "box",
+                          "true", "-x"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "42\n"
+    report = json.loads(res.stderr.strip().splitlines()[-1])
+    (req,) = report["sent"]
+    assert (req["op"], req["env"], req["exe"], req["args"], req["time_limit"]) == (
+        "submit", "box", "true", ["-x"], "5m")
+    heavy = [m for m in report["imported"]
+             if any(m == h or m.startswith(h + ".") for h in HEAVY_FOR_A_CLIENT)]
+    assert heavy == []
+    # The probe's own imports (threading, _socket) came before `before`; the client's json
+    # did not: it is on the path and must show, or the check above saw nothing.
+    assert "envctl.server.client" in report["imported"] and "json" in report["imported"]
