@@ -274,7 +274,8 @@ def test_runtime_never_imports_the_server_and_the_client_stays_light():
     assert json.loads(res.stdout) == []
 
 
-# `envctl submit-job ENV PROG` as a daemon's client, in a process of its own: the daemon is
+# `envctl submit-job ENV PROG` (and `envctl jobs`) as a daemon's client, in a process of its
+# own: the daemon is
 # the other end of a socketpair (a thread answering one request as the daemon does), so the
 # whole path runs (entry, fast parser, client, protocol, printing the id) without a root
 # daemon. What it imported is printed once it is done (at its os._exit).
@@ -290,9 +291,14 @@ def connect(path):
     def daemon():
         req, fds = proto.recv_frame(theirs, limit=proto.MAX_REQUEST)
         got.append(req)
-        proto.send_frame(theirs, {"v": 1, "ok": True, "job": {
-            "id": 42, "env": req["env"], "argv": [req["exe"]], "state": "PENDING",
-            "queued": True, "reason": "Priority", "start_time": None}})
+        if req["op"] == "jobs":
+            reply = {"rows": [[f.upper() for f in req["fields"]],
+                              *([str(i)] * len(req["fields"]) for i in (7, 1000))]}
+        else:
+            reply = {"job": {"id": 42, "env": req["env"], "argv": [req["exe"]],
+                             "state": "PENDING", "queued": True, "reason": "Priority",
+                             "start_time": None}}
+        proto.send_frame(theirs, {"v": 1, "ok": True, **reply})
         theirs.close()
     threading.Thread(target=daemon, daemon=True).start()
     return mine
@@ -341,3 +347,40 @@ def test_submit_job_as_a_client_imports_nothing_heavy():
     # The probe's own imports (threading, _socket) came before `before`; the client's json
     # did not: it is on the path and must show, or the check above saw nothing.
     assert "envctl.server.client" in report["imported"] and "json" in report["imported"]
+
+
+def test_jobs_as_a_client_prints_the_daemons_rows_without_the_typer_cli():
+    """`envctl jobs` with 10,000 queued is a ≤ 300 ms target: the fast path (envctl.jobtable)
+    asks for the table's fields and prints the rows aligned, without typer, rich or pydantic
+    (the typer command prints the same table: tests/unit/test_cli.py)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _SUBMIT_PROBE, "jobs", "box", "-a", "-o",
+                          "id,state"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "ID    STATE\n7     7\n1000  1000\n"
+    report = json.loads(res.stderr.strip().splitlines()[-1])
+    (req,) = report["sent"]
+    assert (req["op"], req["env"], req["all"], req["fields"]) == ("jobs", "box", True,
+                                                                  ["id", "state"])
+    heavy = [m for m in report["imported"] if m.split(".")[0] in (
+        "typer", "click", "rich", "pydantic", "yaml") or m.startswith(("envctl.cli",
+                                                                      "envctl.spec"))]
+    assert heavy == [] and "envctl.jobtable" in report["imported"]
+
+
+@pytest.mark.parametrize(("argv", "parsed"), [
+    (["jobs"], {"env": None, "all_": False, "format_": None}),
+    (["jobs", "cpu", "--all"], {"env": "cpu", "all_": True, "format_": None}),
+    (["jobs", "-a", "--format=id,user", "cpu"], {"env": "cpu", "all_": True,
+                                                  "format_": "id,user"}),
+    (["jobs", "-o", "id"], {"env": None, "all_": False, "format_": "id"}),
+    (["jobs", "--json"], None), (["jobs", "--help"], None), (["jobs", "a", "b"], None),
+    (["jobs", "-o"], None), (["jobs", "-o=id"], None), (["jobs", "-aj"], None),
+    (["submit-job"], None),
+])
+def test_the_jobs_fast_parser_takes_the_plain_forms_only(argv, parsed):
+    from envctl.jobtable import parse_args
+
+    assert parse_args(argv) == parsed
