@@ -39,9 +39,9 @@ def show(daemon: Client, env: str | None, all_: bool, fields: tuple[str, ...]) -
 def print_rows(rows: list[list[str]]) -> None:
     """The rows (header first) as aligned columns, two spaces apart, without trailing blanks:
     one write (10,000 rows are ~1 MB), no rich (a table of plain cells)."""
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    sys.stdout.write("".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
-                             .rstrip() + "\n" for r in rows))
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)  # one format per row, not a ljust per cell
+    sys.stdout.write("".join(line.format(*r).rstrip() + "\n" for r in rows))
 
 
 def parse_args(args: list[str]) -> dict | None:
