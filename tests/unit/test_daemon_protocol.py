@@ -281,6 +281,8 @@ def test_runtime_never_imports_the_server_and_the_client_stays_light():
 # daemon. What it imported is printed once it is done (at its os._exit).
 _SUBMIT_PROBE = r"""
 import _socket, os, sys, threading
+for name in ("json", "re", "enum"):  # none imported by now, or the test is void
+    assert name not in sys.modules, name
 before = set(sys.modules)
 from envctl.server import client, protocol as proto
 got = []
@@ -308,9 +310,9 @@ real_exit = os._exit
 
 def leave(code):
     sys.stdout.flush()
+    imported = sorted(set(sys.modules) - before)
     import json
-    print(json.dumps({"sent": got, "imported": sorted(set(sys.modules) - before)}),
-          file=sys.stderr)
+    print(json.dumps({"sent": got, "imported": imported}), file=sys.stderr)
     real_exit(code)
 
 os._exit = leave
@@ -321,10 +323,12 @@ main()
 
 # What a client that prints a job's id has no use for: the typer CLI and what it renders
 # with, the spec's models and YAML, the job records' module (the id is read from the JSON),
-# and `socket` (the client uses `_socket`) with what it pulls in.
+# `socket` (the client uses `_socket`) and `json` (protocol uses `_json`) with what they pull
+# in.
 HEAVY_FOR_A_CLIENT = ("typer", "click", "rich", "pydantic", "yaml", "envctl.cli",
                       "envctl.spec", "envctl.app", "envctl.runtime.jobs", "envctl.runtime.launch",
-                      "envctl.host", "socket", "selectors", "pathlib", "contextlib", "signal")
+                      "envctl.host", "socket", "selectors", "pathlib", "contextlib", "signal",
+                      "json", "re", "enum")
 
 
 def test_submit_job_as_a_client_imports_nothing_heavy():
@@ -344,9 +348,9 @@ def test_submit_job_as_a_client_imports_nothing_heavy():
     heavy = [m for m in report["imported"]
              if any(m == h or m.startswith(h + ".") for h in HEAVY_FOR_A_CLIENT)]
     assert heavy == []
-    # The probe's own imports (threading, _socket) came before `before`; the client's json
-    # did not: it is on the path and must show, or the check above saw nothing.
-    assert "envctl.server.client" in report["imported"] and "json" in report["imported"]
+    # The probe's own imports (threading, _socket) came before `before`; the client's came
+    # after: they must show, or the check above saw nothing.
+    assert {"envctl.server.client", "envctl.server.protocol"} <= set(report["imported"])
 
 
 def test_jobs_as_a_client_prints_the_daemons_rows_without_the_typer_cli():
@@ -384,3 +388,33 @@ def test_the_jobs_fast_parser_takes_the_plain_forms_only(argv, parsed):
     from envctl.jobtable import parse_args
 
     assert parse_args(argv) == parsed
+
+
+JSON_CASES = ['{"v":1,"op":"submit","args":["-x","\\u00e9\\ud83d\\ude00"],"n":null}',
+              ' {"a": [1, 2.5e3, -0.0, true, false, null, {"b": "c"}]}\n',
+              '{"big":123456789012345678901234567890}',
+              '{"f":NaN,"g":Infinity,"h":-Infinity}', '[]', '"x"', '3', ' \t\r\n{}\n ',
+              '{"\\"q\\"":"\\\\\\/\\b\\f\\n\\r\\t"}']
+JSON_BAD = ['', ' ', '{', '{"a":1}x', '{"a":1} {}', "{'a':1}", '{"a":01}', '[1,]', 'nul',
+            '{"a":"\x01"}', '{"a":1,}', '\ufeff{}']
+
+
+def test_the_frames_json_is_the_json_modules():
+    """protocol's dumps/loads (the C codec, without importing json) give what json.dumps
+    with the frame's settings and json.loads give, and refuse what json.loads refuses."""
+    for text in JSON_CASES:
+        want = json.loads(text)
+        got = proto.loads(text)
+        assert json.dumps(got) == json.dumps(want), text
+        assert proto.dumps(got) == json.dumps(want, separators=(",", ":"), default=str)
+    for text in JSON_BAD:
+        with pytest.raises(ValueError):
+            json.loads(text)
+        with pytest.raises(ValueError):
+            proto.loads(text)
+    odd = {"path": __import__("pathlib").Path("/x"), "t": (1, 2), "s": "\u2028\x1b"}
+    assert proto.dumps(odd) == json.dumps(odd, separators=(",", ":"), default=str)
+    with pytest.raises(RecursionError):
+        proto.loads("[" * 100_000)
+    with pytest.raises(proto.ProtocolError, match="not a JSON frame"):
+        proto.decode(b'{"v":1}garbage')

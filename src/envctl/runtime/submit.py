@@ -10,7 +10,6 @@ answers with its own messages; both end in `submit`, so they cannot differ in wh
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -97,6 +96,8 @@ def _submit_here(env: str, exe: str, args: list[str], **options: object) -> obje
 
 def _show(job: object, json_: bool) -> None:
     if json_:
+        import json
+
         sys.stdout.write(json.dumps(job.to_json(), indent=2, default=str) + "\n")
     else:
         print(job.id, flush=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import _socket
 import array
-import json
 import os
 import struct
 
@@ -41,16 +40,70 @@ def socket_path(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
     return environ.get("ENVCTL_SOCKET") or DEFAULT_SOCKET
 
 
+# The JSON of frames through `_json`, the C codec under the `json` package, as json.dumps and
+# json.loads drive it: importing `json` imports `re` (and `enum`, `functools` …) for the
+# pure-Python fallbacks, ~9 ms of CPU here, which was all of a submit-job client's own cost
+# above the interpreter's start. `json` itself where `_json` is missing (not CPython).
+try:
+    import _json
+except ImportError:  # pragma: no cover - CPython always has it
+    _json = None
+
+
+class _Scanning:
+    """What the C scanner reads of its context (json.JSONDecoder's defaults)."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"),
+                      "NaN": float("nan")}.__getitem__
+
+
+_JSON_BLANKS = " \t\n\r"  # the whitespace JSON allows around a value
+
+
+def dumps(obj: object) -> str:
+    """json.dumps(obj, separators=(",", ":"), default=str)."""
+    if _json is None:  # pragma: no cover
+        import json
+
+        return json.dumps(obj, separators=(",", ":"), default=str)
+    # (markers, default, encoder, indent, key_separator, item_separator, sort_keys, skipkeys,
+    # allow_nan): what json.JSONEncoder.iterencode passes for these settings
+    encoder = _json.make_encoder({}, str, _json.encode_basestring_ascii, None, ":", ",",
+                                 False, False, True)
+    return "".join(encoder(obj, 0))
+
+
+def loads(text: str) -> object:
+    """json.loads(text): ValueError (json.JSONDecodeError) for what is not one JSON value."""
+    if _json is None:  # pragma: no cover
+        import json
+
+        return json.loads(text)
+    start = len(text) - len(text.lstrip(_JSON_BLANKS))
+    try:
+        obj, end = _json.make_scanner(_Scanning)(text, start)
+    except StopIteration as exc:
+        raise ValueError(f"Expecting value: char {exc.value}") from None
+    if text[end:].strip(_JSON_BLANKS):
+        raise ValueError(f"Extra data: char {end}")
+    return obj
+
+
 def encode(obj: dict) -> bytes:
     """One frame: the length, then the compact JSON."""
-    body = json.dumps(obj, separators=(",", ":"), default=str).encode()
+    body = dumps(obj).encode()
     return _HEADER.pack(len(body)) + body
 
 
 def decode(body: bytes) -> dict:
     """The JSON object of one frame's body; ProtocolError for anything else."""
     try:
-        obj = json.loads(body.decode())
+        obj = loads(body.decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nesting
         raise ProtocolError(f"not a JSON frame: {exc}") from None
     if not isinstance(obj, dict):
