@@ -358,18 +358,25 @@ def read_env(state_dir: Path, env: str) -> list[dict]:
 
 def _entries(state_dir: Path, env: str, data: bytes) -> list[dict]:
     """read_env's lines from the index's bytes `data`."""
+    try:
+        return _lines(data)
+    except ValueError:
+        out = rebuild(state_dir).get(env, [])
+    out.sort(key=lambda e: e["id"])
+    return out
+
+
+def _lines(data: bytes) -> list[dict]:
+    """The index lines in `data`, oldest id first; ValueError when it is not whole lines."""
     import json
 
     body = data.rstrip(b"\n")
     if not body:
         return []
-    try:
-        # json.dumps never writes a raw newline inside a value: the lines are one array.
-        out = json.loads(b"[" + body.replace(b"\n", b",") + b"]")
-        if not all(isinstance(e, dict) and isinstance(e.get("id"), int) for e in out):
-            raise ValueError("not index lines")
-    except ValueError:
-        out = rebuild(state_dir).get(env, [])
+    # json.dumps never writes a raw newline inside a value: the lines are one array.
+    out = json.loads(b"[" + body.replace(b"\n", b",") + b"]")
+    if not all(isinstance(e, dict) and isinstance(e.get("id"), int) for e in out):
+        raise ValueError("not index lines")
     out.sort(key=lambda e: e["id"])
     return out
 
@@ -431,9 +438,19 @@ def queued_jobs(state_dir: Path, env: str | None = None) -> list[Job]:
     without reading their records: `envctl jobs` with 10,000 queued."""
     from envctl.runtime.jobs import jobs_lock
 
-    with jobs_lock(state_dir):
-        return [j for e in sorted([env] if env else envs(state_dir))
-                for j in _parsed(state_dir, e)]
+    out: list[Job] = []
+    for e in sorted([env] if env else envs(state_dir)):
+        # First without the jobs lock, which a pass over 10,000 queued holds for a while (a
+        # listing waited seconds for it under load): the index is replaced by a rename or
+        # grown by one O_APPEND write, so a read sees a whole index, or one whose last line
+        # is torn and does not parse. That one (and a damaged one, which read_env rebuilds)
+        # is read again under the lock.
+        got = _parsed(state_dir, e, locked=False)
+        if got is None:
+            with jobs_lock(state_dir):
+                got = _parsed(state_dir, e, locked=True)
+        out += got or []
+    return out
 
 
 # The daemon answers `envctl jobs` in its own process (server.handlers.list_jobs): each
@@ -444,8 +461,9 @@ def queued_jobs(state_dir: Path, env: str | None = None) -> list[Job]:
 _PARSED: dict[str, tuple[tuple[int, int], list[Job]]] = {}
 
 
-def _parsed(state_dir: Path, env: str) -> list[Job]:
-    """`env`'s queued jobs as its index says. Call under the jobs lock."""
+def _parsed(state_dir: Path, env: str, *, locked: bool) -> list[Job] | None:
+    """`env`'s queued jobs as its index says; None, when not `locked` (under the jobs lock),
+    for an index that does not parse."""
     import zlib
 
     from envctl.runtime.jobs import Job
@@ -459,8 +477,15 @@ def _parsed(state_dir: Path, env: str) -> list[Job]:
     hit = _PARSED.get(str(path))
     if hit is not None and hit[0] == key:
         return hit[1]
+    if locked:
+        lines = _entries(state_dir, env, data)
+    else:
+        try:
+            lines = _lines(data)
+        except ValueError:
+            return None
     where = queue_dir(state_dir)
-    out = [Job.from_json(x, where) for x in _entries(state_dir, env, data)]
+    out = [Job.from_json(x, where) for x in lines]
     _PARSED[str(path)] = (key, out)
     return out
 
