@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import precompile  # noqa: E402
+from bench.common import let_nobody_run_python, precompile  # noqa: E402
 from bench.queue import CLIENTS, SPEC, check  # noqa: E402
 from tests.integration.sandbox import Sandbox  # noqa: E402
 
@@ -118,16 +118,10 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="envctl-bench-jobs-") as tmp:
         root = Path(tmp)
-        root.chmod(0o755)
-        sb = Sandbox(root)
-        daemon = None
+        root.chmod(0o755)  # nobody's client walks through it to the socket
+        sb, daemon = Sandbox(root), None
         try:
-            home = "/root/.pyenv"  # nobody runs the test's Python: as bench/daemon.py does
-            if os.path.realpath(sys.executable).startswith(home + "/"):
-                (root / "pyenv").mkdir()
-                check(sb.run("sh", "-c", f"mount --bind {home} {root}/pyenv && mount -t tmpfs "
-                             f"-o mode=0755 envctl-bench-root /root && mkdir {home} && "
-                             f"mount --bind {root}/pyenv {home}"), "the python for nobody")
+            let_nobody_run_python(sb, root)
             sb.write_spec("qbench", SPEC)
             check(sb.envctl("up", "qbench"), "up")
             sock = {"ENVCTL_SOCKET": str(root / "envctl.sock"), "HOME": "/"}
