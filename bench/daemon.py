@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import precompile  # noqa: E402
+from bench.common import let_nobody_run_python, precompile  # noqa: E402
 from tests.integration.sandbox import Sandbox  # noqa: E402
 
 NOBODY = 65534
@@ -110,16 +110,7 @@ def main() -> None:
         daemon = None
         try:
             sb.write_spec("box", SPEC)
-            # nobody runs the test's Python, which may live under root's 0700 home: in the
-            # sandbox's mount namespace only, a 0755 /root holding just that tree.
-            home = "/root/.pyenv"
-            if os.path.realpath(sys.executable).startswith(home + "/"):
-                (root / "pyenv").mkdir()
-                script = (f"mount --bind {home} {root}/pyenv && mount -t tmpfs -o mode=0755 "
-                          f"envctl-bench-root /root && mkdir {home} && "
-                          f"mount --bind {root}/pyenv {home}")
-                res = sb.run("sh", "-c", script)
-                assert res.returncode == 0, res.stderr
+            let_nobody_run_python(sb, root)
             for d in (sb.state, sb.run_dir):
                 d.mkdir(parents=True, exist_ok=True)
             timed(sb, sys.executable, "-m", "envctl", "up", "box", env={})

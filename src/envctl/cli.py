@@ -600,10 +600,11 @@ def jobs_(
 
     Example: envctl jobs cpu-compute --all
     """
+    from envctl import jobtable
     from envctl.runtime import jobs as jb
     from envctl.server import client
 
-    fields = jb.parse_fields(format_) if format_ is not None else jb.DEFAULT_FIELDS
+    fields = jobtable.fields_of(format_)
     if format_ is not None and json_:
         from envctl.errors import UsageError
 
@@ -611,8 +612,9 @@ def jobs_(
                          "give one of them")
     daemon = client.route()
     if daemon is not None and not json_:
-        rows = client.job_table(daemon, env, all_, fields)
-    elif daemon is not None:
+        jobtable.show(daemon, env, all_, fields)
+        return
+    if daemon is not None:
         listed = client.jobs(daemon, env, all_)
     else:
         from envctl.host.context import Host
@@ -627,11 +629,7 @@ def jobs_(
     if json_:
         _emit_json([j.to_json() for j in listed])
         return
-    if daemon is None:
-        rows = jb.table(listed, fields=fields)
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    jobtable.print_rows(jb.table(listed, fields=fields))
 
 
 @app.command()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-
 from envctl.record import Record
 
 
@@ -124,6 +122,8 @@ class StepInterrupted(StepFailed):
     Exit status 128 + the signal, as a shell reports a process the signal ended."""
 
     def _what(self, cause: BaseException) -> str:
+        import signal  # here, not above: `import signal` builds its enums (submit-job's path)
+
         signum = getattr(cause, "signum", 2)  # a plain KeyboardInterrupt is Ctrl-C
         self.exit_code = 128 + signum
         return f"interrupted ({signal.Signals(signum).name})"

@@ -352,3 +352,149 @@ def test_submits_are_served_by_reused_workers_that_are_replaced_when_they_die(da
     assert pids[3] != pids[0]  # then it left, and the next one serves
     _wait_for(lambda: not d.exiting or all(
         pid in [w.pid for w in d.workers] for pid in d.exiting.values()))
+
+
+# `envctl submit-job ENV PROG` (and `envctl jobs`) as a daemon's client, in a process of its
+# own: the daemon is
+# the other end of a socketpair (a thread answering one request as the daemon does), so the
+# whole path runs (entry, fast parser, client, protocol, printing the id) without a root
+# daemon. What it imported is printed once it is done (at its os._exit).
+_SUBMIT_PROBE = r"""
+import _socket, os, sys, threading
+for name in ("json", "re", "enum"):  # none imported by now, or the test is void
+    assert name not in sys.modules, name
+before = set(sys.modules)
+from envctl.server import client, protocol as proto
+got = []
+
+def connect(path):
+    mine, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+
+    def daemon():
+        req, fds = proto.recv_frame(theirs, limit=proto.MAX_REQUEST)
+        got.append(req)
+        if req["op"] == "jobs":
+            reply = {"rows": [[f.upper() for f in req["fields"]],
+                              *([str(i)] * len(req["fields"]) for i in (7, 1000))]}
+        else:
+            reply = {"job": {"id": 42, "env": req["env"], "argv": [req["exe"]],
+                             "state": "PENDING", "queued": True, "reason": "Priority",
+                             "start_time": None}}
+        proto.send_frame(theirs, {"v": 1, "ok": True, **reply})
+        theirs.close()
+    threading.Thread(target=daemon, daemon=True).start()
+    return mine
+
+client._connect = connect
+real_exit = os._exit
+
+def leave(code):
+    sys.stdout.flush()
+    imported = sorted(set(sys.modules) - before)
+    import json
+    print(json.dumps({"sent": got, "imported": imported}), file=sys.stderr)
+    real_exit(code)
+
+os._exit = leave
+sys.argv = ["envctl", *sys.argv[1:]]
+from envctl.entry import main
+main()
+"""
+
+# What a client that prints a job's id has no use for: the typer CLI and what it renders
+# with, the spec's models and YAML, the job records' module (the id is read from the JSON),
+# `socket` (the client uses `_socket`) and `json` (protocol uses `_json`) with what they pull
+# in.
+HEAVY_FOR_A_CLIENT = ("typer", "click", "rich", "pydantic", "yaml", "envctl.cli",
+                      "envctl.spec", "envctl.app", "envctl.runtime.jobs", "envctl.runtime.launch",
+                      "envctl.host", "socket", "selectors", "pathlib", "contextlib", "signal",
+                      "json", "re", "enum")
+
+
+def test_submit_job_as_a_client_imports_nothing_heavy():
+    """`envctl submit-job ENV ./prog` through the daemon is a ≤ 50 ms target (issue #22,
+    docs/benchmarks.md): nothing of HEAVY_FOR_A_CLIENT may come back on its path."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _SUBMIT_PROBE, "submit-job", "-t", "5m", "box",
+                          "true", "-x"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "42\n"
+    report = json.loads(res.stderr.strip().splitlines()[-1])
+    (req,) = report["sent"]
+    assert (req["op"], req["env"], req["exe"], req["args"], req["time_limit"]) == (
+        "submit", "box", "true", ["-x"], "5m")
+    heavy = [m for m in report["imported"]
+             if any(m == h or m.startswith(h + ".") for h in HEAVY_FOR_A_CLIENT)]
+    assert heavy == []
+    # The probe's own imports (threading, _socket) came before `before`; the client's came
+    # after: they must show, or the check above saw nothing.
+    assert {"envctl.server.client", "envctl.server.protocol"} <= set(report["imported"])
+
+
+def test_jobs_as_a_client_prints_the_daemons_rows_without_the_typer_cli():
+    """`envctl jobs` with 10,000 queued is a ≤ 300 ms target: the fast path (envctl.jobtable)
+    asks for the table's fields and prints the rows aligned, without typer, rich or pydantic
+    (the typer command prints the same table: tests/unit/test_cli.py)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _SUBMIT_PROBE, "jobs", "box", "-a", "-o",
+                          "id,state"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "ID    STATE\n7     7\n1000  1000\n"
+    report = json.loads(res.stderr.strip().splitlines()[-1])
+    (req,) = report["sent"]
+    assert (req["op"], req["env"], req["all"], req["fields"]) == ("jobs", "box", True,
+                                                                  ["id", "state"])
+    heavy = [m for m in report["imported"] if m.split(".")[0] in (
+        "typer", "click", "rich", "pydantic", "yaml") or m.startswith(("envctl.cli",
+                                                                      "envctl.spec"))]
+    assert heavy == [] and "envctl.jobtable" in report["imported"]
+
+
+@pytest.mark.parametrize(("argv", "parsed"), [
+    (["jobs"], {"env": None, "all_": False, "format_": None}),
+    (["jobs", "cpu", "--all"], {"env": "cpu", "all_": True, "format_": None}),
+    (["jobs", "-a", "--format=id,user", "cpu"], {"env": "cpu", "all_": True,
+                                                  "format_": "id,user"}),
+    (["jobs", "-o", "id"], {"env": None, "all_": False, "format_": "id"}),
+    (["jobs", "--json"], None), (["jobs", "--help"], None), (["jobs", "a", "b"], None),
+    (["jobs", "-o"], None), (["jobs", "-o=id"], None), (["jobs", "-aj"], None),
+    (["submit-job"], None),
+])
+def test_the_jobs_fast_parser_takes_the_plain_forms_only(argv, parsed):
+    from envctl.jobtable import parse_args
+
+    assert parse_args(argv) == parsed
+
+
+JSON_CASES = ['{"v":1,"op":"submit","args":["-x","\\u00e9\\ud83d\\ude00"],"n":null}',
+              ' {"a": [1, 2.5e3, -0.0, true, false, null, {"b": "c"}]}\n',
+              '{"big":123456789012345678901234567890}',
+              '{"f":NaN,"g":Infinity,"h":-Infinity}', '[]', '"x"', '3', ' \t\r\n{}\n ',
+              '{"\\"q\\"":"\\\\\\/\\b\\f\\n\\r\\t"}']
+JSON_BAD = ['', ' ', '{', '{"a":1}x', '{"a":1} {}', "{'a':1}", '{"a":01}', '[1,]', 'nul',
+            '{"a":"\x01"}', '{"a":1,}', '\ufeff{}']
+
+
+def test_the_frames_json_is_the_json_modules():
+    """protocol's dumps/loads (the C codec, without importing json) give what json.dumps
+    with the frame's settings and json.loads give, and refuse what json.loads refuses."""
+    for text in JSON_CASES:
+        want = json.loads(text)
+        got = proto.loads(text)
+        assert json.dumps(got) == json.dumps(want), text
+        assert proto.dumps(got) == json.dumps(want, separators=(",", ":"), default=str)
+    for text in JSON_BAD:
+        with pytest.raises(ValueError):
+            json.loads(text)
+        with pytest.raises(ValueError):
+            proto.loads(text)
+    odd = {"path": __import__("pathlib").Path("/x"), "t": (1, 2), "s": "\u2028\x1b"}
+    assert proto.dumps(odd) == json.dumps(odd, separators=(",", ":"), default=str)
+    with pytest.raises(RecursionError):
+        proto.loads("[" * 100_000)
+    with pytest.raises(proto.ProtocolError, match="not a JSON frame"):
+        proto.decode(b'{"v":1}garbage')

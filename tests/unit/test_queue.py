@@ -345,3 +345,44 @@ def test_a_users_load_from_the_summary_is_the_whole_indexs(steps):
                     assert q.user_load(root, "e", uid) == _brute_load(root, uid), step
     finally:
         q.LOAD_TAIL = old_tail
+
+
+def test_the_listing_reads_a_whole_index_without_the_jobs_lock_and_keeps_it_parsed(tmp_path):
+    """`envctl jobs` does not wait for a pass holding the jobs lock (docs/benchmarks.md): a
+    whole index is read without it; a torn last line (an append seen half-way) is read again
+    under it; the parsed jobs are kept until the index's bytes change."""
+    import threading
+
+    from envctl.runtime import jobs as jb
+
+    jb.jobs_dir(tmp_path).mkdir(mode=0o700)
+    for jid in (1, 2):
+        q.append(tmp_path, jb.Job(id=jid, env="e", argv=["x"], queued=True, reason=q.PRIORITY))
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with jb.jobs_lock(tmp_path):
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        first = q.queued_jobs(tmp_path)  # returns at once: the lock is not taken
+        assert [(j.id, j.reason) for j in first] == [(1, q.PRIORITY), (2, q.PRIORITY)]
+        assert q.queued_jobs(tmp_path, "e")[0] is first[0]  # the same bytes: kept parsed
+        index = q.queue_file(tmp_path, "e")
+        whole = index.read_bytes()
+        index.write_bytes(whole + b'{"id":3,"env":"e","ar')  # an append, half-way
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(q.queued_jobs(tmp_path)))
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive()  # torn: it waits for the lock, as a rebuild needs it
+        index.write_bytes(whole)  # the writer's state once it is done (here: undone)
+    finally:
+        release.set()
+        holder.join()
+    reader.join(10)
+    assert [j.id for j in got[0]] == [1, 2]

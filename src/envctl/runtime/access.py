@@ -247,6 +247,11 @@ def may_see_job(job: Job, access: Access | None, c: Caller) -> bool:
     its environment, an admin."""
     if is_admin(c) or job_owner(job) == c.uid:
         return True
+    return operates(access, c)
+
+
+def operates(access: Access | None, c: Caller) -> bool:
+    """Whether `c` is in the `access.operate` of an environment whose access list this is."""
     return access is not None and not access.refused and access.operate.admits(c)
 
 

@@ -3,13 +3,15 @@ a command (no cyclic GC, no interpreter teardown), expected errors as one line o
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import sys
-from collections.abc import Callable
 
 from envctl.errors import EnvctlError
+
+TYPE_CHECKING = False  # not typing's: the fast paths import nothing they can do without
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def run_fast(call: Callable[[], int]) -> None:
@@ -23,7 +25,9 @@ def run_fast(call: Callable[[], int]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
-    with contextlib.suppress(BrokenPipeError):
+    try:
         sys.stdout.flush()
         sys.stderr.flush()
+    except BrokenPipeError:  # the reader left: the exit code still says how it went
+        pass
     os._exit(code)

@@ -10,7 +10,6 @@ answers with its own messages; both end in `submit`, so they cannot differ in wh
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -33,18 +32,26 @@ def submit(env: str, exe: str, args: list[str], *, name: str | None = None,
     """Submit the job, print its id (or its record with `json_`) and return the exit code:
     0, 1 when it did not start, the job's own code with `wait`. Raises EnvctlError for bad
     input (nothing changed) and a host that refuses."""
-    from envctl.runtime.jobs import State, format_exit
     from envctl.server import client as cl
 
     daemon = cl.route()
     if daemon is not None:
-        job = cl.submit(daemon, env, exe, list(args), name=name, time_limit=time_limit,
-                        cpus=cpus, gpus=gpus, env_vars=env_vars, workdir=workdir,
-                        output=output, error=error, user=user, mem=mem)
+        raw = cl.submit_record(daemon, env, exe, list(args), name=name, time_limit=time_limit,
+                               cpus=cpus, gpus=gpus, env_vars=env_vars, workdir=workdir,
+                               output=output, error=error, user=user, mem=mem)
+        if not (wait or json_) and (raw.get("state") != "FAILED"
+                                    or raw.get("start_time") is not None):
+            # The common answer, the id: from the daemon's JSON, without importing the job
+            # records' module to build a Job (the ≤ 50 ms client target, docs/benchmarks.md).
+            print(raw["id"], flush=True)
+            return 0
+        job = cl.job_of(raw)
     else:
         job = _submit_here(env, exe, args, name=name, time_limit=time_limit, cpus=cpus,
                            gpus=gpus, env_vars=env_vars, workdir=workdir, output=output,
                            error=error, user=user, mem=mem)
+    from envctl.runtime.jobs import State, format_exit
+
     if job.state is State.FAILED and job.start_time is None:
         _show(job, json_)
         print(f"error: job {job.id} did not start: {job.error}", file=sys.stderr)
@@ -89,6 +96,8 @@ def _submit_here(env: str, exe: str, args: list[str], **options: object) -> obje
 
 def _show(job: object, json_: bool) -> None:
     if json_:
+        import json
+
         sys.stdout.write(json.dumps(job.to_json(), indent=2, default=str) + "\n")
     else:
         print(job.id, flush=True)

@@ -7,10 +7,9 @@ process, and passed as descriptors: the daemon never opens a user's path."""
 
 from __future__ import annotations
 
-import contextlib
+import _socket
 import errno
 import os
-import socket
 
 from envctl.errors import EnvctlError, InputError
 from envctl.server import protocol as proto
@@ -18,6 +17,7 @@ from envctl.server import protocol as proto
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import Any
 
     from envctl.runtime.jobs import Job
 
@@ -35,8 +35,9 @@ class Refused(EnvctlError):
         self.exit_code = code if code in (1, 2, 126, 127) else 1
 
 
-def _connect(path: str) -> socket.socket | None:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+def _connect(path: str) -> _socket.socket | None:
+    # _socket, not socket: see protocol (a client's import of `socket` costs ~5 ms)
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     try:
         sock.connect(path)
     except OSError as exc:
@@ -58,11 +59,11 @@ def _connect(path: str) -> socket.socket | None:
 class Client:
     """Requests to the daemon at `path`; `first` is a connection already made."""
 
-    def __init__(self, path: str, first: socket.socket | None = None):
+    def __init__(self, path: str, first: _socket.socket | None = None):
         self.path = path
         self.first = first
 
-    def open(self) -> socket.socket:
+    def open(self) -> _socket.socket:
         sock, self.first = self.first, None
         if sock is None:
             sock = _connect(self.path)
@@ -111,7 +112,8 @@ def route(environ: dict[str, str] | os._Environ[str] = os.environ) -> Client | N
 # ---------------------------------------------------------------- the commands
 
 
-def _job(raw: dict) -> Job:
+def job_of(raw: dict) -> Job:
+    """The Job of a record the daemon sent."""
     from pathlib import Path
 
     from envctl.runtime.jobs import Job
@@ -119,13 +121,21 @@ def _job(raw: dict) -> Job:
     return Job.from_json(raw, Path("<daemon>"))
 
 
-def submit(client: Client, env: str, exe: str, args: list[str], *, name: str | None = None,
-           time_limit: str | None = None, cpus: str | None = None, gpus: str | None = None,
-           env_vars: list[str] | None = None, workdir: str = "/", output: str | None = None,
-           error: str | None = None, user: str | None = None, mem: str | None = None) -> Job:
-    """Submit through the daemon; the record it answers with. A user's program and output
-    files are opened here as that user and passed; root passes paths (and who is behind its
-    sudo), which the daemon opens as in-process envctl does."""
+def submit(client: Client, env: str, exe: str, args: list[str], **options: Any) -> Job:
+    """Submit through the daemon (submit_record's arguments); the record it answers with."""
+    return job_of(submit_record(client, env, exe, args, **options))
+
+
+def submit_record(client: Client, env: str, exe: str, args: list[str], *,
+                  name: str | None = None, time_limit: str | None = None,
+                  cpus: str | None = None, gpus: str | None = None,
+                  env_vars: list[str] | None = None, workdir: str = "/",
+                  output: str | None = None, error: str | None = None,
+                  user: str | None = None, mem: str | None = None) -> dict:
+    """Submit through the daemon; the record it answers with, as the JSON it sent (building
+    a Job imports envctl.runtime.jobs: the plain `submit-job` prints the id without it). A
+    user's program and output files are opened here as that user and passed; root passes
+    paths (and who is behind its sudo), which the daemon opens as in-process envctl does."""
     here = "/" in exe or os.path.lexists(exe)
     fields: dict[str, object] = {
         "env": env, "exe": os.path.abspath(exe) if here else exe, "args": list(args),
@@ -151,7 +161,10 @@ def submit(client: Client, env: str, exe: str, args: list[str], *, name: str | N
     finally:
         for fd in fds:
             os.close(fd)
-    return _job(reply["job"])
+    job = reply.get("job")
+    if not isinstance(job, dict) or not isinstance(job.get("id"), int):
+        raise proto.ProtocolError("the daemon's 'submit' reply: no job record")
+    return job
 
 
 def _pass(fds: list[int], fd: int) -> int:
@@ -182,7 +195,7 @@ def _open_output(opt: str, path: str) -> int:
 def jobs(client: Client, env: str | None, all_: bool) -> list[Job]:
     """Whole records (`jobs --json`): the public fields only of a job the caller may not see."""
     reply, _ = client.call("jobs", env=env, all=all_)
-    return [_job(j) for j in reply["jobs"]]
+    return [job_of(j) for j in reply["jobs"]]
 
 
 def job_table(client: Client, env: str | None, all_: bool,
@@ -194,7 +207,7 @@ def job_table(client: Client, env: str | None, all_: bool,
     if rows is None and isinstance(reply.get("jobs"), list):  # a daemon from before "fields"
         from envctl.runtime.jobs import table
 
-        return table([_job(j) for j in reply["jobs"]], fields=fields)
+        return table([job_of(j) for j in reply["jobs"]], fields=fields)
     if not isinstance(rows, list) or not rows or not all(
             isinstance(r, list) and len(r) == len(fields) and all(isinstance(c, str) for c in r)
             for r in rows):
@@ -204,12 +217,12 @@ def job_table(client: Client, env: str | None, all_: bool,
 
 def cancel(client: Client, ids: list[str], grace: float) -> tuple[list[Job], list[Job]]:
     reply, _ = client.call("cancel", ids=list(ids), grace=grace)
-    return [_job(j) for j in reply["before"]], [_job(j) for j in reply["after"]]
+    return [job_of(j) for j in reply["before"]], [job_of(j) for j in reply["after"]]
 
 
 def wait(client: Client, ids: list[str] | list[int]) -> list[Job]:
     reply, _ = client.call("wait", ids=list(ids))
-    return [_job(j) for j in reply["jobs"]]
+    return [job_of(j) for j in reply["jobs"]]
 
 
 def logs(client: Client, job_id: str, stderr: bool, *, follow: bool = False
@@ -221,7 +234,7 @@ def logs(client: Client, job_id: str, stderr: bool, *, follow: bool = False
         for fd in fds:
             os.close(fd)
         raise Refused("the envctl daemon sent no output descriptor", 1)
-    return fds[0], _job(reply["job"])
+    return fds[0], job_of(reply["job"])
 
 
 def exec_(client: Client, env: str, argv: list[str], *, user: str | None = None,
@@ -231,6 +244,7 @@ def exec_(client: Client, env: str, argv: list[str], *, user: str | None = None,
     (a terminal among them relayed through a pipe, as in-process exec relays it: stdin only
     with `keep_stdin`, else /dev/null); SIGINT, SIGTERM, SIGHUP and SIGQUIT go to the command
     as requests on the connection. The command's exit code."""
+    import contextlib
     import select
     import signal
 
@@ -345,6 +359,8 @@ def _copy(src: int, dst: int) -> bool:
         return False
     if not data:
         return False
+    import contextlib  # here: not on submit-job's path (exec's only)
+
     with contextlib.suppress(OSError):
         os.write(dst, data)
     return True
@@ -354,6 +370,7 @@ def follow(client: Client, fd: int, job: Job, write: Callable[[bytes], None], *,
            recheck: float = 1.0) -> None:
     """Copy the output `fd` from its start, then as it grows, until the job ended: woken by
     inotify when the file changes and by the daemon's answer to a `wait` for the job."""
+    import contextlib
     import select
     import threading
 

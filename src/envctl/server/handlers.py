@@ -155,20 +155,25 @@ def list_jobs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int
 
     lists = _Lists()
     admin = access.is_admin(caller)
+    # access.may_see_job's answer, asked once per environment, not per job: is_admin reads
+    # the host's group database (~0.3 ms), 3 s of a listing of 10,000 for a plain user.
+    sees_all: dict[str, bool] = {}
+    where = Path("<public>")
     out: list = []
     for job in listed:
-        if admin or access.job_owner(job) == caller.uid or access.may_see_job(
-                job, lists(job.env), caller):
+        if job.env not in sees_all:
+            sees_all[job.env] = admin or access.operates(lists(job.env), caller)
+        if sees_all[job.env] or access.job_owner(job) == caller.uid:
             if fields is None:
                 out.append(job.to_json())
             else:
                 out.append(job)
             continue
-        full = job.to_json()
-        public = {k: full[k] for k in PUBLIC_FIELDS if k in full} | {"argv": []}
+        public = {k: getattr(job, k) for k in PUBLIC_FIELDS} | {"state": str(job.state),
+                                                                 "argv": []}
         # The table's cells of the public view: the same Job the client built from it before,
         # so another user's private cells (program, memory, accounting) are '-'.
-        out.append(public if fields is None else jb.Job.from_json(public, Path("<public>")))
+        out.append(public if fields is None else jb.Job.from_json(public, where))
     if fields is None:
         return {"jobs": out}, []
     # The table's rows (header first), every cell printable: `envctl jobs` prints them as they

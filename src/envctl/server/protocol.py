@@ -6,13 +6,17 @@ client is on `submit-job`'s path.
 Requests are `{"v": 1, "op": ..., ...}` of at most MAX_REQUEST bytes with at most MAX_FDS
 descriptors; replies are `{"v": 1, "ok": true, ...}` or `{"v": 1, "ok": false, "exit": 1|2,
 "error": "one line"}` and may be large. Every descriptor received is close-on-exec
-(MSG_CMSG_CLOEXEC)."""
+(MSG_CMSG_CLOEXEC).
+
+Sockets through `_socket`, the C module under `socket`: `import socket` builds its enums
+and imports `selectors` (~5 ms of a client's ~50); `_socket.socket` is the base class of
+`socket.socket`, so the daemon's sockets go through the same functions."""
 
 from __future__ import annotations
 
-import json
+import _socket
+import array
 import os
-import socket
 import struct
 
 from envctl.errors import InputError
@@ -22,8 +26,8 @@ MAX_REQUEST = 64 * 1024
 MAX_FDS = 8
 MAX_REPLY = 256 * 1024 * 1024  # a client's guard against a reply it cannot hold
 DEFAULT_SOCKET = "/run/envctl/envctl.sock"
-SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-MSG_CMSG_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0x40000000)
+SO_PEERGROUPS = getattr(_socket, "SO_PEERGROUPS", 59)
+MSG_CMSG_CLOEXEC = getattr(_socket, "MSG_CMSG_CLOEXEC", 0x40000000)
 _HEADER = struct.Struct(">I")
 
 
@@ -36,16 +40,70 @@ def socket_path(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
     return environ.get("ENVCTL_SOCKET") or DEFAULT_SOCKET
 
 
+# The JSON of frames through `_json`, the C codec under the `json` package, as json.dumps and
+# json.loads drive it: importing `json` imports `re` (and `enum`, `functools` …) for the
+# pure-Python fallbacks, ~9 ms of CPU here, which was all of a submit-job client's own cost
+# above the interpreter's start. `json` itself where `_json` is missing (not CPython).
+try:
+    import _json
+except ImportError:  # pragma: no cover - CPython always has it
+    _json = None
+
+
+class _Scanning:
+    """What the C scanner reads of its context (json.JSONDecoder's defaults)."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"),
+                      "NaN": float("nan")}.__getitem__
+
+
+_JSON_BLANKS = " \t\n\r"  # the whitespace JSON allows around a value
+
+
+def dumps(obj: object) -> str:
+    """json.dumps(obj, separators=(",", ":"), default=str)."""
+    if _json is None:  # pragma: no cover
+        import json
+
+        return json.dumps(obj, separators=(",", ":"), default=str)
+    # (markers, default, encoder, indent, key_separator, item_separator, sort_keys, skipkeys,
+    # allow_nan): what json.JSONEncoder.iterencode passes for these settings
+    encoder = _json.make_encoder({}, str, _json.encode_basestring_ascii, None, ":", ",",
+                                 False, False, True)
+    return "".join(encoder(obj, 0))
+
+
+def loads(text: str) -> object:
+    """json.loads(text): ValueError (json.JSONDecodeError) for what is not one JSON value."""
+    if _json is None:  # pragma: no cover
+        import json
+
+        return json.loads(text)
+    start = len(text) - len(text.lstrip(_JSON_BLANKS))
+    try:
+        obj, end = _json.make_scanner(_Scanning)(text, start)
+    except StopIteration as exc:
+        raise ValueError(f"Expecting value: char {exc.value}") from None
+    if text[end:].strip(_JSON_BLANKS):
+        raise ValueError(f"Extra data: char {end}")
+    return obj
+
+
 def encode(obj: dict) -> bytes:
     """One frame: the length, then the compact JSON."""
-    body = json.dumps(obj, separators=(",", ":"), default=str).encode()
+    body = dumps(obj).encode()
     return _HEADER.pack(len(body)) + body
 
 
 def decode(body: bytes) -> dict:
     """The JSON object of one frame's body; ProtocolError for anything else."""
     try:
-        obj = json.loads(body.decode())
+        obj = loads(body.decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nesting
         raise ProtocolError(f"not a JSON frame: {exc}") from None
     if not isinstance(obj, dict):
@@ -57,32 +115,31 @@ def error_reply(code: int, text: str) -> dict:
     return {"v": VERSION, "ok": False, "exit": code, "error": " ".join(str(text).split())}
 
 
-def send_frame(sock: socket.socket, obj: dict, fds: list[int] | tuple[int, ...] = ()) -> None:
+def send_frame(sock: _socket.socket, obj: dict, fds: list[int] | tuple[int, ...] = ()) -> None:
     """Send one frame (blocking); `fds` ride on its first bytes."""
     data = encode(obj)
-    if fds:
-        sent = socket.send_fds(sock, [data], list(fds))
+    if fds:  # what socket.send_fds does
+        sent = sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,
+                                      array.array("i", fds))])
         data = data[sent:]
     if data:
         sock.sendall(data)
 
 
-def recv_fds(sock: socket.socket, bufsize: int, maxfds: int = MAX_FDS
+def recv_fds(sock: _socket.socket, bufsize: int, maxfds: int = MAX_FDS
              ) -> tuple[bytes, list[int], int]:
     """recvmsg: (data, descriptors, msg flags), every descriptor close-on-exec. (Python's own
     socket.recv_fds drops its `flags` argument, MSG_CMSG_CLOEXEC included.)"""
-    import array
-
-    data, ancdata, flags, _ = sock.recvmsg(bufsize, socket.CMSG_SPACE(maxfds * 4),
+    data, ancdata, flags, _ = sock.recvmsg(bufsize, _socket.CMSG_SPACE(maxfds * 4),
                                            MSG_CMSG_CLOEXEC)
     fds = array.array("i")
     for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     return data, list(fds), flags
 
 
-def recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+def recv_exact(sock: _socket.socket, n: int, fds: list[int]) -> bytes:
     """`n` bytes (blocking), the descriptors that came with them appended to `fds`;
     ConnectionError at EOF before that."""
     buf = bytearray()
@@ -95,7 +152,7 @@ def recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket, *, limit: int = MAX_REPLY) -> tuple[dict, list[int]]:
+def recv_frame(sock: _socket.socket, *, limit: int = MAX_REPLY) -> tuple[dict, list[int]]:
     """One frame (blocking) and the descriptors that came with it."""
     fds: list[int] = []
     try:
@@ -148,16 +205,16 @@ class FrameReader:
             os.close(fd)
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int, tuple[int, ...]]:
+def peer_credentials(sock: _socket.socket) -> tuple[int, int, int, tuple[int, ...]]:
     """(pid, uid, gid, supplementary gids) of the process at the other end, as the kernel
     recorded them at connect (SO_PEERCRED, SO_PEERGROUPS): never what the client says."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
     groups: tuple[int, ...] = ()
     size = 64 * 4
     while True:
         try:
-            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
+            raw = sock.getsockopt(_socket.SOL_SOCKET, SO_PEERGROUPS, size)
         except OSError as exc:
             import errno
 
