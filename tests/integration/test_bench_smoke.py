@@ -3,6 +3,8 @@ must finish and print every line its report is read from (docs/benchmarks.md).""
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +67,46 @@ def test_queue_smoke():
     for what in ("submissions/s from 2 clients", "submit latency median", "envctl jobs",
                  "50 PENDING shown", "daemon RSS", "one pass of the queue"):
         assert what in out, out
+
+
+def smoke(name: str, timeout: float = 600) -> str:
+    """bench/NAME.py --smoke, which must succeed; its standard output."""
+    res = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_network_updown_smoke():
+    out = smoke("network_updown")
+    for label in ("2 shipped partitions: ", "2 partitions: "):
+        line = next((x for x in out.splitlines() if label in x), None)
+        assert line is not None and "envctl up+down" in line and "script" in line \
+            and "ratio envctl/script" in line, out
+
+
+def test_monitor_tick_smoke():
+    out = smoke("monitor_tick")
+    assert "monitor tick: 1 environments, 1 GPUs" in out, out
+    for what in ("CPU per tick", "of which sampling alone", "NVML initialised 1 time(s)",
+                 "KiB after 1,000 ticks", "CSV written"):
+        assert what in out, out
+    assert "None" not in out, out
+
+
+def test_rootfs_gpu_up_smoke():
+    out = smoke("rootfs_gpu_up")
+    assert any(re.fullmatch(r"\s*0\.001G\s+\d+\.\d+s\s+\d+\.\d+s", x)
+               for x in out.splitlines()), out
+    for what in ("largest/smallest up", "seed-style cp -a", "envctl up", "vs copy"):
+        assert what in out, out
+
+
+@pytest.mark.skipif(shutil.which("runsc") is None, reason="gVisor's runsc is not installed")
+def test_sandbox_overhead_smoke():
+    out = smoke("sandbox_overhead")
+    assert "platform ptrace" in out, out
+    for label in ("compute: matmul", "syscalls: dd", "small files:", "data mount: write",
+                  "data mount: read", "network: 10 TCP", "launch: exec"):
+        line = next((x for x in out.splitlines() if x.startswith(label)), None)
+        assert line is not None and "envctl-native" in line and "envctl-gvisor" in line, out
