@@ -3,10 +3,15 @@ must finish and print every line its report is read from (docs/benchmarks.md).""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +115,79 @@ def test_sandbox_overhead_smoke():
                   "data mount: read", "network: 10 TCP", "launch: exec"):
         line = next((x for x in out.splitlines() if x.startswith(label)), None)
         assert line is not None and "envctl-native" in line and "envctl-gvisor" in line, out
+
+
+def processes_naming(text: str) -> dict[int, bytes]:
+    """The processes whose environment names `text` (a benchmark's state, run and socket paths
+    all lie below its temporary directory): its daemon, job supervisors, clients, sandbox."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text.encode() in (d / "environ").read_bytes():
+                    found[int(d.name)] = (d / "cmdline").read_bytes()
+            except OSError:  # gone meanwhile, or a kernel thread
+                pass
+    return found
+
+
+def cgroups_of(pid: int) -> list[Path]:
+    """The cgroup parents of the sandboxes process `pid` made (tests/integration/sandbox.py)."""
+    root, name = Path("/sys/fs/cgroup"), f"envctl-test-{pid}-*"
+    return sorted([*root.glob(name), *root.glob(f"*/{name}")])
+
+
+def remove_leftovers(work: Path, pid: int) -> None:
+    """After a failed test: kill what names `work` and remove the cgroups of `pid`."""
+    for left in processes_naming(str(work)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(left, signal.SIGKILL)
+    for top in cgroups_of(pid):
+        for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            for victim in (d / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(victim), signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        with contextlib.suppress(OSError):
+            top.rmdir()
+
+
+@pytest.mark.parametrize("signo", [signal.SIGTERM, signal.SIGINT])
+def test_queue_bench_killed_mid_run_tears_everything_down(signo):
+    """A time-out's SIGTERM (or Ctrl-C) while the jobs are being submitted, with the daemon
+    up and a job running: the benchmark stops its daemon, takes its environment down with its
+    jobs, kills its sandbox and removes its temporary directory; it exits 128 + the signal."""
+    # A short directory of the test's own (the daemon's socket path must fit sun_path).
+    tmp = Path(tempfile.mkdtemp(prefix="qb-", dir="/tmp"))
+    out = tmp / "out"
+    proc = None
+    try:
+        with open(out, "w") as f:
+            proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "queue.py"),
+                                     "--jobs", "2000", "--clients", "2"], cwd=REPO,
+                                    env={**os.environ, "TMPDIR": str(tmp)}, stdout=f,
+                                    stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while "submitting 2000 jobs" not in out.read_text():
+                assert proc.poll() is None, f"exited {proc.returncode}:\n{out.read_text()}"
+                assert time.monotonic() < deadline, out.read_text()
+                time.sleep(0.05)
+            (work,) = [p for p in tmp.iterdir() if p.name.startswith("envctl-bench-queue-")]
+            assert processes_naming(str(work)), "no daemon or job to tear down"
+            proc.send_signal(signo)
+            proc.wait(180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert "one pass of the queue" not in out.read_text(), "not killed mid-run"
+        assert sorted(p.name for p in tmp.iterdir()) == ["out"], out.read_text()
+        assert processes_naming(str(work)) == {}
+        assert cgroups_of(proc.pid) == []
+        assert proc.returncode == 128 + signo, out.read_text()
+    finally:
+        if proc is not None:
+            remove_leftovers(tmp, proc.pid)
+        shutil.rmtree(tmp)
