@@ -7,8 +7,10 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import sys
 import sysconfig
+import time
 
 import pytest
 
@@ -164,6 +166,7 @@ def test_role_installs_this_checkouts_wheel_in_a_root_venv_starts_units_and_is_i
     inv = inventory([h1], {"h1": host_vars})
     inv["envctl_hosts"]["vars"].pop("envctl_install")
 
+    started = time.time()
     first = run_playbook(work, inv, EXAMPLES / "site.yml", "-vvv", timeout=600)
     assert first.rc == 0, first.output[-6000:]
     for handler in ("Start the envctl units", "Restart the envctl daemons"):
@@ -191,6 +194,27 @@ def test_role_installs_this_checkouts_wheel_in_a_root_venv_starts_units_and_is_i
     assert second.rc == 0, second.output[-6000:]
     assert second.counts("h1")["changed"] == 0, second.output[-6000:]
     assert "RUNNING HANDLER" not in second.output
+    assert not (REPO / "build").exists() or (REPO / "build").stat().st_mtime < started
+
+    # An upgrade: another wheel of the same version (a marker module added), given as
+    # envctl_wheel. It replaces the installed files and restarts the daemons; the units,
+    # unchanged, are not started again.
+    src = work / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", "tests", "docs", "bench"))
+    (src / "src" / "envctl" / "upgrade_marker.py").write_text("")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                            "--wheel-dir", str(work / "new"), str(src)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    inv["envctl_hosts"]["hosts"]["h1"].update(envctl_source="",
+                                              envctl_wheel=str(work / "new" / WHEEL))
+    third = run_playbook(work, inv, EXAMPLES / "site.yml", timeout=600)
+    assert third.rc == 0, third.output[-6000:]
+    assert (site / "envctl" / "upgrade_marker.py").is_file()
+    assert "RUNNING HANDLER [envctl.fleet.envctl : Restart the envctl daemons]" in third.output
+    assert "Start the envctl units]" not in third.output
+    assert h1.up() == {"alpha": "up"}
 
     down = h1.sandbox.envctl("down", "alpha")
     assert down.returncode == 0, down.stderr
