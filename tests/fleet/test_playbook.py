@@ -160,8 +160,6 @@ def test_role_installs_this_checkouts_wheel_in_a_root_venv_starts_units_and_is_i
                  "envctl_source": str(REPO), "envctl_venv": str(venv),
                  "envctl_bin": str(venv / "bin" / "envctl"), "envctl_cache_dir": str(cache),
                  "envctl_virtualenv_command": str(make_venv),
-                 # systemd is not PID 1 in the sandbox: the handlers run, over no unit.
-                 "envctl_units_start": [], "envctl_units_restart": [],
                  "envctl_environments": {"alpha": ALPHA}}
     inv = inventory([h1], {"h1": host_vars})
     inv["envctl_hosts"]["vars"].pop("envctl_install")
