@@ -3,6 +3,7 @@ check mode and diff, one host's bad spec, and pruning to zero residue."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from pathlib import Path
 
 import pytest
 
@@ -142,6 +144,42 @@ echo {site} > "$last/lib/python{major}.{minor}/site-packages/envctl-test-deps.pt
 WHEEL = "envctl_partitions-0.1.0-py3-none-any.whl"
 
 
+def install_vars(h, **extra) -> tuple[dict, dict[str, Path]]:
+    """An inventory of `h` alone with the role's install part on, into a venv, a cache
+    directory and a venv maker of its own (MAKE_VENV); and those paths."""
+    root = h.sandbox.root
+    make_venv = root / "make-venv"
+    make_venv.write_text(MAKE_VENV.format(
+        python=sys._base_executable, site=sysconfig.get_paths()["purelib"],
+        major=sys.version_info.major, minor=sys.version_info.minor))
+    make_venv.chmod(0o755)
+    paths = {"venv": root / "venv", "cache": root / "cache",
+             "site": root / "venv" / "lib" /
+             f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"}
+    inv = inventory([h], {h.name: {
+        "envctl_install": True, "envctl_system_packages_install": False,
+        "envctl_venv": str(paths["venv"]), "envctl_bin": str(paths["venv"] / "bin" / "envctl"),
+        "envctl_cache_dir": str(paths["cache"]), "envctl_virtualenv_command": str(make_venv),
+        **extra}})
+    inv["envctl_hosts"]["vars"].pop("envctl_install")
+    return inv, paths
+
+
+def build_wheel(work: Path, out: Path, marker: str = "") -> Path:
+    """A wheel of a copy of this checkout (the checkout's own tree untouched), with an empty
+    module `marker` added when given."""
+    src = work / f"src-{out.name}"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", "tests", "docs", "bench"))
+    if marker:
+        (src / "src" / "envctl" / f"{marker}.py").write_text("")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                            "--wheel-dir", str(out), str(src)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    return out / WHEEL
+
+
 def test_role_installs_this_checkouts_wheel_in_a_root_venv_starts_units_and_is_idempotent(
         fleet):
     """envctl_install with envctl_source: the controller builds this checkout's wheel, the
@@ -149,20 +187,8 @@ def test_role_installs_this_checkouts_wheel_in_a_root_venv_starts_units_and_is_i
     notifies the start handler, the wheel's copy notifies the restart handler; the second run
     changes nothing and runs no handler. No pip invocation names the bare PyPI `envctl`."""
     work, (h1, _) = fleet
-    root = h1.sandbox.root
-    make_venv = root / "make-venv"
-    make_venv.write_text(MAKE_VENV.format(
-        python=sys._base_executable, site=sysconfig.get_paths()["purelib"],
-        major=sys.version_info.major, minor=sys.version_info.minor))
-    make_venv.chmod(0o755)
-    venv, cache = root / "venv", root / "cache"
-    host_vars = {"envctl_install": True, "envctl_system_packages_install": False,
-                 "envctl_source": str(REPO), "envctl_venv": str(venv),
-                 "envctl_bin": str(venv / "bin" / "envctl"), "envctl_cache_dir": str(cache),
-                 "envctl_virtualenv_command": str(make_venv),
-                 "envctl_environments": {"alpha": ALPHA}}
-    inv = inventory([h1], {"h1": host_vars})
-    inv["envctl_hosts"]["vars"].pop("envctl_install")
+    inv, paths = install_vars(h1, envctl_source=str(REPO), envctl_environments={"alpha": ALPHA})
+    venv, cache, site = paths["venv"], paths["cache"], paths["site"]
 
     started = time.time()
     first = run_playbook(work, inv, EXAMPLES / "site.yml", "-vvv", timeout=600)
@@ -171,8 +197,6 @@ def test_role_installs_this_checkouts_wheel_in_a_root_venv_starts_units_and_is_i
         assert f"RUNNING HANDLER [envctl.fleet.envctl : {handler}]" in first.output
     # The wheel built from this checkout, and only it, installed into the venv.
     assert sorted(p.name for p in cache.iterdir()) == [WHEEL]
-    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
-        "site-packages"
     assert (site / "envctl_partitions-0.1.0.dist-info").is_dir()
     assert (site / "envctl" / "cli.py").read_bytes() == (REPO / "src/envctl/cli.py").read_bytes()
     st = venv.stat()
@@ -197,16 +221,8 @@ def test_role_installs_this_checkouts_wheel_in_a_root_venv_starts_units_and_is_i
     # An upgrade: another wheel of the same version (a marker module added), given as
     # envctl_wheel. It replaces the installed files and restarts the daemons; the units,
     # unchanged, are not started again.
-    src = work / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "*.egg-info", "__pycache__", "tests", "docs", "bench"))
-    (src / "src" / "envctl" / "upgrade_marker.py").write_text("")
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                            "--wheel-dir", str(work / "new"), str(src)],
-                           capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr
-    inv["envctl_hosts"]["hosts"]["h1"].update(envctl_source="",
-                                              envctl_wheel=str(work / "new" / WHEEL))
+    new = build_wheel(work, work / "new", marker="upgrade_marker")
+    inv["envctl_hosts"]["hosts"]["h1"].update(envctl_source="", envctl_wheel=str(new))
     third = run_playbook(work, inv, EXAMPLES / "site.yml", timeout=600)
     assert third.rc == 0, third.output[-6000:]
     assert (site / "envctl" / "upgrade_marker.py").is_file()
@@ -216,6 +232,32 @@ def test_role_installs_this_checkouts_wheel_in_a_root_venv_starts_units_and_is_i
 
     down = h1.sandbox.envctl("down", "alpha")
     assert down.returncode == 0, down.stderr
+
+
+def test_role_installs_from_hash_pinned_requirements_and_refuses_a_wrong_hash(fleet):
+    """envctl_requirements: pip runs with --require-hashes (against a local index here, as an
+    operator's mirror): a requirements file whose hash is not the wheel's installs nothing
+    and fails the host; the right hash installs that wheel and notifies the restart."""
+    work, (h1, _) = fleet
+    wheel = build_wheel(work, work / "index")
+    good = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    reqs = work / "requirements.txt"
+    inv, paths = install_vars(h1, envctl_requirements=str(reqs),
+                              envctl_pip_extra_args=f"--no-index --find-links {wheel.parent}")
+
+    reqs.write_text(f"envctl-partitions==0.1.0 --hash=sha256:{'0' * 64}\n")
+    bad = run_playbook(work, inv, EXAMPLES / "site.yml", timeout=600)
+    assert bad.rc == 2 and bad.counts("h1")["failed"] == 1, bad.output[-6000:]
+    assert "THESE PACKAGES DO NOT MATCH THE HASHES" in bad.output, bad.output[-6000:]
+    assert not (paths["site"] / "envctl_partitions-0.1.0.dist-info").exists()
+
+    reqs.write_text(f"envctl-partitions==0.1.0 --hash=sha256:{good}\n")
+    ok = run_playbook(work, inv, EXAMPLES / "site.yml", "-vvv", timeout=600)
+    assert ok.rc == 0, ok.output[-6000:]
+    assert (paths["site"] / "envctl_partitions-0.1.0.dist-info").is_dir()
+    assert "RUNNING HANDLER [envctl.fleet.envctl : Restart the envctl daemons]" in ok.output
+    assert '"extra_args": "--require-hashes --no-index --find-links' in ok.output
+    assert sorted(p.name for p in paths["cache"].iterdir()) == ["requirements.txt"]
 
 
 def test_role_refuses_to_install_without_a_source(fleet):
