@@ -9,6 +9,10 @@ and two processes each, attributed through a fake /proc. A tick is what the moni
 interval without its health loop: sample (cgroups, service and job records, NVML, psutil), CSV
 rows, the textfile (exposition, temporary file, rename) and the /metrics snapshot.
 
+`--mig` makes it the HGX H200 host of bench/gpus.py: MIG on for every GPU with seven 1g.18gb
+instances each (56, as tests/fakes/gpuhost.py lays them out), the environments holding
+instances rather than whole GPUs (environment i the instances of GPU i mod GPUs).
+
 Prints the CPU time of a tick (process time: median, p95, max) and split into sampling and
 export, and RSS at the start, after 1,000 ticks and at the end (the cyclic GC on, as in the
 monitor). Target: <= 20 ms of CPU per tick, RSS flat. Asserts nothing.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -33,6 +38,7 @@ sys.path.insert(0, str(REPO / "src"))
 from envctl.monitor.daemon import Monitor, Options  # noqa: E402
 from envctl.monitor.nvml import NvmlSession  # noqa: E402
 from envctl.runtime import jobs as jb  # noqa: E402
+from tests.fakes import gpuhost  # noqa: E402
 from tests.unit.test_monitor import BOOT, fake_host, import_fake_pynvml  # noqa: E402
 
 
@@ -41,11 +47,37 @@ def rss_kib() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
+def with_mig(fh: object) -> int:
+    """Turn the fake host's GPUs to MIG (gpuhost's layout of seven 1g.18gb instances) and
+    give each environment the instances of the GPUs it held; the number of instances."""
+    doc = json.loads(fh.nvml_json.read_text())  # type: ignore[attr-defined]
+    count = 0
+    for g, gpu in enumerate(doc["gpus"]):
+        gis = gpuhost.layout("H200", ["1g.18gb"] * 7)
+        for gi in gis:
+            gi["cis"] = [{**ci, "uuid": gpuhost.mig_uuid(g, gi["id"], ci["id"])}
+                         for ci in gi["cis"]]
+        gpu.update(mig=True, mig_pending=True, mig_profiles=gpuhost.profiles("H200"),
+                   gpu_instances=gis)
+        count += len(gis)
+    fh.nvml_json.write_text(json.dumps(doc))  # type: ignore[attr-defined]
+    migs = {gpu["uuid"]: [ci["uuid"] for gi in gpu["gpu_instances"] for ci in gi["cis"]]
+            for gpu in doc["gpus"]}
+    for path in (fh.state / "journal").glob("*.json"):  # type: ignore[attr-defined]
+        journal = json.loads(path.read_text())
+        claims = journal["meta"]["claims"]
+        claims["gpus"]["uuids"] = [m for u in claims["gpus"]["uuids"] for m in migs.get(u, [u])]
+        path.write_text(json.dumps(journal))
+    return count
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--envs", type=int, default=32)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--ticks", type=int, default=10_000)
+    ap.add_argument("--mig", action="store_true",
+                    help="MIG on, 7 instances a GPU, held by the environments")
     ap.add_argument("--smoke", action="store_true", help="1 environment, 1 GPU, 1,000 ticks")
     args = ap.parse_args()
     if args.smoke:
@@ -56,6 +88,7 @@ def main() -> None:
         for i, env in enumerate(fh.envs):
             jb.write(fh.state, jb.Job(id=i + 1, env=env, argv=["x"], state=jb.State.COMPLETED,
                                       boot_id=BOOT))
+        instances = with_mig(fh) if args.mig else 0
         os.environ["FAKE_NVML_JSON"] = str(fh.nvml_json)
         nvml = import_fake_pynvml()
         sampler = fh.sampler(nvml=NvmlSession(nvml))
@@ -84,7 +117,8 @@ def main() -> None:
         ms = sorted(x * 1000 for x in totals)
         sm = statistics.median(samples) * 1000
         print(f"monitor tick: {args.envs} environments, {args.gpus} GPUs "
-              f"({2 * args.gpus} GPU processes), {args.ticks} ticks")
+              f"({2 * args.gpus} GPU processes), {args.ticks} ticks"
+              + (f", MIG: {instances} instances held" if args.mig else ""))
         print("  CPU per tick (sample + CSV + textfile + snapshot): median "
               f"{statistics.median(ms):.2f} ms, p95 {ms[int(len(ms) * 0.95)]:.2f} ms, "
               f"max {ms[-1]:.2f} ms (target <= 20 ms)")

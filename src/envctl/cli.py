@@ -878,6 +878,11 @@ def monitor(
         "--listen", help="ADDR:PORT to serve /metrics on ([::1]:9464 for IPv6), or none. "
         "Loopback by default: put a reverse proxy or node_exporter's textfile collector in "
         "front to publish it.")] = "127.0.0.1:9464",
+    web_config_file: Annotated[Path | None, typer.Option(
+        "--web-config-file", help="TLS and basic auth for /metrics, in the Prometheus "
+        "exporter-toolkit format (tls_server_config: cert_file, key_file, client_auth_type, "
+        "client_ca_file; basic_auth_users: bcrypt hashes); see docs/monitoring.md.",
+        show_default=False)] = None,
     textfile: Annotated[Path | None, typer.Option(
         "--textfile", help="Also write the exposition to this file each tick (a temporary "
         "file renamed over it), for node_exporter's textfile collector (name it *.prom).",
@@ -889,6 +894,11 @@ def monitor(
     heal: Annotated[bool | None, typer.Option(
         "--heal/--no-heal", help="Re-converge environments that drifted, or only report "
         "drift. Default: heal; with --once, only report.", show_default=False)] = None,
+    compat: Annotated[str | None, typer.Option(
+        "--compat", help="Also export dcgm-exporter's DCGM_FI_DEV_* and/or cAdvisor's "
+        "container_* names (dcgm,cadvisor) for dashboards built on them. Off by default: on "
+        "a host that runs those exporters the series would be doubled.",
+        show_default=False)] = None,
 ) -> None:
     """Watch the host: GPUs (NVML), each environment's cgroup, service and jobs, host CPU and
     memory; export CSV and Prometheus metrics; re-converge environments that drift.
@@ -897,20 +907,25 @@ def monitor(
     environment that is up as `status` does; one that drifted or whose service died is
     brought up again as `envctl up NAME` would, under the global lock (never while a user's
     up/down holds it), with exponential backoff per environment; what it found and did goes
-    to the events log that `status` shows. Metric names follow dcgm-exporter and cAdvisor
-    (see docs/monitoring.md).
+    to the events log that `status` shows. Metrics are envctl_* with labels that join
+    dcgm-exporter's and cAdvisor's (see docs/monitoring.md).
 
     Example: sudo envctl monitor --textfile /var/lib/node_exporter/textfile/envctl.prom
     """
     from envctl import app as ops
     from envctl.host.context import Host
     from envctl.monitor import daemon
-    from envctl.monitor.prom import parse_listen
+    from envctl.monitor.http import parse_listen
+    from envctl.monitor.prom import parse_compat
 
     interval = interval if interval_i is None else interval_i
     if not interval > 0:
         raise typer.BadParameter(f"--interval {interval}: give a number of seconds above 0")
     addr = None if once else parse_listen(listen)
+    if web_config_file is not None and addr is None:
+        raise typer.BadParameter("--web-config-file: nothing is served (--once or --listen "
+                                 "none)")
+    compat_names = parse_compat(compat)
     heal = not once if heal is None else heal
     if csv_dir is None:
         csv_dir = "none" if once else DEFAULT_CSV_DIR
@@ -918,7 +933,18 @@ def monitor(
         ops.require_root("monitor (which heals environments; --no-heal only reports)")
     opts = daemon.Options(interval=interval, once=once, listen=addr, textfile=textfile,
                           csv_dir=None if csv_dir.strip().lower() == "none" else Path(csv_dir),
-                          heal=heal)
+                          heal=heal, compat=compat_names)
+    server = None
+    if addr is not None:
+        from envctl.monitor.http import Auth, MetricsServer
+
+        web = None
+        if web_config_file is not None:
+            from envctl.monitor import webconfig
+
+            web = webconfig.load(web_config_file)
+        server = MetricsServer(addr, tls=web.tls if web else None,
+                               auth=Auth(web.users) if web and web.users else None)
     mon = daemon.Monitor(Host.from_env(), opts)
     if once:
         try:
@@ -926,7 +952,28 @@ def monitor(
         finally:
             mon.close()
         return
+    if server is not None:
+        mon.serve(server)
     mon.run()
+
+
+@app.command()
+def maintenance(
+    env: Annotated[str, typer.Argument(help="The environment.", show_default=False,
+                                       autocompletion=_complete_envs)],
+    mode: Annotated[str, typer.Argument(help="on: the monitor stops healing it; off: heals "
+                                        "again.", show_default=False)],
+    json_: JsonOpt = False,
+) -> None:
+    """Pause (on) or resume (off) the monitor's healing of one environment, while you work on
+    it: the monitor still checks it, reports its drift and exports its metrics. Shown in
+    `envctl status`; independent of up and down; lasts until turned off or the next boot.
+
+    Example: sudo envctl maintenance gpu-compute on
+    """
+    from envctl import commands
+
+    _exit(commands.maintenance(env, mode.strip().lower(), _opts(), json_=json_))
 
 
 @app.command()

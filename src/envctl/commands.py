@@ -351,22 +351,56 @@ def status(names: list[str] | None, opts: Options, *, json_: bool = False,
     states = listing.status_states(ws, host, rows)
     limits = listing.limit_summaries(ws, host, list(rows), states)
     events = recent_events(host, list(rows))
+    from envctl.monitor.maintenance import paused
+
+    marks = paused(host.run_dir, list(rows))
     if json_:
         emit_json([{"env": env, "state": states[env], "up": states[env] != "down",
                     "description": descriptions.get(env, ""), "limits": limits.get(env),
                     "isolation": isolation.get(env, {"level": "native"}),
                     "steps": [s.to_json() for s in steps],
                     "warnings": warnings.get(env, []), "cgroup": cgroups.get(env),
-                    "events": events.get(env, [])}
+                    "events": events.get(env, []), "maintenance": marks.get(env)}
                    for env, steps in rows.items()])
     else:
         render_status(console(), rows, warnings, cgroups=cgroups, isolation=isolation,
                       descriptions=descriptions, states=states, limits=limits)
+        render_maintenance(console(), marks)
         render_events(console(), events)
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):
         return 1
     return 0
+
+
+def maintenance(env: str, mode: str, opts: Options, *, json_: bool = False) -> int:
+    """`envctl maintenance ENV on|off`: pause or resume the monitor's healing of `env`."""
+    from envctl import app as ops
+    from envctl.host.context import Host
+    from envctl.monitor import maintenance as mt
+
+    if mode not in ("on", "off"):
+        raise BadArgs("maintenance", f"'{mode}': give on or off")
+    host = Host.from_env()
+    _, envs = targets([env], host, opts)  # an unknown name is refused here (exit 2)
+    if len(envs) != 1 or env.endswith((".yaml", ".yml")):
+        raise BadArgs("maintenance", "name one environment (not a spec file)")
+    ops.require_root(f"maintenance {env} {mode} (the monitor heals as root)")
+    changed = mt.set_mode(host.run_dir, env, mode == "on")
+    if json_:
+        emit_json({"env": env, "maintenance": mode == "on", "changed": changed})
+    else:
+        said = {"on": "healing paused", "off": "healing resumed"}[mode]
+        console().print(f"{env}: maintenance {mode}: {said}" if changed else
+                        f"{env}: maintenance already {mode}: nothing changed")
+    return 0
+
+
+def render_maintenance(out: Any, marks: dict[str, dict[str, Any]]) -> None:
+    from envctl.monitor.maintenance import describe
+
+    for env, mark in marks.items():
+        out.print(f"[bold]{env}[/]  [yellow]{describe(mark)}[/]")
 
 
 def list_(names: list[str] | None, opts: Options, *, json_: bool = False) -> int:

@@ -117,6 +117,12 @@ class GpuFact:
     pci: str = ""  # bus id, 0000:3b:00.0
     mig_pending: bool = False  # MIG mode after the next GPU reset
     mig_devices: tuple[MigFact, ...] = ()  # its MIG devices (NVML only)
+    # Where it sits: its NUMA node (None: the host has no NUMA, sysfs says -1) and the CPUs
+    # local to it, from NVML's memory and CPU affinity where NVML answers, else sysfs PCI
+    # (numa_node, local_cpulist); `affinity` says which ("nvml", "sysfs" or "").
+    numa_node: int | None = None
+    local_cpus: tuple[int, ...] = ()
+    affinity: str = ""
 
 
 @dataclass(frozen=True)
@@ -187,6 +193,10 @@ class HostFacts:
     # GPU UUID -> why it is quarantined (the ledger's evidence, and what a health probe found
     # now): never assigned to anyone until `envctl gpus --clear`.
     gpu_quarantined: dict[str, str] = field(default_factory=dict)
+    # Environment -> the CPUs `dedicated: {near_gpus: true}` gives it, resolved for all specs
+    # read together (envctl.spec.resolve.assign_near_cpus), and environment -> why it gets none.
+    cpu_assigned: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    cpu_refused: dict[str, str] = field(default_factory=dict)
     # Ids the host's users, groups and /etc/subuid, /etc/subgid ranges hold, (first, end,
     # what) (read only when a spec wants a user namespace).
     host_ids: tuple[tuple[int, int, str], ...] = ()

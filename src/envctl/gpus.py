@@ -8,7 +8,6 @@ Read-only except `sync_cdi`, the one file envctl writes here: by `up`, `down` an
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import stat
@@ -48,6 +47,14 @@ class GpuSurvey:
     nodes: dict[str, list[tuple]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # damaged journals, vanished GPUs
     leaving: set[str] = field(default_factory=set)  # holders whose `down` began: not in CDI
+
+
+def _digest(data: bytes) -> str:
+    # hashlib (OpenSSL's, ~3 ms to import) only where a CDI file is read or written: a plain
+    # `envctl gpus` never needs it.
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
 
 
 def survey(host: Host, root: Path) -> GpuSurvey:
@@ -184,7 +191,7 @@ def sync_cdi(host: Host, root: Path, path: Path, *, leaving: Iterable[str] = (),
                if env not in gone and env not in found.leaving}
     current = _read_cdi(path)
     record = _read_record(host)
-    owned = current is None or hashlib.sha256(current).hexdigest() in record.get(str(path), [])
+    owned = current is None or _digest(current) in record.get(str(path), [])
     if not holders:
         if current is None:
             return CdiSync(path, "absent")
@@ -202,9 +209,9 @@ def sync_cdi(host: Host, root: Path, path: Path, *, leaving: Iterable[str] = (),
     if current == data:
         return CdiSync(path, "kept", names)
     _refuse_foreign(path, owned)
-    digest = hashlib.sha256(data).hexdigest()
+    digest = _digest(data)
     # The new digest on record first: a crash after it leaves a file envctl still knows.
-    mine = [] if current is None else [hashlib.sha256(current).hexdigest()]
+    mine = [] if current is None else [_digest(current)]
     _write_record(host, {**record, str(path): [*mine, digest]})
     from envctl.host.files import atomic_write
 
@@ -229,7 +236,7 @@ def remove_cdi(host: Host, path: Path) -> None:
     rewrite it); a file envctl did not write stays."""
     current = _read_cdi(path)
     record = _read_record(host)
-    if current is None or hashlib.sha256(current).hexdigest() not in record.get(str(path), []):
+    if current is None or _digest(current) not in record.get(str(path), []):
         return
     _unlink(path)
     _write_record(host, {**record, str(path): []})

@@ -52,6 +52,8 @@ def render_plan(console: Console, plans: list[dict[str, Any]], *, down: bool) ->
         elif p["resolved"]:
             head += f"  [dim]{_resolved(p['resolved'])}[/]"
         console.print(head)
+        for line in p["resolved"].get("placement", ()):  # GPU 3 <-> NUMA 1 <-> CPUs 48-63
+            console.print(f"  [dim]placement: {escape(line)}[/]")
         for w in p["warnings"]:  # `!` marks a refused step; a warning says so
             console.print(f"  [yellow]warning: {w}[/]")
         if not p["steps"]:

@@ -7,6 +7,7 @@ from the journal alone and never imports pydantic, YAML or the planner.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,8 @@ from envctl.plan.userns import assign_userns, wants_userns
 from envctl.runtime.context import SYSTEM_CONFIG_DIR, config_dir  # noqa: F401 - re-exported
 from envctl.spec.conflicts import find_conflicts
 from envctl.spec.loader import LoadedSpec, read_each, spec_files, unsafe_spec_paths
-from envctl.spec.models import EnvSpec
+from envctl.spec.models import EnvSpec, NearGpuCpus
+from envctl.spec.resolve import assign_near_cpus
 
 
 @dataclass
@@ -193,7 +195,14 @@ def _facts_for(specs: list[EnvSpec], host: Host) -> HostFacts:
     facts = dataclasses.replace(facts, gpu_held=_gpus_held(host))
     facts = _with_quarantine(facts, host)
     assigned, refused = assign_gpus(gpus, facts)
-    return dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused)
+    facts = dataclasses.replace(facts, gpu_assigned=assigned, gpu_refused=refused)
+    if not any(isinstance(s.resources.cpu.dedicated, NearGpuCpus) for s in specs):
+        return facts
+    # CPUs near the GPUs, once the GPUs are known, around what every environment that is up
+    # dedicates (its own included: it keeps them).
+    held = {env: claims.get("cpus", []) for env, claims in _up_claims(host)}
+    near, why = assign_near_cpus(specs, facts, held)
+    return dataclasses.replace(facts, cpu_assigned=near, cpu_refused=why)
 
 
 FINDINGS_KEY = "gpu.findings"  # facts.extra: what the health probe found now (for `up`)
@@ -253,29 +262,29 @@ def _assign_userns(specs: list[EnvSpec], facts: HostFacts, held: dict[str, int])
     return dataclasses.replace(facts, userns_assigned=assigned, userns_refused=refused)
 
 
-def _userns_held(host: Host) -> dict[str, int]:
-    """Environment that is up -> the first host id of its user namespace block (its claims)."""
-    held = {}
-    for env in Journal.environments(host.state_dir):
-        try:
-            journal = Journal.open(host.state_dir, env, boot=host.boot_id)
-        except (StateCorrupt, UsageError):
-            continue
-        base = ((journal.claims or {}).get("userns") or {}).get("base")
-        if journal.entries and isinstance(base, int):
-            held[env] = base
-    return held
-
-
-def _gpus_held(host: Host) -> dict[str, str]:
-    """GPU UUID -> the environment that is up and holds it, from every journal's claims."""
-    held = {}
+def _up_claims(host: Host) -> Iterator[tuple[str, dict]]:
+    """(environment, its recorded claims) of every environment that is up here (its journal
+    has entries of this boot); damaged journals are skipped (`status` reports them)."""
     for env in Journal.environments(host.state_dir):
         try:
             journal = Journal.open(host.state_dir, env, boot=host.boot_id)
         except (StateCorrupt, UsageError):
             continue
         if journal.entries:
-            for uuid in (journal.claims or {}).get("gpus", {}).get("uuids", []):
-                held[uuid] = env
+            yield env, journal.claims or {}
+
+
+def _userns_held(host: Host) -> dict[str, int]:
+    """Environment that is up -> the first host id of its user namespace block (its claims)."""
+    held = {}
+    for env, claims in _up_claims(host):
+        base = (claims.get("userns") or {}).get("base")
+        if isinstance(base, int):
+            held[env] = base
     return held
+
+
+def _gpus_held(host: Host) -> dict[str, str]:
+    """GPU UUID -> the environment that is up and holds it, from every journal's claims."""
+    return {uuid: env for env, claims in _up_claims(host)
+            for uuid in claims.get("gpus", {}).get("uuids", [])}

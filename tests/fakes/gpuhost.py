@@ -15,7 +15,9 @@ and the fake `pynvml` (tests/fakes/pynvml) at it. Formats are the driver's own:
   capabilities/gpuN/mig/giX/access and giX/ciY/access: "DeviceFileMinor: %u\\nDeviceFileMode:
   %u\\nDeviceFileModify: 1\\n" (config 0400, monitor 0440, access 0444).
 - /sys/bus/pci/devices/<pci>/{numa_node,local_cpulist,vendor,device,class} and
-  /sys/devices/system/node/nodeN/cpulist.
+  /sys/devices/system/node/nodeN/cpulist: GPU i on node i·numa/gpus, the CPUs split evenly over
+  the nodes (`--gpus 2 --numa 2 --cpus 2`: GPU 1 is local to CPU 1), and the same in the fake
+  NVML's cpu_affinity / memory_affinity.
 - /dev: nvidiaN, nvidiactl, nvidia-uvm(-tools) and nvidia-caps/nvidia-cap{1,2} plus each existing
   instance's access nodes (on a real host nvidia-modprobe makes those on demand), made with
   mknod when run as root; without root the tree has no nodes, and says so on stderr.
@@ -230,7 +232,10 @@ def make_host(root: Path, *, gpus: int = 8, model: str = "H200", numa: int = 2,
         listed.append({"uuid": uuid, "name": spec["name"], "minor": index,
                        "memory": spec["memory"], "mig": mig, "mig_pending": mig,
                        "pci": f"{int(domain, 16):08X}:{rest.upper()}",
-                       "mig_profiles": profiles(model), "gpu_instances": gis})
+                       "mig_profiles": profiles(model), "gpu_instances": gis,
+                       # NVML's view of where it sits: the same as sysfs's, as on a sound BIOS.
+                       "cpu_affinity": list(range(node * per_node, (node + 1) * per_node)),
+                       "memory_affinity": [node]})
     nvml = root / "nvml.json"
     nvml.write_text(json.dumps({"driver": DRIVER, "gpus": listed}, indent=1))
 

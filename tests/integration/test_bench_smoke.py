@@ -191,3 +191,25 @@ def test_queue_bench_killed_mid_run_tears_everything_down(signo):
         if proc is not None:
             remove_leftovers(tmp, proc.pid)
         shutil.rmtree(tmp)
+
+
+def test_gpus_bench_smoke():
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "gpus.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "host: 8 GPUs, 56 MIG instances (56 held by 8 environments), source nvml" in out, out
+    for label in ("envctl --version", "envctl gpus", "envctl gpus --json",
+                  "in-process discover_gpus", "in-process gpu_report"):
+        assert any(x.startswith(label) and ": median " in x for x in out.splitlines()), out
+    assert out.count("(target <= 150 ms)") == 2 and "above --version" in out, out
+
+
+def test_monitor_tick_with_mig_smoke():
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "monitor_tick.py"), "--mig",
+                          "--ticks", "20"], capture_output=True, text=True, timeout=600,
+                         cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "8 GPUs (16 GPU processes), 20 ticks, MIG: 56 instances held" in out, out
+    assert "CPU per tick" in out and "(target <= 20 ms)" in out, out

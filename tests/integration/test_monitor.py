@@ -89,7 +89,42 @@ def monitor_once(sb, tmp_path, *args: str) -> dict:
 
 
 def by_env(samples) -> dict[str, float]:
-    return {labels["environment"]: value for labels, value in samples}
+    return {labels["envctl_environment"]: value for labels, value in samples}
+
+
+def test_network_bytes_of_its_veth_and_a_spec_that_is_not_up(sandbox, tmp_path):
+    """Bytes sent to an environment through its bridge show as received on its veth (the
+    monitor reads /sys/class/net of its own netns: a sysfs mounted there); a spec in the
+    config directory that is not up shows up=0, configured=1."""
+    sb = sandbox
+    sb.write_spec("net", "name: net\nkind: cpu\n"
+                  "network: {address: 10.231.0.2, bridge_address: 10.231.0.1/24}\n")
+    sb.write_spec("later", "name: later\nkind: cpu\n")
+    res = sb.envctl("up", "net")
+    assert res.returncode == 0, res.stderr
+    try:
+        send = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                "for _ in range(100): s.sendto(b'x' * 1000, ('10.231.0.2', 9))")
+        sb.run(sys.executable, "-c", send, check=True)
+        sysfs = tmp_path / "sys"
+        sysfs.mkdir()
+        # --propagation unchanged: /run/netns stays the shared mount `up` made (the health
+        # check would call a private one drift); the sysfs mount is undone before it exits.
+        res = sb.run("unshare", "-m", "--propagation", "unchanged", "sh", "-c",
+                     'mount -t sysfs sysfs "$1" || exit 1; d=$1; shift; "$@"; rc=$?; '
+                     'umount "$d"; exit $rc', "sh", str(sysfs),
+                     sys.executable, "-m", "envctl", "monitor", "--once", "--no-heal",
+                     env={"ENVCTL_SYS_ROOT": str(sysfs)})
+        assert res.returncode == 0, res.stderr
+        m = parse_exposition(res.stdout)
+        got = {(x["envctl_environment"], x["direction"]): v
+               for x, v in m["envctl_environment_network_bytes_total"]}
+        assert got[("net", "receive")] >= 100 * 1000, got  # UDP payloads, plus headers
+        assert by_env(m["envctl_environment_configured"]) == {"net": 1, "later": 1}
+        assert by_env(m["envctl_environment_up"]) == {"net": 1, "later": 0}, res.stderr
+    finally:
+        res = sb.envctl("down", "net")
+        assert res.returncode == 0, res.stderr
 
 
 def test_once_writes_csv_and_metrics_of_the_environment(box, tmp_path):
@@ -97,15 +132,33 @@ def test_once_writes_csv_and_metrics_of_the_environment(box, tmp_path):
     m = monitor_once(sb, tmp_path, "--no-heal")
     assert by_env(m["envctl_environment_up"]) == {"box": 1}
     assert by_env(m["envctl_service_up"]) == {"box": 1}
-    assert by_env(m["container_spec_memory_limit_bytes"]) == {"box": 256 << 20}
-    usage = by_env(m["container_memory_usage_bytes"])["box"]
+    assert by_env(m["envctl_environment_configured"]) == {"box": 1}  # its spec is there
+    assert by_env(m["envctl_environment_memory_limit_bytes"]) == {"box": 256 << 20}
+    usage = by_env(m["envctl_environment_memory_usage_bytes"])["box"]
     assert 0 < usage < 256 << 20
-    assert by_env(m["container_threads"])["box"] >= 2  # the service's init and sleep
-    assert by_env(m["container_cpu_usage_seconds_total"])["box"] > 0
-    (labels, _), = [x for x in m["container_memory_usage_bytes"]]
+    assert by_env(m["envctl_environment_tasks"])["box"] >= 2  # the service's init and sleep
+    assert by_env(m["envctl_environment_cpu_usage_seconds_total"])["box"] > 0
+    # The real kernel's v1 files: IO bytes (blkio), OOM kills (memory.oom_control), the CFS
+    # period (cpu.cfs_period_us); no PSI on v1.
+    io = {x["direction"]: v for x, v in m["envctl_environment_io_bytes_total"]
+          if x["envctl_environment"] == "box"}
+    assert io.keys() == {"read", "write"} and min(io.values()) >= 0
+    events = {(x["envctl_environment"], x["event"]): v
+              for x, v in m["envctl_environment_memory_events_total"]}
+    assert events == {("box", "oom_kill"): 0}
+    assert by_env(m["envctl_environment_cpu_period_seconds"])["box"] > 0
+    assert "envctl_environment_pressure_stalled_seconds_total" not in m
+    (labels, _), = [x for x in m["envctl_environment_memory_usage_bytes"]]
     assert labels["id"] == f"/{sb.cgroup_parent}/box"
     # The fake GPUs, through NVML (opened once, in the monitor).
-    assert sorted(x["UUID"] for x, _ in m["DCGM_FI_DEV_FB_FREE"]) == UUIDS
+    assert sorted(x["UUID"] for x, _ in m["envctl_gpu_memory_free_bytes"]) == UUIDS
+    assert not [n for n in m if n.startswith(("DCGM_", "container_"))]  # no --compat
+    # --compat adds dcgm-exporter's and cAdvisor's names (a run without CSV: rows above).
+    compat = monitor_once(sb, tmp_path, "--no-heal", "--compat", "dcgm,cadvisor", "--csv-dir",
+                          "none")
+    assert sorted(x["UUID"] for x, _ in compat["DCGM_FI_DEV_FB_FREE"]) == UUIDS
+    assert {x["environment"]: v for x, v in compat["container_spec_memory_limit_bytes"]} == {
+        "box": 256 << 20}
     # The textfile says the same as stdout did.
     text = (tmp_path / "tf" / "envctl.prom").read_text()
     assert by_env(parse_exposition(text)["envctl_service_up"]) == {"box": 1}
@@ -136,7 +189,7 @@ def test_one_tick_heals_a_dead_service_and_logs_it(box, tmp_path):
     assert wait_until(lambda: (sb.data / "runs").read_text().count("run") == 2)
     assert "edited" not in (sb.data / "runs").read_text()
     assert after["command"] == before["command"]
-    assert {(x["environment"], x["result"]): v for x, v in m["envctl_heals_total"]} == {
+    assert {(x["envctl_environment"], x["result"]): v for x, v in m["envctl_heals_total"]} == {
         ("box", "ok"): 1, ("box", "failed"): 0}
     assert by_env(m["envctl_service_up"]) == {"box": 1}
     lines = [json.loads(x) for x in (sb.state / "events.jsonl").read_text().splitlines()]
@@ -224,4 +277,114 @@ def test_metrics_endpoint_on_loopback_and_sigterm_ends_it(box, tmp_path):
     assert sb.envctl("down", "box").returncode == 0
     residue = sb.residue()
     assert residue.pop("state_dir", None) in (None, ["lock"]), residue
+    assert residue == {}, residue
+
+
+PROBE = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()
+    print("open")
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+
+
+NET_SPEC = """\
+name: netbox
+kind: cpu
+network:
+  bridge: t-br0
+  bridge_address: 10.231.0.1/24
+  address: 10.231.0.2
+  ports: [9090]
+"""
+
+
+def test_a_partition_reaches_the_metrics_port_only_when_bound_beyond_loopback(sandbox):
+    """The choice docs/monitoring.md states: envctl's firewall filters nothing addressed to
+    the host itself, so /metrics stays on loopback by default, which an environment cannot
+    reach (its gateway address has no listener; loopback packets arriving on the bridge are
+    dropped: test_network), and an address beyond loopback is reached by every environment
+    through its gateway: the monitor warns when started so."""
+    sb = sandbox
+    sb.write_spec("netbox", NET_SPEC)
+    res = sb.envctl("up", "netbox")
+    assert res.returncode == 0, res.stderr
+    gateway = "10.231.0.1"
+
+    def probe(ns: str | None, addr: str, port: int) -> str:
+        argv = ["ip", "netns", "exec", ns] if ns else []
+        res = sb.run(*argv, sys.executable, "-c", PROBE, addr, str(port))
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip()
+
+    try:
+        for listen, port, want in (("127.0.0.1", 9464, "ConnectionRefusedError"),
+                                   ("0.0.0.0", 9465, "open")):
+            proc = sb.popen(sys.executable, "-m", "envctl", "monitor", "--interval", "5",
+                            "--listen", f"{listen}:{port}", "--csv-dir", "none", "--no-heal")
+            try:
+                line = proc.stderr.readline()
+                assert "serving metrics on" in line, line + proc.stderr.read()
+                warned = proc.stderr.readline() if listen != "127.0.0.1" else ""
+                assert wait_until(lambda p=port: probe(None, "127.0.0.1", p) == "open")
+                assert probe("netbox", gateway, port) == want
+                if listen != "127.0.0.1":
+                    assert "every environment reaches it through its gateway" in warned
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(30) == 0, proc.stderr.read()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    finally:
+        assert sb.envctl("down", "netbox").returncode == 0
+
+
+def test_healing_respects_restart_no_and_maintenance(box, tmp_path):
+    """A `restart: no` service that ended stays ended through monitor ticks (status still says
+    it is missing; `up` is the operator's way to start it); `envctl maintenance box on` stops
+    the heal of a killed supervisor (status shows it), `off` lets the next tick heal it."""
+    sb = box
+    once = SPEC.format(data=sb.data).replace("exec sleep 100000", "exit 3").replace(
+        "restart: on-failure", 'restart: "no"')
+    sb.write_spec("box", once)
+    assert sb.envctl("up", "box").returncode == 0
+    assert wait_until(lambda: (service_state(sb) or {}).get("state") == "failed")
+    assert wait_until(lambda: not alive(service_state(sb)["supervisor"]))
+    for _ in range(2):
+        res = sb.envctl("monitor", "--once", "--heal", env=sb.gpu_env)
+        assert res.returncode == 0, res.stderr
+    assert service_state(sb)["state"] == "failed"
+    assert (sb.data / "runs").read_text().count("run") == 2  # the first up's and this one's
+    assert not (sb.state / "events.jsonl").exists()  # no drift, no heal
+    (env,) = sb.envctl_json("status", "box")
+    assert env["state"] == "degraded"  # status still says so: the operator decides
+    # Back to a service that runs; maintenance pauses the heal of its killed supervisor.
+    sb.write_spec("box", SPEC.format(data=sb.data))
+    assert sb.envctl("up", "box").returncode == 0
+    assert wait_until(lambda: (service_state(sb) or {}).get("state") == "running")
+    res = sb.envctl("maintenance", "box", "on")
+    assert res.returncode == 0 and "maintenance on" in res.stdout, res.stderr
+    before = service_state(sb)
+    os.kill(before["supervisor"]["pid"], signal.SIGKILL)
+    assert wait_until(lambda: not alive(before["supervisor"]))
+    res = sb.envctl("monitor", "--once", "--heal", env=sb.gpu_env)
+    assert res.returncode == 0, res.stderr
+    assert "heal-paused" in res.stderr
+    assert not alive(service_state(sb)["supervisor"])  # not healed
+    (env,) = sb.envctl_json("status", "box")
+    assert env["maintenance"]["since"] > 0 and env["state"] == "degraded"
+    assert "maintenance: on since" in sb.envctl("status", "box").stdout
+    assert sb.envctl("maintenance", "box", "off").returncode == 0
+    res = sb.envctl("monitor", "--once", "--heal", env=sb.gpu_env)
+    assert res.returncode == 0, res.stderr
+    assert service_state(sb)["state"] == "running" and alive(service_state(sb)["supervisor"])
+    # Refusals: an unknown environment, a mode that is neither on nor off (exit 2).
+    assert sb.envctl("maintenance", "nothere", "on").returncode == 2
+    assert sb.envctl("maintenance", "box", "maybe").returncode == 2
+    assert sb.envctl("down", "box").returncode == 0
+    residue = sb.residue()
+    assert residue.pop("state_dir", None) == ["events.jsonl", "lock"], residue
     assert residue == {}, residue

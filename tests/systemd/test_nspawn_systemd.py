@@ -11,19 +11,14 @@ with a tmpfs on /run/systemd, and from a cgroup of its own that the test removes
 
 from __future__ import annotations
 
-import os
 import shlex
-import shutil
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
+from tests.systemd.nspawn import REPO, boot
+
 pytestmark = [pytest.mark.root, pytest.mark.systemd, pytest.mark.timeout(300)]
-REPO = Path(__file__).resolve().parents[2]
-PREFIX = Path(sys.prefix).resolve()
 
 SCRIPT = """\
 exec > /out/log 2>&1
@@ -88,61 +83,11 @@ echo "other_alive=$(gone $OTHER || echo yes)"
 echo "other_state=$(systemctl show -p ActiveState --value envctl-other.slice)"
 kill $OTHER || true
 """
-# ExecStopPost, not ExecStartPost: the container powers off even when the script fails.
-UNIT = """[Service]
-Type=oneshot
-ExecStart=/bin/sh /out/run.sh
-ExecStopPost=/bin/systemctl poweroff --no-block
-"""
-
-
-def _remove_cgroups(dirs: list[Path]) -> None:
-    """Remove the container's cgroups, deepest first; on a timeout the container outlives
-    nspawn (killed), so whatever is still in them is killed first (cgroup.kill on cgroup2)."""
-    for d in dirs:
-        if (d / "cgroup.kill").exists():
-            (d / "cgroup.kill").write_text("1")
-            deadline = time.monotonic() + 60
-            while "populated 1" in (d / "cgroup.events").read_text():
-                assert time.monotonic() < deadline, f"{d}: still populated"
-                time.sleep(0.05)
-    for d in dirs:
-        for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(str(p))):
-            sub.rmdir()
-        d.rmdir()
 
 
 def test_systemd_driver_under_nspawn(tmp_path):
-    if shutil.which("systemd-nspawn") is None:
-        pytest.skip("needs systemd-nspawn (systemd-container, scripts/install-deps)")
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "run.sh").write_text(SCRIPT.format(repo=shlex.quote(str(REPO)),
-                                              py=shlex.quote(sys.executable)))
-    (tmp_path / "probe.service").write_text(UNIT)
-    binds = [f"--bind-ro={REPO}", f"--bind-ro={PREFIX}"]
-    if str(Path(sys.executable).resolve()).startswith("/root/"):
-        binds.append("--bind-ro=/root")  # pyenv: the interpreter lives under /root
-    nspawn = ["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "-D", "/",
-              "--volatile=yes", "--private-network", *binds, f"--bind={out}:/out",
-              f"--bind-ro={tmp_path / 'probe.service'}:/etc/systemd/system/probe.service",
-              "-b", "systemd.firstboot=off", "systemd.unit=multi-user.target",
-              "systemd.wants=probe.service"]
-    # nspawn makes payload/ and supervisor/ cgroups below its own: give it one to remove.
-    cg = f"envctl-test-nspawn-{os.getpid()}"
-    dirs = [Path("/sys/fs/cgroup", h, cg) for h in ("systemd", "unified")
-            if Path("/sys/fs/cgroup", h, "cgroup.procs").exists()]
-    for d in dirs:
-        d.mkdir()
-    enter = "".join(f"echo $$ > {d}/cgroup.procs; " for d in dirs)
-    inner = "mount -t tmpfs envctl-test /run/systemd && exec " + shlex.join(nspawn)
-    try:
-        res = subprocess.run(["sh", "-c", enter + "exec unshare --mount --propagation private "
-                              "-- sh -c " + shlex.quote(inner)], capture_output=True,
-                             text=True, timeout=240)
-    finally:
-        _remove_cgroups(dirs)
-    log = (out / "log").read_text() if (out / "log").exists() else ""
+    log, res = boot(tmp_path, SCRIPT.format(repo=shlex.quote(str(REPO)),
+                                            py=shlex.quote(sys.executable)))
     got = dict(line.split("=", 1) for line in log.splitlines() if "=" in line)
     tail = f"--- log\n{log}\n--- nspawn\n{res.stdout[-2000:]}{res.stderr[-2000:]}"
     want = {"up": "0", "file": "yes", "ActiveState": "active", "CPUQuotaPerSecUSec": "500ms",

@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import select
+import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import pytest
 
 from envctl.host.cgroups import CgroupLayout, Cgroups
 from envctl.monitor import csvout, events, prom
+from envctl.monitor import http as mhttp
 from envctl.monitor.collect import Sampler
 from envctl.monitor.nvml import NvmlSession
 from envctl.runtime import jobs as jb
@@ -29,7 +31,7 @@ from tests.fakes import PYNVML_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 BOOT = "11111111-2222-3333-4444-555555555555"
-V1 = ("cpu", "cpuacct", "cpuset", "memory", "pids")
+V1 = ("cpu", "cpuacct", "cpuset", "memory", "pids", "blkio")
 GIB = 1 << 30
 
 
@@ -62,6 +64,11 @@ def gpu_uuid(i: int) -> str:
     return f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}"
 
 
+def _psi(some_us: int, full_us: int) -> str:
+    return (f"some avg10=0.00 avg60=0.00 avg300=0.00 total={some_us}\n"
+            f"full avg10=0.00 avg60=0.00 avg300=0.00 total={full_us}\n")
+
+
 def _cgroup_files(version: int, i: int) -> dict[str, dict[str, str]]:
     """controller -> file -> content of environment number `i`'s cgroup."""
     if version == 2:
@@ -72,12 +79,23 @@ def _cgroup_files(version: int, i: int) -> dict[str, dict[str, str]]:
             "memory.max": "max" if i % 2 else str(GIB),
             "memory.peak": str(600 << 20),
             "memory.stat": "anon 1\nfile 2\nactive_file 3\ninactive_file 104857600\n",
-            "memory.events": "low 0\nhigh 0\nmax 0\noom 2\noom_kill 2\n",
+            "memory.events": "low 0\nhigh 5\nmax 3\noom 2\noom_kill 2\n",
             "pids.current": "12\n",
-            "cpuset.cpus.effective": "0-1\n"}}
+            "cpuset.cpus.effective": "0-1\n",
+            "cpu.max": "max 100000\n" if i % 2 else "50000 100000\n",
+            "cpu.pressure": _psi(1_500_000, 500_000),
+            "memory.pressure": _psi(250_000, 0),
+            "io.pressure": _psi(3_000_000, 2_000_000),
+            "io.stat": "8:0 rbytes=1000 wbytes=2000 rios=1 wios=2 dbytes=0 dios=0\n"
+                       "8:16 rbytes=24 wbytes=48 rios=1 wios=1 dbytes=0 dios=0\n"}}
     return {
         "cpuacct": {"cpuacct.usage": str(1_000_000_000 * (i + 1))},
-        "cpu": {"cpu.stat": "nr_periods 100\nnr_throttled 7\nthrottled_time 2500000000\n"},
+        "cpu": {"cpu.stat": "nr_periods 100\nnr_throttled 7\nthrottled_time 2500000000\n",
+                "cpu.cfs_quota_us": "-1\n" if i % 2 else "50000\n",
+                "cpu.cfs_period_us": "100000\n"},
+        "blkio": {"blkio.throttle.io_service_bytes": "8:0 Read 1000\n8:0 Write 2000\n"
+                  "8:0 Sync 0\n8:0 Async 3000\n8:0 Total 3000\n8:16 Read 24\n8:16 Write 48\n"
+                  "8:16 Total 72\nTotal 3072\n"},
         "memory": {"memory.usage_in_bytes": str(512 << 20),
                    "memory.limit_in_bytes": "9223372036854771712" if i % 2 else str(GIB),
                    "memory.max_usage_in_bytes": str(600 << 20),
@@ -140,7 +158,10 @@ def fake_host(root: Path, n_envs: int = 2, *, version: int = 1, gpus: int = 0,
                         "used": 10 * GIB, "util": 40 + g, "mem_util": 10, "temp": 50 + g,
                         "power": 300_000, "ecc": None if g % 2 else
                         {"sbe_vol": 1, "dbe_vol": 0, "sbe_agg": 3, "dbe_agg": 0},
-                        "processes": procs, "xids": []})
+                        "processes": procs, "xids": [],
+                        "clocks": {"sm": 1980, "mem": 2619}, "clock_reasons": 0x4 if g == 0
+                        else 0x1, "power_limit": 700_000, "energy": 5_000_000 + g,
+                        "remapped": [2, 0, 0, 0], "pcie_replays": g})
         nvml_json = root / "nvml.json"
         nvml_json.write_text(json.dumps({"driver": "550.54.15", "gpus": cfg}))
     return FakeHost(root, state, run, proc, cgroups, nvml_json, envs, version)
@@ -193,6 +214,15 @@ def test_environment_usage_from_its_cgroup(tmp_path, version):
     assert e0.mem_limit == GIB and e1.mem_limit is None  # "max" / PAGE_COUNTER_MAX: none
     assert e0.mem_percent == 50.0
     assert e0.oom_kills == 2 and e0.tasks == 12 and e0.cpus == 2
+    assert (e0.cpu_quota, e0.cpu_period, e1.cpu_quota) == (0.05, 0.1, None)
+    assert (e0.io_read_bytes, e0.io_write_bytes) == (1024, 2048)
+    if version == 2:
+        assert e0.mem_events == {"high": 5, "max": 3, "oom": 2, "oom_kill": 2}
+        assert e0.pressure == {("cpu", "some"): 1.5, ("cpu", "full"): 0.5,
+                               ("memory", "some"): 0.25, ("memory", "full"): 0.0,
+                               ("io", "some"): 3.0, ("io", "full"): 2.0}
+    else:  # v1 has no PSI and counts only OOM kills
+        assert e0.mem_events == {"oom_kill": 2} and e0.pressure == {}
     assert e0.cpu_percent is None  # one reading: no rate yet
     # One CPU-second more over 2 s on 2 CPUs: 25 %.
     if version == 2:
@@ -288,6 +318,11 @@ def test_gpus_sampled_through_one_nvml_session(tmp_path, fake_nvml, monkeypatch)
     assert g0.ecc == {"sbe_vol": 1, "dbe_vol": 0, "sbe_agg": 3, "dbe_agg": 0}
     assert g1.ecc == {}  # not supported on this one
     assert (g0.xid, g0.xid_count, g1.xid_count) == (31, 2, 0)
+    assert g0.xids == {13: 1, 31: 1} and g1.xids == {}
+    assert g0.pci_bus_id == "00000000:01:00.0"
+    assert (g0.sm_clock_hz, g0.mem_clock_hz, g0.clock_reasons) == (1980e6, 2619e6, 0x4)
+    assert (g0.power_limit_w, g0.energy_j, g0.remapped, g1.pcie_replays) == (
+        700.0, 5000.0, (2, 0, 0, 0), 1)
     assert snap.gpu_env == {gpu_uuid(0): "env0", gpu_uuid(1): "env1"}
     # Each process's memory goes to the environment whose cgroup holds it.
     e0, e1 = snap.envs
@@ -297,9 +332,32 @@ def test_gpus_sampled_through_one_nvml_session(tmp_path, fake_nvml, monkeypatch)
     before = fake_nvml.sampled["calls"]
     s.tick()
     per_tick = fake_nvml.sampled["calls"] - before
-    assert per_tick == 2 * 4 + 4  # util, temp, power, procs each; ECC x4 on GPU 0 only
+    # util, temp, power, procs, SM and memory clocks, clock reasons, power limit, energy,
+    # remapped rows, PCIe replays each; ECC x4 on GPU 0 only.
+    assert per_tick == 2 * 11 + 4
     s.close()
     assert fake_nvml.calls["shutdown"] == 1
+
+
+def test_calls_an_old_driver_or_pynvml_lacks_are_absent_and_not_asked_again(
+        tmp_path, fake_nvml, monkeypatch):
+    fh = fake_host(tmp_path, 1, gpus=1)
+    monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))
+    asked = []
+
+    def old_driver(handle, clock_type):
+        asked.append(clock_type)
+        raise fake_nvml.NVMLError(fake_nvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetClockInfo", old_driver)
+    monkeypatch.delattr(fake_nvml, "nvmlDeviceGetPcieReplayCounter")  # an older pynvml
+    s = fh.sampler(nvml=NvmlSession(fake_nvml), host_stats=False)
+    for _ in range(3):
+        g = s.tick().gpus[0]
+    assert (g.sm_clock_hz, g.mem_clock_hz, g.pcie_replays) == (None, None, None)
+    assert g.power_limit_w == 700.0 and g.util == 40  # the rest is sampled as before
+    assert len(asked) == 2  # SM and memory clock, once each
+    s.close()
 
 
 def test_a_lost_gpu_is_reported_once_and_not_asked_again(tmp_path, fake_nvml, monkeypatch):
@@ -386,7 +444,7 @@ def test_csv_keeps_the_original_columns_plus_environment(tmp_path, fake_nvml, mo
     assert len(gpu) == 1 + 2 * 2 and gpu.count(gpu[0]) == 1
     stamp, kind, util, mem, temp, env = gpu[1].split(",")
     assert (kind, util, mem, temp, env) == ("GPU0", "40", str(10 * 1024), "50", "env0")
-    assert len(stamp) == 19 and stamp[4] == "-" and stamp[13] == ":"
+    assert len(stamp) == 25 and stamp[4] == "-" and stamp[13] == ":" and stamp[19:] == "+00:00"
     rows = [r.split(",") for r in cpu[1:4]]
     assert rows[0][1] == "host" and rows[0][4] == "" and float(rows[0][3]) > 0
     assert [r[1] for r in rows[1:]] == ["environment"] * 2
@@ -414,51 +472,204 @@ def test_csv_rotates_by_size(tmp_path):
 # ---------------------------------------------------------------- Prometheus
 
 
-def _exposition(snap, health=None) -> dict:
-    col = prom.SnapshotCollector()
+def _exposition(snap, health=None, **kwargs) -> dict:
+    col = prom.SnapshotCollector(**kwargs)
     if health:
         snap.health = health
     col.update(snap, tick_cpu_seconds=0.002)
     return prom.parse_exposition(prom.exposition(prom.registry_for(col)).decode())
 
 
-def test_prometheus_names_and_labels_parse_back(tmp_path, fake_nvml, monkeypatch):
-    fh = fake_host(tmp_path, 2, gpus=2)
+def _by_env(m: dict) -> dict:
+    """name -> {environment: value} of the single-valued per-environment series."""
+    return {k: {x["envctl_environment"]: v for x, v in samples} for k, samples in m.items()
+            if samples and "envctl_environment" in samples[0][0]
+            and not {"gpu", "state", "result", "event", "direction", "resource"}
+            & samples[0][0].keys()}
+
+
+def _gpu_snapshot(tmp_path, fake_nvml, monkeypatch, version: int = 1):
+    fh = fake_host(tmp_path, 2, gpus=2, version=version)
     monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))
+    cfg = json.loads(fh.nvml_json.read_text())
+    cfg["gpus"][0]["xids"] = [79, 119]
+    fh.nvml_json.write_text(json.dumps(cfg))
     jb.write(fh.state, jb.Job(id=1, env="env1", argv=["x"], state=jb.State.COMPLETED))
     s = fh.sampler(nvml=NvmlSession(fake_nvml))
-    m = _exposition(s.tick(), {"env0": {"state": "up", "drift": 0, "heals": 2,
-                                        "heal_failures": 1, "retry_in": 5.0}})
+    snap = s.tick()
     s.close()
-    (labels, value), _ = m["DCGM_FI_DEV_GPU_UTIL"]
-    assert labels == {"gpu": "0", "UUID": gpu_uuid(0), "device": "nvidia0",
-                      "modelName": "NVIDIA H200", "environment": "env0"} and value == 40
-    assert dict((x["gpu"], v) for x, v in m["DCGM_FI_DEV_FB_USED"]) == {"0": 10240, "1": 10240}
-    assert m["DCGM_FI_DEV_FB_FREE"][0][1] == 131 * 1024
-    assert m["DCGM_FI_DEV_GPU_TEMP"][1][1] == 51 and m["DCGM_FI_DEV_POWER_USAGE"][0][1] == 300
-    assert [x["gpu"] for x, _ in m["DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"]] == ["0"]
-    assert "DCGM_FI_DEV_XID_ERRORS" not in m  # no XID seen: no value, as dcgm-exporter
-    by_env = {k: {x["environment"]: v for x, v in samples} for k, samples in m.items()
-              if samples and "environment" in samples[0][0] and "gpu" not in samples[0][0]}
-    assert by_env["container_cpu_usage_seconds_total"] == {"env0": 1.0, "env1": 2.0}
-    assert by_env["container_cpu_cfs_throttled_seconds_total"]["env0"] == 2.5
-    assert by_env["container_memory_working_set_bytes"]["env0"] == 412 << 20
-    assert by_env["container_memory_usage_bytes"]["env0"] == 512 << 20
-    assert by_env["container_memory_max_usage_bytes"]["env0"] == 600 << 20
-    assert by_env["container_spec_memory_limit_bytes"] == {"env0": GIB, "env1": 0}
-    assert by_env["container_oom_events_total"]["env1"] == 2
-    assert by_env["container_threads"]["env0"] == 12
-    assert m["container_cpu_usage_seconds_total"][0][0]["id"] == "/envctl/env0"
+    snap.health = {"env0": {"state": "up", "drift": 0, "heals": 2, "heal_failures": 1,
+                            "retry_in": 5.0}}
+    return snap
+
+
+def test_prometheus_names_units_and_labels_parse_back(tmp_path, fake_nvml, monkeypatch):
+    m = _exposition(_gpu_snapshot(tmp_path, fake_nvml, monkeypatch))
+    assert not [n for n in m if not n.startswith("envctl_")]  # no compat names by default
+    (labels, value), _ = m["envctl_gpu_utilization_ratio"]
+    assert labels == {"gpu": "0", "UUID": gpu_uuid(0), "pci_bus_id": "00000000:01:00.0",
+                      "device": "nvidia0", "modelName": "NVIDIA H200",
+                      "Hostname": socket.gethostname(), "envctl_environment": "env0"}
+    assert value == 0.40
+    gpu = {k: {x["gpu"]: v for x, v in samples} for k, samples in m.items()
+           if samples and "gpu" in samples[0][0] and len(samples[0][0]) == 7}
+    assert gpu["envctl_gpu_memory_used_bytes"] == {"0": 10 * GIB, "1": 10 * GIB}
+    assert gpu["envctl_gpu_memory_free_bytes"]["0"] == 131 * GIB
+    assert gpu["envctl_gpu_temperature_celsius"]["1"] == 51
+    assert gpu["envctl_gpu_power_watts"]["0"] == 300 and gpu[
+        "envctl_gpu_power_limit_watts"]["0"] == 700
+    assert gpu["envctl_gpu_energy_joules_total"] == {"0": 5000.0, "1": 5000.001}
+    assert gpu["envctl_gpu_sm_clock_hertz"]["0"] == 1.98e9
+    assert gpu["envctl_gpu_memory_clock_hertz"]["0"] == 2.619e9
+    assert gpu["envctl_gpu_pcie_replays_total"] == {"0": 0, "1": 1}
+    assert gpu["envctl_gpu_xid_events_total"] == {"0": 2, "1": 0}
+    assert gpu["envctl_gpu_last_xid"] == {"0": 119}  # absent until one is seen
+    assert gpu["envctl_gpu_quarantined"] == {"0": 0, "1": 0}
+    assert gpu["envctl_gpu_lost"] == {"0": 0, "1": 0}
+    xids = {(x["gpu"], x["err_code"]): v for x, v in m["envctl_gpu_xid_errors_total"]}
+    assert xids[("0", "79")] == 1 and xids[("0", "119")] == 1
+    assert xids[("1", "79")] == 0 and ("1", "119") not in xids  # 0 before the first one
+    assert all(xids[("1", str(c))] == 0 for c in prom.XID_CODES)
+    reasons = {(x["gpu"], x["reason"]): v for x, v in m["envctl_gpu_clock_event_active"]}
+    assert reasons[("0", "sw_power_cap")] == 1 and reasons[("0", "gpu_idle")] == 0
+    assert reasons[("1", "gpu_idle")] == 1
+    ecc = {(x["gpu"], x["error"], x["counter"]): v for x, v in m["envctl_gpu_ecc_errors_total"]}
+    assert ecc == {("0", "corrected", "volatile"): 1, ("0", "uncorrected", "volatile"): 0,
+                   ("0", "corrected", "aggregate"): 3, ("0", "uncorrected", "aggregate"): 0}
+    assert {(x["gpu"], x["error"]): v for x, v in m["envctl_gpu_remapped_rows_total"]}[
+        ("0", "corrected")] == 2
+    by_env = _by_env(m)
+    assert by_env["envctl_environment_cpu_usage_seconds_total"] == {"env0": 1.0, "env1": 2.0}
+    assert by_env["envctl_environment_cpu_throttled_seconds_total"]["env0"] == 2.5
+    assert by_env["envctl_environment_cpu_throttled_periods_total"]["env0"] == 7
+    assert by_env["envctl_environment_cpu_quota_seconds"] == {"env0": 0.05}  # env1: none
+    assert by_env["envctl_environment_cpu_period_seconds"]["env0"] == 0.1
+    assert by_env["envctl_environment_memory_working_set_bytes"]["env0"] == 412 << 20
+    assert by_env["envctl_environment_memory_usage_bytes"]["env0"] == 512 << 20
+    assert by_env["envctl_environment_memory_max_usage_bytes"]["env0"] == 600 << 20
+    assert by_env["envctl_environment_memory_limit_bytes"] == {"env0": GIB, "env1": 0}
+    assert by_env["envctl_environment_tasks"]["env0"] == 12
+    assert m["envctl_environment_cpu_usage_seconds_total"][0][0]["id"] == "/envctl/env0"
     assert by_env["envctl_environment_up"] == {"env0": 1}
-    assert {(x["environment"], x["result"]): v for x, v in m["envctl_heals_total"]} == {
+    events = {(x["envctl_environment"], x["event"]): v
+              for x, v in m["envctl_environment_memory_events_total"]}
+    assert events == {("env0", "oom_kill"): 2, ("env1", "oom_kill"): 2}  # v1: OOM kills only
+    io = {(x["envctl_environment"], x["direction"]): v
+          for x, v in m["envctl_environment_io_bytes_total"]}
+    assert io[("env0", "read")] == 1024 and io[("env0", "write")] == 2048
+    assert "envctl_environment_pressure_stalled_seconds_total" not in m  # v1: no PSI
+    assert {(x["envctl_environment"], x["result"]): v for x, v in m["envctl_heals_total"]} == {
         ("env0", "ok"): 2, ("env0", "failed"): 1}
-    jobs = {(x["environment"], x["state"]): v for x, v in m["envctl_jobs"]}
+    jobs = {(x["envctl_environment"], x["state"]): v for x, v in m["envctl_jobs"]}
     assert jobs[("env1", "COMPLETED")] == 1 and jobs[("env0", "RUNNING")] == 0
-    assert {(x["environment"], x["UUID"]): v for x, v in m[
+    assert {(x["envctl_environment"], x["UUID"]): v for x, v in m[
         "envctl_environment_gpu_memory_used_bytes"]} == {("env0", gpu_uuid(0)): 256 << 20,
                                                          ("env1", gpu_uuid(1)): 256 << 20}
     assert m["envctl_monitor_ticks_total"][0][1] == 1
-    assert 0 < m["envctl_host_memory_utilization_percent"][0][1] < 100
+    assert 0 < m["envctl_host_memory_utilization_ratio"][0][1] < 1
+    assert 0 <= m["envctl_host_cpu_utilization_ratio"][0][1] <= 1
+
+
+def test_pressure_and_memory_events_on_cgroup_v2(tmp_path, fake_nvml, monkeypatch):
+    m = _exposition(_gpu_snapshot(tmp_path, fake_nvml, monkeypatch, version=2))
+    psi = {(x["envctl_environment"], x["resource"], x["kind"]): v
+           for x, v in m["envctl_environment_pressure_stalled_seconds_total"]}
+    assert psi[("env0", "cpu", "some")] == 1.5 and psi[("env0", "io", "full")] == 2.0
+    assert psi[("env1", "memory", "some")] == 0.25
+    events = {(x["envctl_environment"], x["event"]): v
+              for x, v in m["envctl_environment_memory_events_total"]}
+    assert {k: v for k, v in events.items() if k[0] == "env0"} == {
+        ("env0", "high"): 5, ("env0", "max"): 3, ("env0", "oom"): 2, ("env0", "oom_kill"): 2}
+
+
+def test_compat_names_are_only_there_when_asked(tmp_path, fake_nvml, monkeypatch):
+    snap = _gpu_snapshot(tmp_path, fake_nvml, monkeypatch)
+    m = _exposition(snap, compat={"dcgm", "cadvisor"})
+    (labels, value), _ = m["DCGM_FI_DEV_GPU_UTIL"]
+    assert labels["environment"] == "env0" and labels["UUID"] == gpu_uuid(0) and value == 40
+    assert dict((x["gpu"], v) for x, v in m["DCGM_FI_DEV_FB_USED"]) == {"0": 10240, "1": 10240}
+    assert m["DCGM_FI_DEV_POWER_USAGE"][0][1] == 300
+    assert [x["gpu"] for x, _ in m["DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"]] == ["0"]
+    assert m["DCGM_FI_DEV_XID_ERRORS"][0][1] == 119
+    cadv = {k: {x["environment"]: v for x, v in samples} for k, samples in m.items()
+            if k.startswith("container_")}
+    assert cadv["container_cpu_usage_seconds_total"] == {"env0": 1.0, "env1": 2.0}
+    assert cadv["container_spec_memory_limit_bytes"] == {"env0": GIB, "env1": 0}
+    assert cadv["container_oom_events_total"]["env1"] == 2
+    assert "envctl_gpu_utilization_ratio" in m  # envctl's own stay
+    only_dcgm = _exposition(snap, compat={"dcgm"})
+    assert "DCGM_FI_DEV_GPU_UTIL" in only_dcgm and not [
+        n for n in only_dcgm if n.startswith("container_")]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian: prometheus) "
+                    "not installed")
+@pytest.mark.parametrize("version", [1, 2])
+def test_promtool_finds_nothing_but_the_dcgm_label_case(tmp_path, fake_nvml, monkeypatch,
+                                                        version):
+    """`promtool check metrics` (its naming lint: _total, base units, no percents) passes but
+    for dcgm-exporter's camelCase labels (UUID, modelName, Hostname), kept to join with it."""
+    snap = _gpu_snapshot(tmp_path, fake_nvml, monkeypatch, version=version)
+    col = prom.SnapshotCollector(compat={"dcgm", "cadvisor"})
+    col.update(snap)
+    res = subprocess.run(["promtool", "check", "metrics"], capture_output=True, text=True,
+                         input=prom.exposition(prom.registry_for(col)).decode(), timeout=60)
+    lines = (res.stdout + res.stderr).splitlines()
+    assert lines and not [x for x in lines if "not 'camelCase'" not in x], lines
+
+
+@pytest.mark.parametrize("text, want", [("dcgm,cadvisor", {"dcgm", "cadvisor"}),
+                                        (" cAdvisor ", {"cadvisor"}), ("none", set()),
+                                        ("", set())])
+def test_parse_compat(text, want):
+    assert prom.parse_compat(text) == want
+
+
+def test_parse_compat_refuses_unknown_names():
+    from envctl.errors import InputError
+
+    with pytest.raises(InputError, match="unknown node; allowed: dcgm, cadvisor"):
+        prom.parse_compat("dcgm,node")
+
+
+def test_one_series_per_configured_spec(tmp_path):
+    fh = fake_host(tmp_path, 2)
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    for name in ("env0", "skipped"):
+        (conf / f"{name}.yaml").write_text(f"name: {name}\nkind: cpu\n")
+    s = fh.sampler(host_stats=False, config_dir=conf)
+    snap = s.tick()
+    snap.health = {"env0": {"state": "up"}, "env1": {"state": "up"}}
+    m = _by_env(_exposition(snap))
+    assert m["envctl_environment_configured"] == {"env0": 1, "env1": 0, "skipped": 1}
+    assert m["envctl_environment_up"] == {"env0": 1, "env1": 1, "skipped": 0}
+    (conf / "skipped.yaml").unlink()  # read again once the directory changes
+    assert s.tick().configured == ["env0"]
+
+
+def test_network_bytes_of_the_veth_envctl_made(tmp_path):
+    fh = fake_host(tmp_path, 2)
+    net = tmp_path / "sys-class-net"
+    for name, rx, tx in (("ve-env0-1a2b", 111, 222), ("eth0", 9, 9)):
+        (net / name / "statistics").mkdir(parents=True)
+        (net / name / "statistics" / "rx_bytes").write_text(f"{rx}\n")
+        (net / name / "statistics" / "tx_bytes").write_text(f"{tx}\n")
+    for env, veth in (("env0", "ve-env0-1a2b"), ("env1", "../eth0")):
+        j = fh.state / "journal" / f"{env}.json"
+        data = json.loads(j.read_text())
+        data["entries"].append({"key": f"veth:{veth}", "resource": {
+            "kind": "veth", "name": veth, "bridge": "br", "netns": env, "interface": "eth0",
+            "isolated": False}, "memo": {}, "status": "applied", "shared": False, "boot": BOOT})
+        j.write_text(json.dumps(data))
+    e0, e1 = fh.sampler(host_stats=False, sys_class_net=net).tick().envs
+    # The host end's tx is what the environment received.
+    assert (e0.veth, e0.net_rx_bytes, e0.net_tx_bytes) == ("ve-env0-1a2b", 222, 111)
+    assert (e1.veth, e1.net_rx_bytes) == ("", None)  # not a link name: never read
+    snap = fh.sampler(host_stats=False, sys_class_net=net).tick()
+    net_m = {(x["envctl_environment"], x["direction"]): v for x, v in _exposition(snap)[
+        "envctl_environment_network_bytes_total"]}
+    assert net_m == {("env0", "receive"): 222, ("env0", "transmit"): 111}
 
 
 def test_textfile_is_replaced_whole(tmp_path):
@@ -470,14 +681,15 @@ def test_textfile_is_replaced_whole(tmp_path):
     prom.write_textfile(out, reg)
     prom.write_textfile(out, reg)
     assert os.listdir(out.parent) == ["envctl.prom"]  # no temporary file left
-    assert "container_memory_usage_bytes{" in out.read_text()
+    assert "envctl_environment_memory_usage_bytes{" in out.read_text()
 
 
 def test_metrics_served_on_loopback(tmp_path):
     fh = fake_host(tmp_path, 1)
     col = prom.SnapshotCollector()
     col.update(fh.sampler(host_stats=False).tick())
-    server = prom.MetricsServer(("127.0.0.1", 0), prom.registry_for(col))
+    server = mhttp.MetricsServer(("127.0.0.1", 0))
+    server.publish(prom.exposition(prom.registry_for(col)))
     host, port = server.address
     got = {}
 
@@ -488,20 +700,17 @@ def test_metrics_served_on_loopback(tmp_path):
 
     t = threading.Thread(target=scrape)
     t.start()
-    poller = select.poll()  # as the monitor's loop: handle once the socket is readable
-    poller.register(server.fileno(), select.POLLIN)
-    assert poller.poll(10_000)
-    server.handle()
+    mhttp.serve_until(server, lambda: "body" in got)  # as the monitor's loop steps it
     t.join(10)
     server.close()
-    assert got["type"].startswith("text/plain")
-    assert prom.parse_exposition(got["body"])["container_threads"][0][1] == 12
+    assert got["type"].startswith("text/plain; version=0.0.4")
+    assert prom.parse_exposition(got["body"])["envctl_environment_tasks"][0][1] == 12
 
 
 @pytest.mark.parametrize("text, want", [("127.0.0.1:9464", ("127.0.0.1", 9464)),
                                         ("[::1]:9400", ("::1", 9400)), ("none", None)])
 def test_parse_listen(text, want):
-    assert prom.parse_listen(text) == want
+    assert mhttp.parse_listen(text) == want
 
 
 @pytest.mark.parametrize("text", ["9464", "localhost", ":9464", "a:99999"])
@@ -509,7 +718,7 @@ def test_parse_listen_refuses(text):
     from envctl.errors import InputError
 
     with pytest.raises(InputError, match="ADDR:PORT"):
-        prom.parse_listen(text)
+        mhttp.parse_listen(text)
 
 
 # ---------------------------------------------------------------- events log
@@ -565,7 +774,7 @@ print(bad, pynvml.calls['init'])
                          env=env, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[] 1"
-    assert (tmp_path / "m.prom").read_text().count("DCGM_FI_DEV_GPU_UTIL{") == 2
+    assert (tmp_path / "m.prom").read_text().count("envctl_gpu_utilization_ratio{") == 2
 
 
 def fake_host_again(root: Path, nvml: NvmlSession | None = None) -> tuple[FakeHost, Sampler]:
@@ -630,6 +839,7 @@ def test_status_watch_redraws(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["monitor", "--no-heal", "--listen", "9464"], "--listen '9464'"),
     (["monitor", "--no-heal", "--interval", "0"], "--interval 0"),
+    (["monitor", "--no-heal", "--compat", "dcgm,prometheus"], "--compat 'dcgm,prometheus'"),
     (["status", "--watch", "--json"], "--watch"),
     (["top", "-n", "-1"], "--interval -1"),
 ])

@@ -250,3 +250,26 @@ def test_a_failing_shutdown_probe_does_not_stop_the_loop(tmp_path):
     h.stopping = stopping
     h.run(["box"])
     assert healed == ["box"]
+
+
+def test_maintenance_pauses_healing_but_not_reporting(tmp_path):
+    from envctl.monitor import maintenance
+
+    run = tmp_path / "run"
+    healed = []
+    h = Health(Host(state_dir=tmp_path, run_dir=run), backoff=Backoff(clock=Clock()),
+               checker=lambda env: DRIFT, healer=lambda env: healed.append(env) or ["+ x"],
+               say=lambda line: None, wall=lambda: 1000.0)
+    assert maintenance.set_mode(run, "box", True, now=5.0)
+    assert not maintenance.set_mode(run, "box", True)  # already on: the first since stays
+    assert maintenance.read(run, "box")["since"] == 5.0
+    for _ in range(3):
+        view = h.run(["box", "other"])
+    assert healed == ["other"]  # `other` is healed; `box` only checked
+    assert view["box"]["maintenance"] and view["box"]["state"] == "degraded"
+    assert logged(tmp_path) == [("box", "drift"), ("box", "heal-paused")]  # once each
+    assert maintenance.set_mode(run, "box", False)
+    assert not (run / maintenance.DIR).exists()  # the last mark off: its directory goes too
+    h.run(["box"])
+    assert healed == ["other", "box"]
+    assert not maintenance.set_mode(run, "box", False)

@@ -146,7 +146,8 @@ def test_read_journal_sees_what_the_engines_journal_holds(tmp_path, rootfs):
 def test_load_reads_what_a_launch_needs(tmp_path, rootfs, monkeypatch):
     state, run = tmp_path / "state", tmp_path / "run"
     write_journal(state, "box", box_entries(rootfs),
-                  meta={"claims": {"gpus": {"uuids": ["GPU-a", "GPU-b"]}}})
+                  meta={"claims": {"gpus": {"uuids": ["GPU-a", "GPU-b"]},
+                                   "gpu_cpus": {"GPU-a": [0, 1]}}})
     host = Host(state_dir=state, run_dir=run, netns_dir=tmp_path / "netns")
     host.__dict__["boot_id"] = BOOT
     # Everything but the holder, which only the kernel makes: a plain file holds nothing.
@@ -161,6 +162,7 @@ def test_load_reads_what_a_launch_needs(tmp_path, rootfs, monkeypatch):
     assert ctx.environ == {"PATH": "/usr/bin:/bin", "FOO": "a=b c", "ENVIRONMENT": "box"}
     assert ctx.cgroup == rc.EnvCgroup("cgroupfs", "p", 1, ("cpu", "cpuset", "memory"))
     assert ctx.cpus == (1, 2) and ctx.gpus == ("GPU-a", "GPU-b") and ctx.device_gids == (44,)
+    assert ctx.gpu_cpus == {"GPU-a": (0, 1)}  # where its GPUs sit: jobs' CPUs near them
 
 
 def test_load_refuses_what_is_not_up_or_has_no_rootfs(tmp_path, rootfs, monkeypatch):

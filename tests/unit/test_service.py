@@ -314,3 +314,25 @@ def test_log_rotation_never_leaves_the_name_absent(tmp_path, monkeypatch, keep):
     assert len(kept) == 200 * (keep + 1)  # two lines a file
     assert not log.with_name(f"{rs.LOG_FILE}.{keep + 1}").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in files)
+
+
+def test_a_service_its_policy_ended_stays_ended_for_the_monitor_only(host):
+    """`restart: no` ended (or on-failure after exit 0): the monitor's check finds nothing to
+    heal; `status` and `up` (no monitor option) still find it missing, and `up` starts it."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    no = Service("box", ("svc", "-x"), "no", 1.0)
+    write_state(host, supervisor={"pid": int(dead), "start": 1}, state="failed", ended="policy",
+                last_exit={"code": 3, "signal": None, "error": None}, restart="no")
+    assert no.check(host).status is Status.ABSENT  # status, up
+    host.options["monitor"] = "1"
+    check = no.check(host)
+    assert check.status is Status.PRESENT and "ended as its policy says" in check.detail
+    assert "failed: last exit exit 3" in check.detail
+    # Not ended by its policy (its supervisor was killed, or another boot's record): healed.
+    write_state(host, supervisor={"pid": int(dead), "start": 1}, state="running",
+                restart="no")
+    assert no.check(host).status is Status.ABSENT
+    write_state(host, supervisor={"pid": int(dead), "start": 1}, state="stopped",
+                ended="policy", boot_id="another-boot", restart="no")
+    assert no.check(host).status is Status.ABSENT

@@ -95,6 +95,9 @@ def test_the_monitor_unit_restarts_always_after_the_boot_unit():
     assert "[Unit]Wants" not in s and "[Unit]Requires" not in s
     assert s["[Service]KillMode"] == ["process"]
     assert s["[Service]ExecStart"][0].startswith("envctl monitor --listen 127.0.0.1:")
+    # sd_notify: READY=1 after the first tick, WATCHDOG=1 from the loop (monitor/notify.py).
+    assert s["[Service]Type"] == ["notify"] and s["[Service]NotifyAccess"] == ["main"]
+    assert s["[Service]WatchdogSec"] == ["5min"] and s["[Service]TimeoutStartSec"] == ["5min"]
 
 
 def test_the_daemon_socket_is_the_one_the_cli_connects_to():

@@ -18,6 +18,9 @@ point it at a fake tree. What is read, in the formats the driver writes
   `proc/driver/nvidia/capabilities/gpuN/mig/giX[/ciY]/access` ("DeviceFileMinor: %u" …) for
   the instances that exist: the /dev/nvidia-caps/nvidia-cap<minor> node guarding each.
 
+- `sys/bus/pci/devices/<pci>/numa_node` ("%d", -1 without NUMA) and `local_cpulist` ("0-31,64-95"):
+  where each GPU sits, unless NVML's CPU and memory affinity answer.
+
 NVML (the `pynvml` module of nvidia-ml-py, imported only here and only when asked) gives what
 /proc does not: memory, MIG mode, the driver's own index order. It is asked only when the
 driver is loaded and every node it would need exists: libnvidia-ml runs nvidia-modprobe to
@@ -319,6 +322,7 @@ def _nvml_gpus() -> tuple[str, list[GpuFact]]:
                 pci=normalize_pci(_text(pynvml.nvmlDeviceGetPciInfo(handle).busId)),
                 mig_pending=mig_pending,
                 mig_devices=_nvml_mig(pynvml, handle, index) if mig else (),
+                **_nvml_affinity(pynvml, handle),
             ))
         return driver, gpus
     except pynvml.NVMLError as exc:
@@ -327,6 +331,81 @@ def _nvml_gpus() -> tuple[str, list[GpuFact]]:
         # Nothing is left to release when shutdown itself fails.
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
+
+
+_CPU_WORDS, _NODE_WORDS = 64, 16  # affinity masks of 64-bit words: 4096 CPUs, 1024 nodes
+
+
+def _bits(words: Any) -> tuple[int, ...]:
+    """The set bits of an NVML affinity mask (an array of unsigned longs, 64 bits each)."""
+    out = []
+    for w, word in enumerate(words):
+        word = int(word)
+        while word:  # one step a set bit: most words of a 4096-CPU mask are 0
+            low = word & -word
+            out.append(w * 64 + low.bit_length() - 1)
+            word ^= low
+    return tuple(out)
+
+
+def _nvml_affinity(pynvml: Any, handle: Any) -> dict[str, Any]:
+    """A GPU's local CPUs and NUMA node as NVML's affinity calls give them ({} when this NVML
+    has neither: sysfs is read instead)."""
+    out: dict[str, Any] = {}
+    try:
+        cpus = _bits(pynvml.nvmlDeviceGetCpuAffinity(handle, _CPU_WORDS))
+        nodes = _bits(pynvml.nvmlDeviceGetMemoryAffinity(
+            handle, _NODE_WORDS, getattr(pynvml, "NVML_AFFINITY_SCOPE_NODE", 0)))
+    except (pynvml.NVMLError, AttributeError):
+        # Older libraries lack the calls (AttributeError: older nvidia-ml-py) or answer "not
+        # supported": sysfs says the same from the PCI side.
+        return out
+    if cpus:
+        out.update(local_cpus=cpus, affinity="nvml")
+    if nodes:
+        out.update(numa_node=nodes[0], affinity="nvml")
+    return out
+
+
+def _int_or_none(text: str | None) -> int | None:
+    text = (text or "").strip()
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def read_pci_affinity(root: Path, pci: str) -> tuple[int | None, tuple[int, ...]]:
+    """The NUMA node (None: -1, no NUMA, or unreadable) and local CPUs of the PCI device `pci`
+    under <root>/sys/bus/pci/devices."""
+    from envctl.spec.units import parse_cpu_list
+
+    base = root / "sys" / "bus" / "pci" / "devices" / pci
+    try:
+        node, cpus = _read(base / "numa_node"), _read(base / "local_cpulist")
+    except OSError:
+        return None, ()
+    found = _int_or_none(node)
+    try:
+        local = parse_cpu_list(cpus.strip()) if cpus and cpus.strip() else ()
+    except ValueError:
+        local = ()
+    return (found if found is not None and found >= 0 else None), local
+
+
+def _with_affinity(root: Path, gpu: GpuFact, problems: list[str]) -> GpuFact:
+    """`gpu` with where it sits: NVML's affinity when it gave one, else sysfs's; a problem
+    when the two disagree (a BIOS that hides NUMA from one of them)."""
+    from envctl.spec.units import format_cpu_list
+
+    node, cpus = read_pci_affinity(root, gpu.pci) if gpu.pci else (None, ())
+    if gpu.affinity == "nvml":
+        if cpus and gpu.local_cpus and cpus != gpu.local_cpus:
+            problems.append(f"GPU {gpu.index}: NVML's CPU affinity is "
+                            f"{format_cpu_list(gpu.local_cpus)}, sysfs local_cpulist "
+                            f"{format_cpu_list(cpus)}; NVML's is used")
+        return dataclasses.replace(gpu, numa_node=gpu.numa_node if gpu.numa_node is not None
+                                   else node, local_cpus=gpu.local_cpus or cpus)
+    if node is None and not cpus:
+        return gpu
+    return dataclasses.replace(gpu, numa_node=node, local_cpus=cpus, affinity="sysfs")
 
 
 def _nvml_mig(pynvml: Any, handle: Any, index: int) -> tuple[MigFact, ...]:
@@ -401,6 +480,7 @@ def discover_gpus(root: Path, *, nvml: str = "auto") -> GpuHostFacts:
                             f"{len(proc_gpus)}")
     if source == "proc":  # what /proc could not say matters only when it is the source
         problems += proc_problems
+    gpus = [_with_affinity(root, g, problems) for g in gpus]
     if any(g.mig_devices for g in gpus):
         table = read_mig_minors(root)
         gpus = [_mig_minors(root, g, table, problems) for g in gpus]

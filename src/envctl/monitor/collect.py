@@ -11,18 +11,21 @@ read again). Nothing here imports typer or rich.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from envctl.runtime.context import parse_cpus, read_journal
+from envctl.runtime.context import parse_cpus, read_journal, spec_names
 
 if TYPE_CHECKING:
     from envctl.host.cgroups import Cgroups
     from envctl.monitor.nvml import GpuSample, NvmlSession
+    from envctl.monitor.nvmlkeep import NvmlKeeper
 
 # Kinds whose presence in this boot's journal means the environment is up (their objects die
 # with a reboot; runtime.context drops entries of another boot).
@@ -50,6 +53,17 @@ class EnvSample:
     mem_limit: int | None = None
     mem_peak: int | None = None
     oom_kills: int | None = None
+    # memory.events (v2): high, max, oom, oom_kill; v1 counts only oom_kill (memory.oom_control)
+    mem_events: dict[str, int] = field(default_factory=dict)
+    cpu_quota: float | None = None  # seconds of CPU per period (cpu.max); None: no quota
+    cpu_period: float | None = None  # seconds
+    # PSI (v2 only): (resource, "some"/"full") -> seconds of stall since the cgroup was made
+    pressure: dict[tuple[str, str], float] = field(default_factory=dict)
+    io_read_bytes: int | None = None  # over every device (io.stat / blkio)
+    io_write_bytes: int | None = None
+    veth: str = ""  # the host end of its veth, as its journal records it
+    net_rx_bytes: int | None = None  # received by the environment (its veth's host end sent)
+    net_tx_bytes: int | None = None  # sent by the environment
     tasks: int | None = None  # pids.current: processes and threads
     service: dict[str, Any] | None = None  # {"state", "up", "restarts", "pid"} when it has one
     jobs: dict[str, int] = field(default_factory=dict)  # state -> count (retained records)
@@ -77,6 +91,7 @@ class Snapshot:
     host_mem_total: int | None = None
     host_mem_used: int | None = None
     gpu_env: dict[str, str] = field(default_factory=dict)  # UUID -> environment holding it
+    configured: list[str] = field(default_factory=list)  # specs in the config directory
     problems: list[str] = field(default_factory=list)
     # Filled by the health loop (envctl.monitor.health.Health.view): env -> {"state", "drift",
     # "heals", "heal_failures", "retry_in"}.
@@ -131,6 +146,58 @@ def _field(data: bytes | None, key: bytes) -> int | None:
 
 # Values at or above this in a v1 limit file mean "no limit" (PAGE_COUNTER_MAX, rounded).
 _UNLIMITED_FLOOR = 2**62
+# What a host veth name envctl made looks like (IFNAMSIZ): nothing a path could climb out of.
+_IFNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,14}")
+_MEM_EVENTS = (b"high", b"max", b"oom", b"oom_kill")
+
+
+def _pressure(data: bytes | None, resource: str, out: dict[tuple[str, str], float]) -> None:
+    """`some`/`full` totals (microseconds) of a PSI file into `out`, in seconds."""
+    for line in (data or b"").splitlines():
+        kind, _, rest = line.partition(b" ")
+        at = rest.rfind(b"total=")
+        if kind in (b"some", b"full") and at >= 0:
+            try:
+                out[(resource, kind.decode())] = int(rest[at + 6:]) / 1e6
+            except ValueError:
+                continue
+
+
+def _io_bytes(data: bytes | None, version: int) -> tuple[int | None, int | None]:
+    """Bytes read and written over every device: io.stat's rbytes=/wbytes= (v2), or
+    blkio.throttle.io_service_bytes' `MAJ:MIN Read|Write N` lines (v1)."""
+    if data is None:
+        return None, None
+    rd = wr = 0
+    for line in data.splitlines():
+        parts = line.split()
+        if version == 2:
+            for p in parts[1:]:
+                if p.startswith(b"rbytes="):
+                    rd += int(p[7:])
+                elif p.startswith(b"wbytes="):
+                    wr += int(p[7:])
+        elif len(parts) == 3 and parts[1] == b"Read":
+            rd += int(parts[2])
+        elif len(parts) == 3 and parts[1] == b"Write":
+            wr += int(parts[2])
+    return rd, wr
+
+
+def _cpu_quota(files: dict[str, str], version: int) -> tuple[float | None, float | None]:
+    """(quota, period) in seconds: cpu.max (v2, `max` quota: none) or cpu.cfs_quota_us and
+    cpu.cfs_period_us (v1, -1: none)."""
+    if version == 2:
+        data = _read(files["cpu.max"]) if "cpu.max" in files else None
+        parts = (data or b"").split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            return None, None
+        period = int(parts[1]) / 1e6
+        return (None if parts[0] == b"max" else int(parts[0]) / 1e6), period
+    period_us = _int(_read(files["cpu.period"])) if "cpu.period" in files else None
+    quota_us = _int(_read(files["cpu.quota"])) if "cpu.quota" in files else None
+    return (None if quota_us is None or quota_us < 0 else quota_us / 1e6,
+            None if period_us is None else period_us / 1e6)
 
 
 @dataclass(slots=True)
@@ -147,7 +214,9 @@ class _Target:
     gpus: tuple[str, ...] = ()
     has_service: bool = False
     description: str = ""  # the spec's, as `up` recorded it
+    veth: str = ""  # the host end of its veth (a name envctl made, from its journal)
     last_cpu: tuple[float, float] | None = None  # (monotonic time, cpu seconds)
+    cpu_quota: tuple[float | None, float | None] = (None, None)  # read when the journal changes
 
 
 def _cgroup_files(cgroups: Cgroups, driver: str, parent: str, env: str
@@ -175,7 +244,10 @@ def _cgroup_files(cgroups: Cgroups, driver: str, parent: str, env: str
         wanted = {"cpu.stat": ("cpu", "cpu.stat"), "mem": ("memory", "memory.current"),
                   "mem.limit": ("memory", "memory.max"), "mem.peak": ("memory", "memory.peak"),
                   "mem.stat": ("memory", "memory.stat"), "mem.oom": ("memory", "memory.events"),
-                  "pids": ("pids", "pids.current"), "cpuset": ("cpuset", "cpuset.cpus.effective")}
+                  "pids": ("pids", "pids.current"), "cpuset": ("cpuset", "cpuset.cpus.effective"),
+                  "cpu.max": ("cpu", "cpu.max"), "io": ("io", "io.stat"),
+                  "psi.cpu": ("cpu", "cpu.pressure"), "psi.memory": ("memory", "memory.pressure"),
+                  "psi.io": ("io", "io.pressure")}
     else:
         wanted = {"cpu.usage": ("cpuacct", "cpuacct.usage"), "cpu.stat": ("cpu", "cpu.stat"),
                   "mem": ("memory", "memory.usage_in_bytes"),
@@ -183,7 +255,10 @@ def _cgroup_files(cgroups: Cgroups, driver: str, parent: str, env: str
                   "mem.peak": ("memory", "memory.max_usage_in_bytes"),
                   "mem.stat": ("memory", "memory.stat"),
                   "mem.oom": ("memory", "memory.oom_control"),
-                  "pids": ("pids", "pids.current"), "cpuset": ("cpuset", "cpuset.cpus")}
+                  "pids": ("pids", "pids.current"), "cpuset": ("cpuset", "cpuset.cpus"),
+                  "cpu.quota": ("cpu", "cpu.cfs_quota_us"),
+                  "cpu.period": ("cpu", "cpu.cfs_period_us"),
+                  "io": ("blkio", "blkio.throttle.io_service_bytes")}
     files = {}
     for what, (controller, file) in wanted.items():
         p = at(controller, file)
@@ -258,9 +333,12 @@ class Sampler:
     records. `close()` shuts NVML down."""
 
     def __init__(self, *, state_dir: Path, run_dir: Path, boot_id: str, cgroups: Cgroups,
-                 nvml: NvmlSession | None = None, nvml_problem: str = "",
+                 nvml: NvmlSession | NvmlKeeper | None = None, nvml_problem: str = "",
                  proc: Path = Path("/proc"), host_stats: bool = True,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 config_dir: Path | None = None, sys_class_net: Path = Path("/sys/class/net")):
+        """`config_dir`: where the specs are (one `envctl_environment_configured` series
+        each); None: not looked at."""
         self.state_dir = state_dir
         self.run_dir = run_dir
         self.boot_id = boot_id
@@ -270,6 +348,9 @@ class Sampler:
         self.proc = proc
         self.host_stats = host_stats
         self.clock = clock
+        self.config_dir = config_dir
+        self.sys_class_net = sys_class_net
+        self._configured: tuple[tuple, list[str]] = ((), [])
         self.targets: dict[str, _Target] = {}
         self.jobs = _JobCounts(state_dir, boot_id)
         self._service_cache: dict[str, tuple[tuple, dict[str, Any] | None]] = {}
@@ -281,14 +362,20 @@ class Sampler:
             psutil.cpu_percent(None)  # the first call starts the interval; it says 0.0
 
     @classmethod
-    def for_host(cls, host: Any, **kwargs: Any) -> Sampler:
-        """A sampler of `host` (envctl.host.context.Host), with NVML when this host allows it."""
-        from envctl.monitor.nvml import open_session
+    def for_host(cls, host: Any, *, say: Callable[[str], None] | None = None,
+                 **kwargs: Any) -> Sampler:
+        """A sampler of `host` (envctl.host.context.Host), with NVML when this host allows it,
+        opened again after a failure (monitor/nvmlkeep.py, which tells `say` why)."""
+        from envctl.monitor.nvmlkeep import NvmlKeeper
+        from envctl.runtime.context import config_dir
 
-        session, why = open_session(host.gpu_root)
+        kwargs.setdefault("config_dir", config_dir())
+        # /sys/class/net lists the links of the netns that mounted that sysfs: the host's.
+        kwargs.setdefault("sys_class_net", host.sys / "class" / "net")
+
         return cls(state_dir=host.state_dir, run_dir=host.run_dir, boot_id=host.boot_id,
-                   cgroups=host.cgroups, nvml=session, nvml_problem=why, proc=host.proc,
-                   **kwargs)
+                   cgroups=host.cgroups, nvml=NvmlKeeper(host.gpu_root, say=say),
+                   proc=host.proc, **kwargs)
 
     def close(self) -> None:
         if self.nvml is not None:
@@ -341,7 +428,8 @@ class Sampler:
                 continue
             t = _Target(env, sig, gpus=tuple((claims.get("gpus") or {}).get("uuids") or ()),
                         has_service="service" in found,
-                        description=str(claims.get("description") or ""))
+                        description=str(claims.get("description") or ""),
+                        veth=_veth_name(found))
             cg = found.get("cgroup") or found.get("cgroup-slice")
             if cg is not None:
                 t.driver = "systemd" if "cgroup-slice" in found and "cgroup" not in found \
@@ -352,10 +440,30 @@ class Sampler:
                 cpus = parse_cpus((_read(t.files["cpuset"]) or b"").decode().strip()) \
                     if "cpuset" in t.files else ()
                 t.cpus = len(cpus) or self._online_cpus()
+                # cpu.max is envctl's to set, by an `up` that rewrites the journal: read then.
+                t.cpu_quota = _cpu_quota(t.files, t.version)
                 if old is not None and old.cgroup == t.cgroup:
                     t.last_cpu = old.last_cpu
             self.targets[env] = t
         return problems
+
+    def configured(self) -> list[str]:
+        """The specs in the config directory, read again only when a file there changes."""
+        if self.config_dir is None:
+            return []
+        sig: list[tuple] = []
+        try:
+            with os.scandir(self.config_dir) as it:
+                for e in it:
+                    if e.name.endswith((".yaml", ".yml")):
+                        st = e.stat()
+                        sig.append((e.name, st.st_size, st.st_mtime_ns))
+        except OSError:
+            sig = []  # no config directory (yet): nothing configured here
+        key = tuple(sorted(sig))
+        if key != self._configured[0]:
+            self._configured = (key, sorted(spec_names(self.config_dir)) if key else [])
+        return self._configured[1]
 
     def _online_cpus(self) -> int:
         if not self._online:
@@ -375,7 +483,8 @@ class Sampler:
                 thr = _field(cpu, b"throttled_usec")
                 s.throttled_seconds = None if thr is None else thr / 1e6
                 inactive = b"inactive_file"
-                oom = _field(_read(f["mem.oom"]) if "mem.oom" in f else None, b"oom_kill")
+                events = _read(f["mem.oom"]) if "mem.oom" in f else None
+                oom = _field(events, b"oom_kill")
             else:
                 usage_ns = _int(_read(f["cpu.usage"]))
                 s.cpu_seconds = None if usage_ns is None else usage_ns / 1e9
@@ -386,6 +495,21 @@ class Sampler:
             s.periods = _field(cpu, b"nr_periods")
             s.throttled_periods = _field(cpu, b"nr_throttled")
             s.oom_kills = oom
+            s.cpu_quota, s.cpu_period = t.cpu_quota
+            if t.version == 2:
+                for key in _MEM_EVENTS:
+                    n = _field(events, key)
+                    if n is not None:
+                        s.mem_events[key.decode()] = n
+                for res in ("cpu", "memory", "io"):
+                    if f"psi.{res}" in f:
+                        _pressure(_read(f[f"psi.{res}"]), res, s.pressure)
+            elif oom is not None:
+                s.mem_events["oom_kill"] = oom
+            if "io" in f:
+                # A line this kernel writes differently: unknown, not an error.
+                with contextlib.suppress(ValueError):
+                    s.io_read_bytes, s.io_write_bytes = _io_bytes(_read(f["io"]), t.version)
             if "mem" in f:
                 s.mem_usage = _int(_read(f["mem"]))
                 limit = _int(_read(f["mem.limit"])) if "mem.limit" in f else None
@@ -400,6 +524,12 @@ class Sampler:
                     used = s.cpu_seconds - t.last_cpu[1]
                     s.cpu_percent = max(0.0, 100.0 * used / ((now - t.last_cpu[0]) * t.cpus))
                 t.last_cpu = (now, s.cpu_seconds)
+        if t.veth:
+            s.veth = t.veth
+            stats = f"{self.sys_class_net}/{t.veth}/statistics/"
+            # The host end's tx is what the environment received, and its rx what it sent.
+            s.net_rx_bytes = _int(_read(stats + "tx_bytes"))
+            s.net_tx_bytes = _int(_read(stats + "rx_bytes"))
         if t.has_service:
             s.service = self._service(t.env)
         return s
@@ -453,7 +583,7 @@ class Sampler:
         elif self.nvml_problem:
             problems.append(self.nvml_problem)
         snap = Snapshot(time=time.time(), envs=envs, gpus=gpus, gpu_env=gpu_env,
-                        problems=problems)
+                        problems=problems, configured=self.configured())
         if self.host_stats:
             snap.host_cpu_percent = self._psutil.cpu_percent(None)
             vm = self._psutil.virtual_memory()
@@ -487,6 +617,13 @@ class Sampler:
                 s = owner[pid]
                 if s is not None and used:
                     s.gpu_memory[g.uuid] = s.gpu_memory.get(g.uuid, 0) + used
+
+
+def _veth_name(found: dict[str, dict[str, Any]]) -> str:
+    """The host end of the environment's veth, as its journal records it (envctl made it: a
+    veth name already taken is refused, never adopted); "" when none or not a link name."""
+    name = str((found.get("veth") or {}).get("name") or "")
+    return name if _IFNAME.fullmatch(name) else ""
 
 
 def _owner(proc: Path, pid: int, rels: list[tuple[str, EnvSample]]) -> EnvSample | None:

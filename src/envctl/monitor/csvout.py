@@ -9,10 +9,12 @@ their original columns plus `Environment`, appended each tick and rotated by siz
                      one row `environment` per environment that is up (% of its CPUs, memory
                      % of its limit, or of RAM when it has none)
 
-Timestamps are local time, `%Y-%m-%d %H:%M:%S`, as `date` wrote them; an unknown value is
-an empty field. Each file is opened, appended to and closed every tick (no descriptor kept,
-so an outside logrotate works too). When one is larger than `max_bytes` it becomes `NAME.1`
-(`NAME.1` becomes `NAME.2` …, `keep` old files) and a new one starts with the header.
+Timestamps are UTC with their offset, `%Y-%m-%d %H:%M:%S+00:00` (the setup's `date` wrote
+local time without one, which a DST change or a host in another zone makes ambiguous); an
+unknown value is an empty field. Each file is opened, appended to and closed every tick (no
+descriptor kept, so an outside logrotate works too). When one is larger than `max_bytes` it
+becomes `NAME.1` (`NAME.1` becomes `NAME.2` …, `keep` old files) and a new one starts with the
+header.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class CsvWriter:
         self.keep = max(1, keep)
 
     def write(self, snap: Snapshot) -> None:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snap.time))
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S+00:00", time.gmtime(snap.time))
         gpu_rows = [f"{stamp},GPU{g.index},{_num(g.util)},"
                     f"{_num(None if g.fb_used is None else g.fb_used // MIB)},{_num(g.temp)},"
                     f"{snap.gpu_env.get(g.uuid, '')}" for g in snap.gpus]

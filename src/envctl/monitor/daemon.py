@@ -1,7 +1,8 @@
 """`envctl monitor`'s loop: every interval, one tick (sample, health, CSV, textfile, the
-/metrics snapshot); between ticks it answers /metrics requests. One thread: a poll on the HTTP
-socket and a signal wake-up pipe, so a heal that forks a service supervisor never forks beside
-another thread, and SIGTERM ends the loop between ticks (a heal in progress finishes first).
+/metrics snapshot); between ticks it steps the /metrics connections (monitor/http.py: non-blocking,
+each with a deadline). One thread: a selector on the HTTP sockets and a signal wake-up pipe, so a
+heal that forks a service supervisor never forks beside another thread, no client can hold the
+loop, and SIGTERM ends it between ticks (a heal in progress finishes first).
 
 Kept free of typer and rich; prometheus_client is imported when the monitor starts.
 """
@@ -9,27 +10,31 @@ Kept free of typer and rich; prometheus_client is imported when the monitor star
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
-import select
+import selectors
 import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envctl.monitor.collect import Sampler, Snapshot
 from envctl.monitor.csvout import CsvWriter
 from envctl.monitor.health import Health
+from envctl.monitor.notify import Notifier
 from envctl.monitor.prom import (
-    MetricsServer,
     SnapshotCollector,
     exposition,
     registry_for,
     write_textfile,
 )
+
+if TYPE_CHECKING:
+    from envctl.monitor.http import MetricsServer
 
 DEFAULT_INTERVAL = 30.0
 DEFAULT_CSV_DIR = Path("/var/log/envctl")
@@ -48,6 +53,16 @@ class Options:
     textfile: Path | None = None
     csv_dir: Path | None = DEFAULT_CSV_DIR
     heal: bool = True
+    compat: frozenset[str] = frozenset()  # dcgm / cadvisor names besides envctl's own
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Monitor:
@@ -61,17 +76,19 @@ class Monitor:
         self.host = host
         self.opts = options
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.sampler = sampler or Sampler.for_host(host)
+        self.sampler = sampler or Sampler.for_host(host, say=self.say)
         if health is None:
             # `monitor --once` without --heal is a probe: drift is said, not logged.
             health = Health(host, heal=options.heal, log=options.heal or not options.once,
                             say=self.say)
         self.health: Health | None = health or None
         self.csv = CsvWriter(options.csv_dir) if options.csv_dir is not None else None
-        self.collector = SnapshotCollector()
+        self.collector = SnapshotCollector(compat=options.compat)
         self.registry = registry_for(self.collector)
         self.server: MetricsServer | None = None
         self.told: set[str] = set()
+        self.notifier: Notifier | None = None  # None: the one $NOTIFY_SOCKET names, at run
+        self.textfile_id: tuple[int, int] | None = None  # (dev, inode) of the last written
         self.stopping = False
 
     def close(self) -> None:
@@ -109,11 +126,17 @@ class Monitor:
             except OSError as exc:
                 self.say(f"warning: CSV not written in {self.csv.dir}: {exc.strerror}")
         self.collector.update(snap, tick_cpu_seconds=cpu_sample + time.process_time() - cpu1)
+        if self.server is not None:
+            self.server.publish(exposition(self.registry))
         if self.opts.textfile is not None:
             try:
                 write_textfile(self.opts.textfile, self.registry)
+                st = os.stat(self.opts.textfile)
+                self.textfile_id = (st.st_dev, st.st_ino)
             except EnvctlError as exc:
                 self.say(f"warning: {exc}")
+            except OSError:  # gone again at once: nothing of ours to remove at the end
+                self.textfile_id = None
         return snap
 
     def once(self) -> bytes:
@@ -123,13 +146,25 @@ class Monitor:
         self.tick()
         return exposition(self.registry)
 
+    def serve(self, server: MetricsServer) -> None:
+        """Serve /metrics from `server` while `run` loops (the caller made it: a bad address
+        or web config is refused before anything starts)."""
+        self.server = server
+        host, port = server.address
+        shown = f"[{host}]" if ":" in host else host
+        self.say(f"serving metrics on {server.scheme}://{shown}:{port}/metrics")
+        if not _loopback(host):
+            # envctl's firewall filters nothing addressed to the host itself (docs/monitoring.md)
+            self.say(f"warning: /metrics on {shown}:{port}: every environment reaches it "
+                     "through its gateway; bind 127.0.0.1, or use --web-config-file for TLS "
+                     "and basic auth")
+
     def run(self) -> None:
         """Tick every interval until SIGTERM or SIGINT; serve /metrics in between."""
-        if self.opts.listen is not None:
-            self.server = MetricsServer(self.opts.listen, self.registry)
-            host, port = self.server.address
-            shown = f"[{host}]" if ":" in host else host
-            self.say(f"serving metrics on http://{shown}:{port}/metrics")
+        if self.opts.listen is not None and self.server is None:
+            from envctl.monitor.http import MetricsServer
+
+            self.serve(MetricsServer(self.opts.listen))
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         old_fd = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         old = {s: signal.signal(s, self._on_stop) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -137,10 +172,13 @@ class Monitor:
         # for its short commands); what the CLI made before is frozen out of its way.
         gc.freeze()
         gc.enable()
-        poller = select.poll()
-        poller.register(wake_r, select.POLLIN)
+        sel = selectors.DefaultSelector()
+        sel.register(wake_r, selectors.EVENT_READ, None)
         if self.server is not None:
-            poller.register(self.server.fileno(), select.POLLIN)
+            self.server.attach(sel)
+        notifier = self.notifier or Notifier()
+        ready = False
+        pinged = 0.0
         try:
             next_at = time.monotonic()
             while not self.stopping:
@@ -150,22 +188,57 @@ class Monitor:
                         self.tick()
                     except Exception as exc:  # noqa: BLE001 - the daemon outlives one bad tick
                         self.say(f"monitor: tick failed: bug: {exc!r}")
+                    if not ready:
+                        notifier.send("READY=1")
+                        ready = True
                     # Fixed rate; a tick that overran starts the next one at once, no burst.
                     next_at = max(next_at + self.opts.interval, time.monotonic())
                     continue
-                for fd, _ in poller.poll(max(0.0, next_at - now) * 1000):
-                    if fd == wake_r:
+                wake_at = next_at
+                if notifier.watchdog is not None:
+                    # The loop turning is the proof of life: a tick (a heal) that hangs stops
+                    # it. Pinged at half the watchdog, between ticks too (an interval longer
+                    # than WatchdogSec= is no hang).
+                    if now - pinged >= notifier.watchdog / 2:
+                        notifier.send("WATCHDOG=1")
+                        pinged = now
+                    wake_at = min(wake_at, pinged + notifier.watchdog / 2)
+                if self.server is not None:
+                    wake_at = min(wake_at, self.server.next_deadline() or wake_at)
+                for key, events in sel.select(max(0.0, wake_at - now)):
+                    if key.data is None:
                         with contextlib.suppress(BlockingIOError):
                             os.read(wake_r, 512)
-                    elif self.server is not None:
-                        self.server.handle()
+                    else:
+                        key.data(events)
+                if self.server is not None:
+                    self.server.expire()
         finally:
+            notifier.send("STOPPING=1")
+            self._remove_textfile()
             signal.set_wakeup_fd(old_fd)
             for s, h in old.items():
                 signal.signal(s, h)
+            sel.close()
             os.close(wake_r)
             os.close(wake_w)
             self.close()
+
+    def _remove_textfile(self) -> None:
+        """A stopped monitor's textfile would be exported as current by node_exporter for as
+        long as it stays: removed, when it is still the file the last tick wrote (something
+        that replaced it since is not ours)."""
+        path = self.opts.textfile
+        if path is None or self.textfile_id is None:
+            return
+        try:
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == self.textfile_id:
+                os.unlink(path)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                self.say(f"warning: metrics textfile {path} not removed: {exc.strerror}")
+        self.textfile_id = None
 
     def _on_stop(self, signum: int, frame: Any) -> None:
         self.stopping = True

@@ -6,7 +6,7 @@ A line: {"time": 1767000000.5, "env": "box", "event": "healed", "detail": "…"}
 which steps changed), `heal-failed` (the `up` failed and was rolled back; detail: why, and when
 the next attempt is due), `heal-deferred` (another envctl held the global lock: tried again next
 tick), `heal-skipped` (cannot be healed here: its `down` did not finish, or its journal cannot
-be read).
+be read), `heal-paused` (drifted while in maintenance: `envctl maintenance ENV on`).
 
 The file is history, like job records: `down` leaves it (the state directory then keeps it and
 the lock file). It is kept small: past MAX_BYTES it is renamed to `events.jsonl.1` (the one

@@ -15,6 +15,11 @@ Each tick, for each environment that is up:
    edited since: that is `envctl up`'s), with its rollback. `healed` or `heal-failed` goes to
    the events log; an unfinished `down` or an unreadable journal is `heal-skipped`.
 
+An environment in maintenance (`envctl maintenance ENV on`: monitor/maintenance.py) is checked
+and its drift reported, never healed (one `heal-paused` event). A service that ended as its
+restart policy says (`restart: no`; `on-failure` after exit 0) is not drift to the monitor:
+it stays ended (resources/service.py, host.options["monitor"]).
+
 While systemd shuts the host down, nothing is reported or healed: systemd stops the
 environments' slices and scopes itself, and envctl.service's ExecStop= takes them down (the
 monitor would otherwise log their teardown as drift and try to start them again).
@@ -117,6 +122,7 @@ def check_env(host: Any, env: str) -> Check:
     """Read-only: the engine's check of every step `env`'s journal records as applied."""
     from envctl.engine.engine import KEEP, NOT_APPLIED, Engine, env_state
 
+    host.options["monitor"] = "1"  # a service its restart policy ended is not drift
     steps = Engine(host).status(env, None)
     problems = [f"{s.resource.describe()}: {s.check.detail or s.check.status.value}"
                 for s in steps if s.op != KEEP and s.note != NOT_APPLIED]
@@ -140,6 +146,7 @@ def heal_env(host: Any, env: str) -> list[str] | None:
     from envctl.engine.engine import KEEP, Engine, env_state
     from envctl.errors import LockTimeout, StateCorrupt
 
+    host.options["monitor"] = "1"  # a service its restart policy ended stays ended
     engine = Engine(host, lock_timeout=0)
     try:
         with engine.locked():
@@ -184,6 +191,7 @@ class Health:
         self.heals: dict[str, int] = {}
         self.failures: dict[str, int] = {}
         self.healed: set[str] = set()  # those the last round re-converged
+        self.paused: set[str] = set()  # those in maintenance (`envctl maintenance ENV on`)
 
     def _event(self, env: str, kind: str, detail: str = "") -> None:
         self.last_event[env] = kind
@@ -200,6 +208,7 @@ class Health:
         from envctl.errors import EnvctlError
 
         self.healed = set()
+        self.paused = self._paused(envs)
         stopping: bool | None = None  # asked once a round, and only when something is wrong
         for gone in [e for e in self.last if e not in envs]:
             del self.last[gone]
@@ -228,9 +237,19 @@ class Health:
             if before is None or before.problems != found.problems or env in self.muted:
                 self.muted.discard(env)
                 self._event(env, "drift", "; ".join(found.problems))
-            if self.heal and self.backoff.due(env):
+            if self.heal and env in self.paused:
+                if self.last_event.get(env) != "heal-paused":  # once, not every tick
+                    self._event(env, "heal-paused", "maintenance is on (`envctl maintenance "
+                                f"{env} off` resumes healing)")
+            elif self.heal and self.backoff.due(env):
                 self._heal(env)
         return self.view()
+
+    def _paused(self, envs: list[str]) -> set[str]:
+        from envctl.monitor import maintenance
+
+        run_dir = getattr(self.host, "run_dir", None)
+        return set(maintenance.paused(run_dir, envs)) if run_dir is not None else set()
 
     def _host_stopping(self) -> bool:
         try:
@@ -273,7 +292,8 @@ class Health:
     def view(self) -> dict[str, dict[str, Any]]:
         return {env: {"state": c.state, "drift": len(c.problems),
                       "heals": self.heals.get(env, 0), "heal_failures": self.failures.get(env, 0),
-                      "retry_in": self.backoff.retry_in(env)}
+                      "retry_in": self.backoff.retry_in(env),
+                      **({"maintenance": True} if env in self.paused else {})}
                 for env, c in self.last.items()}
 
 

@@ -1,5 +1,7 @@
 """One NVML session for the monitor's life: initialised once, device handles kept, sampled each
-tick (utilisation, memory, temperature, power, ECC counts, XID events, per-process memory).
+tick (utilisation, memory, temperature, power and its limit, the energy counter, SM/memory
+clocks and the reasons they are held down, ECC counts, remapped rows, PCIe replays, XID events,
+per-process memory).
 
 The rule that decides whether NVML may be asked at all is discovery's (envctl.host.gpus): the
 driver is loaded and every node libnvidia-ml would otherwise create exists, and ENVCTL_NVML is
@@ -18,6 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+# Errors that are NVML's as a whole, not one GPU's: the driver was unloaded or reloaded
+# (LIB_RM_VERSION_MISMATCH), the library went away, NVML is not initialised any more.
+SESSION_ERRORS = (1, 9, 12, 18)  # UNINITIALIZED, DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, RM mismatch
 
 # At most this many XID events are drained per tick (a GPU in an error storm must not hold
 # the tick up).
@@ -39,9 +45,18 @@ class GpuSample:
     fb_free: int | None = None
     temp: int | None = None  # degrees C
     power_w: float | None = None
+    pci_bus_id: str = ""  # NVML's busId: 00000000:3B:00.0, as dcgm-exporter's pci_bus_id
+    power_limit_w: float | None = None  # the enforced power limit
+    energy_j: float | None = None  # energy since the driver loaded (Volta and newer)
+    sm_clock_hz: int | None = None
+    mem_clock_hz: int | None = None
+    clock_reasons: int | None = None  # nvmlClocksEventReason* bits now active
+    remapped: tuple[int, int, int, int] | None = None  # correctable, uncorrectable, pending, failed
+    pcie_replays: int | None = None
     ecc: dict[str, int] = field(default_factory=dict)  # sbe_vol, dbe_vol, sbe_agg, dbe_agg
     xid: int | None = None  # the last XID seen since the monitor started (dcgm's XID_ERRORS)
     xid_count: int = 0  # XID events seen since the monitor started
+    xids: dict[int, int] = field(default_factory=dict)  # err_code -> events since the start
     fatal_xids: list[int] = field(default_factory=list)  # those of them that quarantine it
     processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes)
     lost: bool = False
@@ -49,6 +64,20 @@ class GpuSample:
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _bus_id(nvml: ModuleType, handle: Any) -> str:
+    """The GPU's PCI address as NVML writes it (dcgm-exporter's pci_bus_id); "" when unknown."""
+    try:
+        return _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
+    except (nvml.NVMLError, AttributeError):
+        return ""
+
+
+def _clock_reasons_call(nvml: ModuleType) -> Any:
+    """nvmlDeviceGetCurrentClocksEventReasons (nvidia-ml-py >= 12.535), else its old name."""
+    return getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+        nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
 
 
 def _key(handle: Any) -> Any:
@@ -69,18 +98,27 @@ class NvmlSession:
         self.problems: list[str] = []
         self._unsupported: set[tuple[int, str]] = set()
         self._closed = False
+        self.broken = ""  # an error of the whole session (a driver reload): NvmlKeeper reopens
         nvml.nvmlInit()
         try:
             self.driver = _text(nvml.nvmlSystemGetDriverVersion())
             self.gpus: list[GpuSample] = []
             self._handles: list[Any] = []
             for index in range(nvml.nvmlDeviceGetCount()):
-                h = nvml.nvmlDeviceGetHandleByIndex(index)
+                try:  # one GPU that cannot say who it is must not hide the others
+                    h = nvml.nvmlDeviceGetHandleByIndex(index)
+                    gpu = GpuSample(
+                        index=index, uuid=_text(nvml.nvmlDeviceGetUUID(h)),
+                        name=_text(nvml.nvmlDeviceGetName(h)),
+                        minor=int(nvml.nvmlDeviceGetMinorNumber(h)),
+                        pci_bus_id=_bus_id(nvml, h))
+                except nvml.NVMLError as exc:
+                    if exc.value in SESSION_ERRORS:
+                        raise
+                    self.problems.append(f"GPU {index}: not sampled: NVML: {exc}")
+                    continue
                 self._handles.append(h)
-                self.gpus.append(GpuSample(
-                    index=index, uuid=_text(nvml.nvmlDeviceGetUUID(h)),
-                    name=_text(nvml.nvmlDeviceGetName(h)),
-                    minor=int(nvml.nvmlDeviceGetMinorNumber(h))))
+                self.gpus.append(gpu)
             self._by_key = {_key(h): i for i, h in enumerate(self._handles)}
             self._events = self._register_events()
         except BaseException:
@@ -109,15 +147,23 @@ class NvmlSession:
 
     # -- sampling
     def _ask(self, i: int, what: str, call: Any, *args: Any) -> Any:
-        """`call(handle, *args)`, None when this GPU does not support it (remembered)."""
+        """`call(handle, *args)`, None when this GPU does not support it (remembered): NVML
+        says NOT_SUPPORTED, or FUNCTION_NOT_FOUND (a driver older than the call), or this
+        pynvml has no such function (`call` None)."""
         if (i, what) in self._unsupported:
             return None
         nv = self.nv
+        if call is None:
+            self._unsupported.add((i, what))
+            return None
         try:
             return call(self._handles[i], *args)
         except nv.NVMLError as exc:
-            if exc.value == nv.NVML_ERROR_NOT_SUPPORTED:
+            if exc.value in (nv.NVML_ERROR_NOT_SUPPORTED,
+                             getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", 13)):
                 self._unsupported.add((i, what))
+            elif exc.value in SESSION_ERRORS:  # all of NVML, not this GPU: open it again
+                self.broken = self.broken or str(exc)
             elif exc.value == getattr(nv, "NVML_ERROR_GPU_IS_LOST", 15):
                 if not self.gpus[i].lost:
                     self.problems.append(f"GPU {i} ({self.gpus[i].uuid}) is lost: it fell off "
@@ -140,6 +186,7 @@ class NvmlSession:
             g.temp = None if temp is None else int(temp)
             power = self._ask(i, "power", nv.nvmlDeviceGetPowerUsage)
             g.power_w = None if power is None else int(power) / 1000.0
+            self._sample_more(i, g)
             if (i, "ecc") not in self._unsupported:
                 for key, etype, ctype in (
                         ("sbe_vol", nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC),
@@ -157,11 +204,34 @@ class NvmlSession:
                 p.usedGpuMemory)) for p in procs or ()]
             if g.lost:  # lost during this tick: nothing of it is current any more
                 g.util = g.mem_util = g.fb_total = g.fb_used = g.fb_free = g.temp = None
-                g.power_w = None
+                g.power_w = g.power_limit_w = g.energy_j = None
+                g.sm_clock_hz = g.mem_clock_hz = g.clock_reasons = g.pcie_replays = None
+                g.remapped = None
                 g.ecc.clear()
                 g.processes = []
         self._drain_events()
         return self.gpus
+
+    def _sample_more(self, i: int, g: GpuSample) -> None:
+        """Clocks and their event reasons, the power limit, the energy counter, remapped rows
+        and PCIe replays: one call each, every tick (NOT_SUPPORTED ones once)."""
+        nv = self.nv
+        clock = getattr(nv, "nvmlDeviceGetClockInfo", None)
+        sm = self._ask(i, "sm_clock", clock, getattr(nv, "NVML_CLOCK_SM", 1))
+        g.sm_clock_hz = None if sm is None else int(sm) * 1_000_000  # NVML says MHz
+        mem = self._ask(i, "mem_clock", clock, getattr(nv, "NVML_CLOCK_MEM", 2))
+        g.mem_clock_hz = None if mem is None else int(mem) * 1_000_000
+        reasons = self._ask(i, "clock_reasons", _clock_reasons_call(nv))
+        g.clock_reasons = None if reasons is None else int(reasons)
+        limit = self._ask(i, "power_limit", getattr(nv, "nvmlDeviceGetEnforcedPowerLimit", None))
+        g.power_limit_w = None if limit is None else int(limit) / 1000.0  # mW
+        energy = self._ask(i, "energy", getattr(nv, "nvmlDeviceGetTotalEnergyConsumption", None))
+        g.energy_j = None if energy is None else int(energy) / 1000.0  # mJ
+        rows = self._ask(i, "remapped", getattr(nv, "nvmlDeviceGetRemappedRows", None))
+        g.remapped = None if rows is None else (int(rows[0]), int(rows[1]), int(rows[2]),
+                                                int(rows[3]))
+        replays = self._ask(i, "pcie_replays", getattr(nv, "nvmlDeviceGetPcieReplayCounter", None))
+        g.pcie_replays = None if replays is None else int(replays)
 
     def _drain_events(self) -> None:
         """Read the XID events that arrived since the last tick, without waiting."""
@@ -172,6 +242,9 @@ class NvmlSession:
             try:
                 data = nv.nvmlEventSetWait_v2(self._events, 0)
             except nv.NVMLError as exc:
+                if exc.value in SESSION_ERRORS:
+                    self.broken = self.broken or str(exc)
+                    return
                 if exc.value != nv.NVML_ERROR_TIMEOUT:
                     # Said once: the event set stops being read (the problem would otherwise
                     # be appended, and copied into every snapshot, at every tick).
@@ -185,8 +258,10 @@ class NvmlSession:
             if i is not None and data.eventType == nv.nvmlEventTypeXidCriticalError:
                 from envctl.host.gpuhealth import FATAL_XIDS
 
-                self.gpus[i].xid = int(data.eventData)
-                self.gpus[i].xid_count += 1
+                g = self.gpus[i]
+                g.xid = int(data.eventData)
+                g.xid_count += 1
+                g.xids[g.xid] = g.xids.get(g.xid, 0) + 1
                 if self.gpus[i].xid in FATAL_XIDS:
                     self.gpus[i].fatal_xids.append(self.gpus[i].xid)
 

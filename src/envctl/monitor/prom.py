@@ -1,20 +1,24 @@
 """The Prometheus exposition of the monitor's last Snapshot: a custom collector in a private
 registry (never prometheus_client's global one), written to a textfile for node_exporter
-(a temporary file renamed over it) and/or served on /metrics by a single-threaded HTTP server
-that the monitor's loop polls between ticks.
+(a temporary file renamed over it) and/or served on /metrics by monitor/http.py, which gets the
+exposition the loop built at each tick.
 
-Names follow the exporters operators already scrape, so their dashboards work unchanged:
-dcgm-exporter's `DCGM_FI_DEV_*` per GPU (labels gpu, UUID, device, modelName, environment:
-the one holding the GPU, "" when none) and cAdvisor's `container_*` per environment (labels
-environment, id: its cgroup); envctl's own are `envctl_*`. A scrape reads the last tick's
-values: it never samples the host itself. docs/monitoring.md lists every metric.
+Every metric is envctl's own, `envctl_*`, in base units (seconds, bytes, watts, joules, hertz,
+celsius; ratios 0-1, never percents; counters end in `_total`). Labels join with the exporters
+a host may also run: per GPU dcgm-exporter's `gpu`, `UUID`, `pci_bus_id`, `device`,
+`modelName`, `Hostname`; per environment cAdvisor's `id` (its cgroup). The environment is
+`envctl_environment`, a name no scrape target carries, so neither `honor_labels` setting
+renames or drops it. `compat` (`envctl monitor --compat dcgm,cadvisor`) adds dcgm-exporter's
+`DCGM_FI_DEV_*` and cAdvisor's `container_*` names for dashboards built on them: off by
+default, so a host that runs those exporters does not export each series twice. A scrape reads
+the last tick's values: it never samples the host itself. docs/monitoring.md lists every
+metric.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
-from http.server import HTTPServer
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,19 +32,311 @@ from prometheus_client.registry import CollectorRegistry
 from envctl.errors import HostError, InputError
 
 if TYPE_CHECKING:
-    from envctl.monitor.collect import Snapshot
+    from envctl.monitor.collect import EnvSample, Snapshot
+    from envctl.monitor.nvml import GpuSample
 
 MIB = 1 << 20
 DEFAULT_LISTEN = "127.0.0.1:9464"
-GPU_LABELS = ["gpu", "UUID", "device", "modelName", "environment"]
-ENV_LABELS = ["environment", "id"]
+ENV = "envctl_environment"
+GPU_LABELS = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", ENV]
+ENV_LABELS = [ENV, "id"]
 JOB_STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
               "OUT_OF_MEMORY", "LOST")
+COMPAT = ("dcgm", "cadvisor")
+# XIDs whose counter exists at 0 before the first one (so that increase() sees the first):
+# those that quarantine a GPU (envctl.host.gpuhealth.FATAL_XIDS) and the common
+# application/driver ones (13 graphics engine exception, 31 MMU fault, 43 channel stopped, 45
+# preemptive cleanup). Any other code appears at its first event.
+XID_CODES = (13, 31, 43, 45, 48, 63, 64, 74, 79, 92, 94, 95)
+# nvmlClocksEventReason* bits (nvml.h) and the `reason` label each gets.
+CLOCK_REASONS = (("gpu_idle", 0x1), ("applications_clocks_setting", 0x2),
+                 ("sw_power_cap", 0x4), ("hw_slowdown", 0x8), ("sync_boost", 0x10),
+                 ("sw_thermal_slowdown", 0x20), ("hw_thermal_slowdown", 0x40),
+                 ("hw_power_brake_slowdown", 0x80), ("display_clock_setting", 0x100))
+ECC = (("sbe_vol", "corrected", "volatile"), ("dbe_vol", "uncorrected", "volatile"),
+       ("sbe_agg", "corrected", "aggregate"), ("dbe_agg", "uncorrected", "aggregate"))
 
-# (name, help, GpuSample attribute, scale). dcgm-exporter reports framebuffer memory in MiB
-# and power in W. Its ECC totals are declared counters there; here they are gauges so that the
-# name stays exactly DCGM_FI_DEV_ECC_…_TOTAL (prometheus_client appends `_total` to counters).
+
+def parse_compat(text: str | None) -> frozenset[str]:
+    """`--compat dcgm,cadvisor` -> the names asked for; "" or none -> nothing."""
+    if not text or text.strip().lower() == "none":
+        return frozenset()
+    names = {n.strip().lower() for n in text.split(",") if n.strip()}
+    if bad := sorted(names - set(COMPAT)):
+        raise InputError(f"--compat '{text}': unknown {', '.join(bad)}; allowed: "
+                         f"{', '.join(COMPAT)} (comma-separated) or none")
+    return frozenset(names)
+
+
+# (name, help, GpuSample attribute, scale): value = attribute * scale.
 _GPU_GAUGES = (
+    ("envctl_gpu_utilization_ratio", "Fraction of the last sample period a kernel ran.",
+     "util", 0.01),
+    ("envctl_gpu_memory_copy_utilization_ratio", "Fraction of the last sample period memory "
+     "was read or written.", "mem_util", 0.01),
+    ("envctl_gpu_memory_total_bytes", "Framebuffer memory.", "fb_total", 1),
+    ("envctl_gpu_memory_used_bytes", "Framebuffer memory used.", "fb_used", 1),
+    ("envctl_gpu_memory_free_bytes", "Framebuffer memory free.", "fb_free", 1),
+    ("envctl_gpu_temperature_celsius", "GPU temperature.", "temp", 1),
+    ("envctl_gpu_power_watts", "Power draw.", "power_w", 1),
+    ("envctl_gpu_power_limit_watts", "The enforced power limit.", "power_limit_w", 1),
+    ("envctl_gpu_sm_clock_hertz", "SM clock.", "sm_clock_hz", 1),
+    ("envctl_gpu_memory_clock_hertz", "Memory clock.", "mem_clock_hz", 1),
+    ("envctl_gpu_last_xid", "The last XID seen since the monitor started (absent until one "
+     "is).", "xid", 1),
+)
+_GPU_COUNTERS = (
+    ("envctl_gpu_energy_joules", "Energy consumed since the driver loaded.", "energy_j"),
+    ("envctl_gpu_pcie_replays", "PCIe replays (link errors the GPU retried).", "pcie_replays"),
+    ("envctl_gpu_xid_events", "XID events seen since the monitor started, every code.",
+     "xid_count"),
+)
+# (name, help, EnvSample attribute, counter?).
+_ENV_METRICS = (
+    ("envctl_environment_cpu_usage_seconds", "CPU time its cgroup consumed.", "cpu_seconds",
+     True),
+    ("envctl_environment_cpu_periods", "CFS enforcement periods elapsed.", "periods", True),
+    ("envctl_environment_cpu_throttled_periods", "CFS periods in which it was throttled.",
+     "throttled_periods", True),
+    ("envctl_environment_cpu_throttled_seconds", "Time it was throttled.",
+     "throttled_seconds", True),
+    ("envctl_environment_cpu_quota_seconds", "CPU time allowed per period (cpu.max; absent: "
+     "no quota).", "cpu_quota", False),
+    ("envctl_environment_cpu_period_seconds", "The CFS period of its quota.", "cpu_period",
+     False),
+    ("envctl_environment_memory_usage_bytes", "Memory used, page cache included.",
+     "mem_usage", False),
+    ("envctl_environment_memory_working_set_bytes", "Memory used minus inactive file cache "
+     "(as cAdvisor's working set).", "mem_working_set", False),
+    ("envctl_environment_memory_max_usage_bytes", "The peak of its memory use.", "mem_peak",
+     False),
+    ("envctl_environment_tasks", "Processes and threads in it (pids.current).", "tasks",
+     False),
+)
+
+
+# Per-environment counters with one more label: name -> (help, label).
+_ENV_COUNTERS = {
+    "envctl_environment_memory_events": ("memory.events counts (v2: high, max, oom, oom_kill; "
+                                         "v1: oom_kill).", "event"),
+    "envctl_environment_io_bytes": ("Bytes read and written, every device.", "direction"),
+    "envctl_environment_network_bytes": ("Bytes through its veth, as the environment sees "
+                                         "them (receive, transmit).", "direction"),
+}
+
+
+def _env_families(envs: list[EnvSample], table: tuple[tuple[str, str, str, bool], ...],
+                  labels: list[str]) -> Iterator[Metric]:
+    """One family per (name, help, EnvSample attribute, counter?) of `table`, a sample per
+    environment that has a value, labelled (environment, its cgroup)."""
+    for name, doc, attr, counter in table:
+        cls = CounterMetricFamily if counter else GaugeMetricFamily
+        fam = cls(name, doc, labels=labels)
+        for s in envs:
+            value = getattr(s, attr)
+            if value is not None:
+                fam.add_metric([s.env, s.cgroup], value)
+        yield fam
+
+
+class SnapshotCollector:
+    """Yields the metric families of the last Snapshot given to `update`; `compat` adds the
+    dcgm-exporter and/or cAdvisor names (COMPAT)."""
+
+    def __init__(self, *, compat: Iterable[str] = ()) -> None:
+        self.snapshot: Snapshot | None = None
+        self.ticks = 0
+        self.tick_cpu_seconds = 0.0
+        self.compat = frozenset(compat)
+        self.hostname = socket.gethostname()
+
+    def update(self, snap: Snapshot, *, tick_cpu_seconds: float = 0.0) -> None:
+        self.snapshot = snap
+        self.ticks += 1
+        self.tick_cpu_seconds = tick_cpu_seconds
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing fixed: registering must not collect
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot
+        if snap is None:
+            return
+        yield from self._gpus(snap)
+        yield from self._envs(snap)
+        yield from self._envctl(snap)
+        if "dcgm" in self.compat:
+            yield from _dcgm(snap, self.hostname)
+        if "cadvisor" in self.compat:
+            yield from _cadvisor(snap)
+
+    def _gpu_labels(self, snap: Snapshot, g: GpuSample) -> list[str]:
+        return [str(g.index), g.uuid, g.pci_bus_id, f"nvidia{g.minor}", g.name, self.hostname,
+                snap.gpu_env.get(g.uuid, "")]
+
+    def _gpus(self, snap: Snapshot) -> Iterator[Metric]:
+        if not snap.gpus:
+            return
+        labels = {g.uuid: self._gpu_labels(snap, g) for g in snap.gpus}
+        for name, doc, attr, scale in _GPU_GAUGES:
+            fam = GaugeMetricFamily(name, doc, labels=GPU_LABELS)
+            for g in snap.gpus:
+                value = getattr(g, attr)
+                if value is not None:
+                    fam.add_metric(labels[g.uuid], value * scale if scale != 1 else value)
+            yield fam
+        for name, doc, attr in _GPU_COUNTERS:
+            cnt = CounterMetricFamily(name, doc, labels=GPU_LABELS)
+            for g in snap.gpus:
+                value = getattr(g, attr)
+                if value is not None:
+                    cnt.add_metric(labels[g.uuid], value)
+            yield cnt
+        ecc = CounterMetricFamily("envctl_gpu_ecc_errors", "ECC errors (absent on GPUs "
+                                  "without ECC).", labels=GPU_LABELS + ["error", "counter"])
+        xids = CounterMetricFamily("envctl_gpu_xid_errors", "XID events by code since the "
+                                   "monitor started.", labels=GPU_LABELS + ["err_code"])
+        reasons = GaugeMetricFamily("envctl_gpu_clock_event_active", "1 while this reason "
+                                    "holds the clocks down (NVML's clock event reasons).",
+                                    labels=GPU_LABELS + ["reason"])
+        rows = CounterMetricFamily("envctl_gpu_remapped_rows", "Memory rows remapped (Ampere "
+                                   "and newer), by the kind of error that caused it.",
+                                   labels=GPU_LABELS + ["error"])
+        remap = GaugeMetricFamily("envctl_gpu_row_remap_state", "1 while a row remap is "
+                                  "pending (a reset applies it) or has failed.",
+                                  labels=GPU_LABELS + ["state"])
+        sick = GaugeMetricFamily("envctl_gpu_quarantined", "1 while envctl keeps the GPU out "
+                                 "of every assignment (a fatal XID, ECC, row remapping, retired "
+                                 "pages, lost); `envctl gpus --clear` releases it.",
+                                 labels=GPU_LABELS)
+        lost = GaugeMetricFamily("envctl_gpu_lost", "1 once NVML said the GPU is lost (fell "
+                                 "off the bus).", labels=GPU_LABELS)
+        for g in snap.gpus:
+            lab = labels[g.uuid]
+            for key, error, counter in ECC:
+                if key in g.ecc:
+                    ecc.add_metric(lab + [error, counter], g.ecc[key])
+            for code in sorted(set(XID_CODES) | set(g.xids)):
+                xids.add_metric(lab + [str(code)], g.xids.get(code, 0))
+            if g.clock_reasons is not None:
+                for reason, bit in CLOCK_REASONS:
+                    reasons.add_metric(lab + [reason], 1 if g.clock_reasons & bit else 0)
+            if g.remapped is not None:
+                corr, unc, pending, failed = g.remapped
+                rows.add_metric(lab + ["corrected"], corr)
+                rows.add_metric(lab + ["uncorrected"], unc)
+                remap.add_metric(lab + ["pending"], 1 if pending else 0)
+                remap.add_metric(lab + ["failed"], 1 if failed else 0)
+            sick.add_metric(lab, 1 if g.uuid in snap.quarantined else 0)
+            lost.add_metric(lab, 1 if g.lost else 0)
+        yield from (ecc, xids, reasons, rows, remap, sick, lost)
+        used = GaugeMetricFamily("envctl_environment_gpu_memory_used_bytes", "GPU memory used "
+                                 "by the environment's processes.", labels=[ENV, "gpu", "UUID"])
+        index = {g.uuid: str(g.index) for g in snap.gpus}
+        for s in snap.envs:
+            for uuid, n in sorted(s.gpu_memory.items()):
+                used.add_metric([s.env, index.get(uuid, ""), uuid], n)
+        yield used
+
+    def _envs(self, snap: Snapshot) -> Iterator[Metric]:
+        yield from _env_families(snap.envs, _ENV_METRICS, ENV_LABELS)
+        limit = GaugeMetricFamily("envctl_environment_memory_limit_bytes", "Its memory limit "
+                                  "(0: none, as cAdvisor).", labels=ENV_LABELS)
+        cpus = GaugeMetricFamily("envctl_environment_cpus", "CPUs of the environment's cpuset "
+                                 "(every online CPU when it has none).", labels=[ENV])
+        ratio = GaugeMetricFamily("envctl_environment_cpu_utilization_ratio", "CPU used since "
+                                  "the last tick, as a fraction of the environment's CPUs.",
+                                  labels=[ENV])
+        pressure = CounterMetricFamily("envctl_environment_pressure_stalled_seconds", "PSI: "
+                                       "time some or all of its tasks stalled on a resource "
+                                       "(cgroup v2 only).",
+                                       labels=ENV_LABELS + ["resource", "kind"])
+        extra = {name: CounterMetricFamily(name, doc, labels=ENV_LABELS + [label])
+                 for name, (doc, label) in _ENV_COUNTERS.items()}
+        for s in snap.envs:
+            key = [s.env, s.cgroup]
+            if s.mem_usage is not None:
+                limit.add_metric(key, s.mem_limit or 0)
+            if s.cpus:
+                cpus.add_metric([s.env], s.cpus)
+            if s.cpu_percent is not None:
+                ratio.add_metric([s.env], s.cpu_percent / 100.0)
+            for (res, kind), secs in sorted(s.pressure.items()):
+                pressure.add_metric(key + [res, kind], secs)
+            for event, n in sorted(s.mem_events.items()):
+                extra["envctl_environment_memory_events"].add_metric(key + [event], n)
+            for fam_name, pair in (("envctl_environment_io_bytes",
+                                    (s.io_read_bytes, s.io_write_bytes)),
+                                   ("envctl_environment_network_bytes",
+                                    (s.net_rx_bytes, s.net_tx_bytes))):
+                directions = ("read", "write") if "io" in fam_name else ("receive", "transmit")
+                for direction, n in zip(directions, pair, strict=True):
+                    if n is not None:
+                        extra[fam_name].add_metric(key + [direction], n)
+        yield from (limit, cpus, ratio, pressure, *extra.values())
+
+    def _envctl(self, snap: Snapshot) -> Iterator[Metric]:
+        configured = GaugeMetricFamily("envctl_environment_configured", "1 for each spec in "
+                                       "the config directory (desired), 0 for an environment "
+                                       "up without one.", labels=[ENV])
+        up = GaugeMetricFamily("envctl_environment_up", "1 when every step of the environment "
+                               "is in place (the last health check), else 0; 0 for a "
+                               "configured spec that is not up.", labels=[ENV])
+        drift = GaugeMetricFamily("envctl_environment_drifted_steps", "Steps found missing or "
+                                  "drifted by the last health check.", labels=[ENV])
+        heals = CounterMetricFamily("envctl_heals", "Re-converges the monitor ran, by result.",
+                                    labels=[ENV, "result"])
+        retry = GaugeMetricFamily("envctl_heal_backoff_seconds", "Seconds until the next heal "
+                                  "of the environment may run (0: now).", labels=[ENV])
+        service = GaugeMetricFamily("envctl_service_up", "1 while the environment's service "
+                                    "runs.", labels=[ENV])
+        restarts = CounterMetricFamily("envctl_service_restarts", "Restarts of the service by "
+                                       "its supervisor.", labels=[ENV])
+        jobs = GaugeMetricFamily("envctl_jobs", "Job records by state (finished ones as "
+                                 "retained).", labels=[ENV, "state"])
+        sampled = {s.env for s in snap.envs}
+        wanted = set(snap.configured)
+        for name in sorted(wanted | sampled) if snap.configured else ():
+            configured.add_metric([name], 1 if name in wanted else 0)
+        for name in sorted(wanted - sampled):
+            up.add_metric([name], 0)  # skipped at boot, or taken down: desired, not up
+        for s in snap.envs:
+            h = snap.health.get(s.env)
+            if h is not None:
+                up.add_metric([s.env], 1 if h.get("state") == "up" else 0)
+                drift.add_metric([s.env], h.get("drift", 0))
+                heals.add_metric([s.env, "ok"], h.get("heals", 0))
+                heals.add_metric([s.env, "failed"], h.get("heal_failures", 0))
+                retry.add_metric([s.env], h.get("retry_in", 0.0))
+            if s.service is not None:
+                service.add_metric([s.env], 1 if s.service["up"] else 0)
+                restarts.add_metric([s.env], s.service["restarts"])
+            for state in JOB_STATES:
+                jobs.add_metric([s.env, state], s.jobs.get(state, 0))
+        yield from (configured, up, drift, heals, retry, service, restarts, jobs)
+        if snap.host_cpu_percent is not None:
+            yield GaugeMetricFamily("envctl_host_cpu_utilization_ratio", "Host CPU used since "
+                                    "the last tick (psutil), 0-1.",
+                                    value=snap.host_cpu_percent / 100.0)
+        if snap.host_mem_percent is not None:
+            yield GaugeMetricFamily("envctl_host_memory_utilization_ratio", "Host memory in "
+                                    "use (psutil), 0-1.", value=snap.host_mem_percent / 100.0)
+        yield CounterMetricFamily("envctl_monitor_ticks", "Ticks since the monitor started.",
+                                  value=self.ticks)
+        yield GaugeMetricFamily("envctl_monitor_tick_cpu_seconds", "CPU time the last tick "
+                                "took (sampling and export).", value=self.tick_cpu_seconds)
+        yield GaugeMetricFamily("envctl_monitor_last_tick_timestamp_seconds", "When the last "
+                                "tick sampled the host (Unix time).", value=snap.time)
+
+
+# ---------------------------------------------------------------- --compat
+
+
+# dcgm-exporter's names: (name, help, GpuSample attribute, divisor). It reports framebuffer
+# memory in MiB and power in W. Its ECC totals are declared counters there; here they are
+# gauges so that the name stays exactly DCGM_FI_DEV_…_TOTAL (prometheus_client appends `_total`
+# to counters).
+_DCGM = (
     ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", "util", 1),
     ("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %).", "mem_util", 1),
     ("DCGM_FI_DEV_FB_TOTAL", "Total framebuffer memory (in MiB).", "fb_total", MIB),
@@ -51,16 +347,17 @@ _GPU_GAUGES = (
     ("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered (since the monitor "
      "started).", "xid", 1),
 )
-_ECC = (("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors.",
-         "sbe_vol"),
-        ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors.",
-         "dbe_vol"),
-        ("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "Total number of single-bit persistent ECC errors.",
-         "sbe_agg"),
-        ("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "Total number of double-bit persistent ECC errors.",
-         "dbe_agg"))
+_DCGM_ECC = (("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC "
+              "errors.", "sbe_vol"),
+             ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC "
+              "errors.", "dbe_vol"),
+             ("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "Total number of single-bit persistent ECC "
+              "errors.", "sbe_agg"),
+             ("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "Total number of double-bit persistent ECC "
+              "errors.", "dbe_agg"))
+DCGM_LABELS = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "environment"]
 # cAdvisor's names: (name, help, EnvSample attribute, counter?).
-_ENV_METRICS = (
+_CADVISOR = (
     ("container_cpu_usage_seconds", "Cumulative cpu time consumed in seconds.", "cpu_seconds",
      True),
     ("container_cpu_cfs_periods", "Number of elapsed enforcement period intervals.",
@@ -80,142 +377,41 @@ _ENV_METRICS = (
     ("container_threads", "Number of threads running inside the container (pids.current: "
      "processes and threads).", "tasks", False),
 )
+CADVISOR_LABELS = ["environment", "id"]
 
 
-class SnapshotCollector:
-    """Yields the metric families of the last Snapshot given to `update`."""
-
-    def __init__(self) -> None:
-        self.snapshot: Snapshot | None = None
-        self.ticks = 0
-        self.tick_cpu_seconds = 0.0
-
-    def update(self, snap: Snapshot, *, tick_cpu_seconds: float = 0.0) -> None:
-        self.snapshot = snap
-        self.ticks += 1
-        self.tick_cpu_seconds = tick_cpu_seconds
-
-    def describe(self) -> list[Metric]:
-        return []  # nothing fixed: registering must not collect
-
-    def collect(self) -> Iterator[Metric]:
-        snap = self.snapshot
-        if snap is None:
-            return
-        yield from self._gpus(snap)
-        yield from self._envs(snap)
-        yield from self._envctl(snap)
-
-    def _gpus(self, snap: Snapshot) -> Iterator[Metric]:
-        if not snap.gpus:
-            return
-        labels = {g.uuid: [str(g.index), g.uuid, f"nvidia{g.minor}", g.name,
-                           snap.gpu_env.get(g.uuid, "")] for g in snap.gpus}
-        for name, doc, attr, scale in _GPU_GAUGES:
-            fam = GaugeMetricFamily(name, doc, labels=GPU_LABELS)
-            for g in snap.gpus:
-                value = getattr(g, attr)
-                if value is not None:
-                    fam.add_metric(labels[g.uuid], value / scale if scale != 1 else value)
-            yield fam
-        for name, doc, key in _ECC:
-            fam = GaugeMetricFamily(name, doc, labels=GPU_LABELS)
-            for g in snap.gpus:
-                if key in g.ecc:
-                    fam.add_metric(labels[g.uuid], g.ecc[key])
-            yield fam
-        xids = CounterMetricFamily("envctl_gpu_xid_events", "XID events seen since the "
-                                   "monitor started.", labels=GPU_LABELS)
-        used = GaugeMetricFamily("envctl_environment_gpu_memory_used_bytes", "GPU memory used "
-                                 "by the environment's processes.",
-                                 labels=["environment", "gpu", "UUID"])
-        index = {g.uuid: str(g.index) for g in snap.gpus}
+def _dcgm(snap: Snapshot, hostname: str) -> Iterator[Metric]:
+    """dcgm-exporter's names, units and labels (the holder as `environment`, as envctl named
+    it before its own names)."""
+    if not snap.gpus:
+        return
+    labels = {g.uuid: [str(g.index), g.uuid, g.pci_bus_id, f"nvidia{g.minor}", g.name,
+                       hostname, snap.gpu_env.get(g.uuid, "")] for g in snap.gpus}
+    for name, doc, attr, scale in _DCGM:
+        fam = GaugeMetricFamily(name, doc, labels=DCGM_LABELS)
         for g in snap.gpus:
-            xids.add_metric(labels[g.uuid], g.xid_count)
-        for s in snap.envs:
-            for uuid, n in sorted(s.gpu_memory.items()):
-                used.add_metric([s.env, index.get(uuid, ""), uuid], n)
-        sick = GaugeMetricFamily("envctl_gpu_quarantined", "1 while envctl keeps the GPU out "
-                                 "of every assignment (a fatal XID, ECC, row remapping, retired "
-                                 "pages, lost); `envctl gpus --clear` releases it.",
-                                 labels=GPU_LABELS)
+            value = getattr(g, attr)
+            if value is not None:
+                fam.add_metric(labels[g.uuid], value / scale if scale != 1 else value)
+        yield fam
+    for name, doc, key in _DCGM_ECC:
+        fam = GaugeMetricFamily(name, doc, labels=DCGM_LABELS)
         for g in snap.gpus:
-            sick.add_metric(labels[g.uuid], 1 if g.uuid in snap.quarantined else 0)
-        yield xids
-        yield used
-        yield sick
+            if key in g.ecc:
+                fam.add_metric(labels[g.uuid], g.ecc[key])
+        yield fam
 
-    def _envs(self, snap: Snapshot) -> Iterator[Metric]:
-        for name, doc, attr, counter in _ENV_METRICS:
-            cls = CounterMetricFamily if counter else GaugeMetricFamily
-            fam = cls(name, doc, labels=ENV_LABELS)
-            for s in snap.envs:
-                value = getattr(s, attr)
-                if value is not None:
-                    fam.add_metric([s.env, s.cgroup], value)
-            yield fam
-        # cAdvisor writes 0 for "no limit".
-        limit = GaugeMetricFamily("container_spec_memory_limit_bytes", "Memory limit for the "
-                                  "container (0: none).", labels=ENV_LABELS)
-        cpus = GaugeMetricFamily("envctl_environment_cpus", "CPUs of the environment's cpuset "
-                                 "(every online CPU when it has none).", labels=["environment"])
-        pct = GaugeMetricFamily("envctl_environment_cpu_utilization_percent", "CPU used since "
-                                "the last tick, in % of the environment's CPUs.",
-                                labels=["environment"])
-        for s in snap.envs:
-            if s.mem_usage is not None:
-                limit.add_metric([s.env, s.cgroup], s.mem_limit or 0)
-            if s.cpus:
-                cpus.add_metric([s.env], s.cpus)
-            if s.cpu_percent is not None:
-                pct.add_metric([s.env], s.cpu_percent)
-        yield limit
-        yield cpus
-        yield pct
 
-    def _envctl(self, snap: Snapshot) -> Iterator[Metric]:
-        up = GaugeMetricFamily("envctl_environment_up", "1 when every step of the environment "
-                               "is in place (the last health check), else 0.",
-                               labels=["environment"])
-        drift = GaugeMetricFamily("envctl_environment_drifted_steps", "Steps found missing or "
-                                  "drifted by the last health check.", labels=["environment"])
-        heals = CounterMetricFamily("envctl_heals", "Re-converges the monitor ran, by result.",
-                                    labels=["environment", "result"])
-        retry = GaugeMetricFamily("envctl_heal_backoff_seconds", "Seconds until the next heal "
-                                  "of the environment may run (0: now).",
-                                  labels=["environment"])
-        service = GaugeMetricFamily("envctl_service_up", "1 while the environment's service "
-                                    "runs.", labels=["environment"])
-        restarts = CounterMetricFamily("envctl_service_restarts", "Restarts of the service by "
-                                       "its supervisor.", labels=["environment"])
-        jobs = GaugeMetricFamily("envctl_jobs", "Job records by state (finished ones as "
-                                 "retained).", labels=["environment", "state"])
-        for s in snap.envs:
-            h = snap.health.get(s.env)
-            if h is not None:
-                up.add_metric([s.env], 1 if h.get("state") == "up" else 0)
-                drift.add_metric([s.env], h.get("drift", 0))
-                heals.add_metric([s.env, "ok"], h.get("heals", 0))
-                heals.add_metric([s.env, "failed"], h.get("heal_failures", 0))
-                retry.add_metric([s.env], h.get("retry_in", 0.0))
-            if s.service is not None:
-                service.add_metric([s.env], 1 if s.service["up"] else 0)
-                restarts.add_metric([s.env], s.service["restarts"])
-            for state in JOB_STATES:
-                jobs.add_metric([s.env, state], s.jobs.get(state, 0))
-        yield from (up, drift, heals, retry, service, restarts, jobs)
-        if snap.host_cpu_percent is not None:
-            yield GaugeMetricFamily("envctl_host_cpu_utilization_percent", "Host CPU used "
-                                    "since the last tick (psutil).", value=snap.host_cpu_percent)
-        if snap.host_mem_percent is not None:
-            yield GaugeMetricFamily("envctl_host_memory_utilization_percent", "Host memory in "
-                                    "use (psutil).", value=snap.host_mem_percent)
-        yield CounterMetricFamily("envctl_monitor_ticks", "Ticks since the monitor started.",
-                                  value=self.ticks)
-        yield GaugeMetricFamily("envctl_monitor_tick_cpu_seconds", "CPU time the last tick "
-                                "took (sampling and export).", value=self.tick_cpu_seconds)
-        yield GaugeMetricFamily("envctl_monitor_last_tick_timestamp_seconds", "When the last "
-                                "tick sampled the host (Unix time).", value=snap.time)
+def _cadvisor(snap: Snapshot) -> Iterator[Metric]:
+    """cAdvisor's names, units and labels (`environment`, `id`)."""
+    envs: list[EnvSample] = snap.envs
+    yield from _env_families(envs, _CADVISOR, CADVISOR_LABELS)
+    limit = GaugeMetricFamily("container_spec_memory_limit_bytes", "Memory limit for the "
+                              "container (0: none).", labels=CADVISOR_LABELS)
+    for s in envs:
+        if s.mem_usage is not None:
+            limit.add_metric([s.env, s.cgroup], s.mem_limit or 0)
+    yield limit
 
 
 def registry_for(collector: SnapshotCollector) -> CollectorRegistry:
@@ -243,55 +439,7 @@ def write_textfile(path: Path, registry: CollectorRegistry) -> None:
         raise HostError(f"write metrics textfile {path}: {exc.strerror}") from exc
 
 
-# ---------------------------------------------------------------- /metrics
-
-
-def parse_listen(text: str) -> tuple[str, int] | None:
-    """`ADDR:PORT` (`[::1]:9464` for IPv6) -> (addr, port); "none" -> None."""
-    if text.strip().lower() == "none":
-        return None
-    addr, sep, port = text.strip().rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not addr:
-        raise InputError(f"--listen '{text}': give ADDR:PORT (127.0.0.1:9464, [::1]:9464) or "
-                         "none")
-    return addr.strip("[]"), int(port)
-
-
-class MetricsServer:
-    """/metrics (any path, in fact, as prometheus_client serves it) from `registry`, handled
-    one request at a time by `handle()` when `fileno()` is readable: no thread, so nothing
-    runs beside the tick (a fork of a service supervisor during a heal included)."""
-
-    # A client that connects and sends nothing must not hold the loop for long.
-    REQUEST_TIMEOUT = 5.0
-
-    def __init__(self, addr: tuple[str, int], registry: CollectorRegistry):
-        from prometheus_client.exposition import MetricsHandler
-
-        handler = type("Handler", (MetricsHandler,), {"registry": registry,
-                                                      "timeout": self.REQUEST_TIMEOUT})
-        family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
-        server_cls = type("Server", (HTTPServer,), {"address_family": family})
-        try:
-            self.httpd = server_cls(addr, handler)
-        except OSError as exc:
-            raise HostError(f"listen on {addr[0]}:{addr[1]} for /metrics: {exc.strerror}") \
-                from exc
-        self.httpd.timeout = 0  # handle_request never waits: the loop's poll said readable
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.httpd.server_address[:2]
-        return str(host), int(port)
-
-    def fileno(self) -> int:
-        return self.httpd.fileno()
-
-    def handle(self) -> None:
-        self.httpd.handle_request()
-
-    def close(self) -> None:
-        self.httpd.server_close()
+# ---------------------------------------------------------------- parsing
 
 
 def parse_exposition(text: str) -> dict[str, Any]:

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 from envctl.plan.builder import Plan
 from envctl.plan.limits import PAGE
 from envctl.resources.dirs import BaseDirectory, Directory
-from envctl.spec.resolve import dedicated_cpus
+from envctl.spec.models import NEAR_GPUS, NearGpuCpus
+from envctl.spec.resolve import dedicated_cpus, memory_nodes, placement_lines
 from envctl.spec.units import format_cpu_list, format_size
 
 if TYPE_CHECKING:
@@ -57,9 +58,23 @@ def _resolve(spec: EnvSpec, facts: HostFacts, plan: Plan) -> None:
     if mx is not None and hi is not None and hi > mx:
         plan.error(("resources", "memory", "high"), "memory.high resolves above memory.max on "
                    "this host")
-    if mem.nodes is not None:
-        missing = [n for n in mem.nodes if n not in facts.numa_nodes]
+    try:
+        nodes = memory_nodes(spec, facts)
+    except ValueError as exc:
+        plan.error(("resources", "memory", "nodes"), str(exc))
+        nodes = None
+    if nodes is not None:
+        missing = [n for n in nodes if n not in facts.numa_nodes]
         if missing:
             plan.error(("resources", "memory", "nodes"),
                        f"memory nodes {format_cpu_list(missing)} are not online (online: "
-                       f"{format_cpu_list(facts.numa_nodes)})")
+                       f"{format_cpu_list(facts.numa_nodes)})"
+                       + (" (the NUMA nodes of the environment's GPUs)"
+                          if mem.nodes == NEAR_GPUS else ""))
+        if mem.nodes == NEAR_GPUS:
+            plan.resolved["numa_nodes"] = format_cpu_list(nodes) if nodes else "all"
+    if (isinstance(spec.resources.cpu.dedicated, NearGpuCpus) or mem.nodes == NEAR_GPUS) \
+            and "cpus" in plan.resolved:
+        # Where the environment sits: each GPU with its node and the CPUs near it.
+        cpus = dedicated_cpus(spec, facts).effective(facts)
+        plan.resolved["placement"] = placement_lines(spec, facts, cpus)

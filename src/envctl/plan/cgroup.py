@@ -15,7 +15,7 @@ from envctl.plan.limits import (
     quota_micros,
 )
 from envctl.resources.cgroup import Cgroup, CgroupDevices, CgroupParent
-from envctl.spec.resolve import dedicated_cpus
+from envctl.spec.resolve import dedicated_cpus, memory_nodes
 from envctl.spec.units import format_cpu_list, format_size
 
 if TYPE_CHECKING:
@@ -108,7 +108,10 @@ def _settings(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, st
         placement = dedicated_cpus(spec, facts).cpus
     except ValueError:
         placement, ok = (), False  # reported by the base section
-    nodes = res.memory.nodes
+    try:
+        nodes = memory_nodes(spec, facts)
+    except ValueError:
+        nodes, ok = None, False  # reported by the base section
     if (placement or nodes) and not need(cg, "cpuset", loc_cpu + ("dedicated",),
                                           "dedicated CPUs or memory nodes", plan):
         ok = False

@@ -15,7 +15,7 @@ from envctl.plan.limits import (
     quota_micros,
 )
 from envctl.resources.cgroup_systemd import SystemdCharLink, SystemdParentSlice, SystemdSlice
-from envctl.spec.resolve import dedicated_cpus
+from envctl.spec.resolve import dedicated_cpus, memory_nodes
 from envctl.spec.units import format_cpu_list, format_size
 
 if TYPE_CHECKING:
@@ -86,7 +86,10 @@ def properties(spec: EnvSpec, facts: HostFacts, plan: Plan) -> list[tuple[str, s
         placement = dedicated_cpus(spec, facts).cpus
     except ValueError:
         placement, ok = (), False  # reported by the base section
-    nodes = res.memory.nodes
+    try:
+        nodes = memory_nodes(spec, facts)
+    except ValueError:
+        nodes, ok = None, False  # reported by the base section
     if placement or nodes:
         if v1:
             plan.error(loc_cpu + ("dedicated",), V2_ONLY.format(

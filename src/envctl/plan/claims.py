@@ -71,6 +71,13 @@ def spec_claims(spec: EnvSpec, facts: HostFacts | None) -> dict[str, Any]:
         index = {g.uuid: g.index for g in facts.gpu.gpus}
         out["gpus"] = {"all": False, "indices": [index[u] for u in assigned if u in index],
                        "uuids": list(assigned)}
+        # Not a claim: where each GPU sits, for choosing a job's CPUs near its GPUs.
+        parent = {**{g.uuid: g for g in facts.gpu.gpus},
+                  **{u: g for u, (g, _) in facts.gpu.migs().items()}}
+        near = {u: list(parent[u].local_cpus) for u in assigned
+                if u in parent and parent[u].local_cpus}
+        if near:
+            out["gpu_cpus"] = near
     elif gpus.wanted:
         out["gpus"] = {"all": gpus.all, "indices": list(gpus.indices),
                        "uuids": list(gpus.uuids)}

@@ -21,7 +21,9 @@ class Service(Resource):
     check: PRESENT while the recorded supervisor runs (a crash loop backing off included, with
     its restarts in the detail); DRIFTED when it runs another command or policy (apply then
     restarts it); ABSENT when it is gone (killed, the host rebooted, or the service ended and
-    its policy does not restart it), with why. Runtime state only: nothing to snapshot."""
+    its policy does not restart it), with why; for the monitor (host.options["monitor"]) a
+    service its policy ended is PRESENT: healing respects the restart policy. Runtime state
+    only: nothing to snapshot."""
 
     kind = "service"
     env: str
@@ -46,6 +48,11 @@ class Service(Resource):
         state = rs.read_state(host, self.env)
         if state is None:
             return Check.absent("not running: no supervisor recorded")
+        if host.options.get("monitor") and rs.ended_by_policy(state, host.boot_id):
+            # The monitor's check and heal: it ended as its policy says (`restart: no`, or
+            # `on-failure` after exit 0), so it stays ended. `status` still says it is
+            # missing, and `envctl up`, an operator's, starts it again.
+            return Check.present(f"ended as its policy says: {rs.summary(state)}")
         if not rs.alive(state, host.boot_id):
             what = state.get("state")
             if what in ("stopped", "failed"):

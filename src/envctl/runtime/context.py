@@ -84,6 +84,8 @@ class EnvContext(Record, frozen=True):
     cgroup: EnvCgroup | None = None
     cpus: tuple[int, ...] = ()  # its cpuset (dedicated CPUs), or every online CPU
     gpus: tuple[str, ...] = ()  # UUIDs of the GPUs it holds
+    # GPU UUID -> the CPUs local to it, as `up` found them (the journal's gpu_cpus).
+    gpu_cpus: dict[str, tuple[int, ...]] = Factory(dict)
     # Groups owning the device nodes of its /dev beyond the safe set (its GPUs: mode 0660,
     # group `gpus.group`): every job is a member, so that its GPUs are its jobs' to use.
     device_gids: tuple[int, ...] = ()
@@ -146,6 +148,7 @@ class EnvContext(Record, frozen=True):
                    netns=host.netns_dir / netns["name"] if netns else None, hostname=env,
                    environ=read_environment(root), cgroup=cgroup,
                    cpus=cpus or online_cpus(host.sys), gpus=tuple(gpus), device_gids=gids,
+                   gpu_cpus={u: tuple(c) for u, c in (claims.get("gpu_cpus") or {}).items()},
                    caps=tuple(caps) if isinstance(caps, list) else None,
                    isolation=sandbox.get("level", "native"),
                    platform=sandbox.get("platform", ""),
@@ -164,12 +167,9 @@ class EnvContext(Record, frozen=True):
                        (claims.get("jobs") or {}).get("max_staged_per_user", 10 << 30)))
 
 
-def _not_up(host: Host, env: str) -> UsageError:
-    """What to say of an environment a launch cannot enter: `envctl up` it, when a spec of
-    that name exists (or it has a journal); a typo otherwise, with the names that exist. Only
-    on this error path are the spec files read (by their `name:` line, without YAML: the
-    launch path never imports it)."""
-    where = config_dir()
+def spec_names(where: Path) -> set[str]:
+    """The environments the spec files in `where` name (their `name:` line, read without
+    YAML); empty when there is no such directory."""
     specs = set()
     try:
         for p in where.iterdir():
@@ -178,7 +178,17 @@ def _not_up(host: Host, env: str) -> UsageError:
                 if m:
                     specs.add(m.group(1))
     except OSError:
-        pass  # no config directory here: the journals alone say what exists
+        pass  # no config directory here (or one file vanished meanwhile): what was read
+    return specs
+
+
+def _not_up(host: Host, env: str) -> UsageError:
+    """What to say of an environment a launch cannot enter: `envctl up` it, when a spec of
+    that name exists (or it has a journal); a typo otherwise, with the names that exist. Only
+    on this error path are the spec files read (by their `name:` line, without YAML: the
+    launch path never imports it)."""
+    where = config_dir()
+    specs = spec_names(where)
     journals = {p.name.split(".", 1)[0] for p in (host.state_dir / "journal").glob("*.json")}
     if env in specs | journals:
         return UsageError(f"environment '{env}' is not up: bring it up with `envctl up {env}`")

@@ -28,7 +28,7 @@ and the daemon's timer all kick.
 from __future__ import annotations
 
 from envctl.record import Record
-from envctl.runtime.slices import Ask, Pool, Shortage, Slice, allocate
+from envctl.runtime.slices import Ask, Pool, Shortage, Slice, allocate, env_pool
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): see record.py
 
@@ -478,7 +478,7 @@ def claim(host: Host, load: object, *, now: float | None = None) -> list[tuple[E
             ctx = load(env)  # type: ignore[operator]
             if ctx is None:
                 continue
-            pool = Pool(cpus=tuple(ctx.cpus), gpus=tuple(ctx.gpus), mem=ctx.memory_max)
+            pool = env_pool(ctx)
             running = [Running(id=j.id, uid=owner(j), slice=slices.slice_of(j),
                                end=_expected_end(j, now)) for j in held if j.env == env]
             waiting = [Waiting(id=e["id"], uid=int((e.get("submitter") or [e["uid"]])[0]),

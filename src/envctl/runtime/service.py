@@ -182,6 +182,16 @@ def alive(state: dict[str, Any] | None, boot_id: str) -> bool:
     return seen is not None and seen[0] not in ("Z", "X") and seen[1] == sup.get("start")
 
 
+def ended_by_policy(state: dict[str, Any] | None, boot_id: str) -> bool:
+    """Whether the record is of a service that ended in this boot and that its restart policy
+    does not restart (`restart: no` after any end, `on-failure` after exit 0): what the spec
+    asks for, not a failure to heal."""
+    if not state or state.get("ended") != "policy" or state.get("state") not in ("stopped",
+                                                                                 "failed"):
+        return False
+    return not (boot_id and state.get("boot_id") and state["boot_id"] != boot_id)
+
+
 def _pin(state: dict[str, Any], boot_id: str) -> int | None:
     """A pidfd of the recorded supervisor when it is that process, else None."""
     if not alive(state, boot_id):
@@ -410,8 +420,10 @@ class _Supervisor:
             if not restarts(self.service.restart, None if error else status):
                 ok = error is None and status is not None and os.waitstatus_to_exitcode(
                     status) == 0
+                # `ended`: its policy ended it, not a stop nor a death of the supervisor, so
+                # neither the monitor nor `up` starts it again (ended_by_policy).
                 self.save(state="stopped" if ok else "failed", pid=None, launcher=None,
-                          since=time.time(), last_exit=last, next_start=None)
+                          since=time.time(), last_exit=last, next_start=None, ended="policy")
                 return
             if time.monotonic() - began >= RESET_AFTER:
                 delay = None  # it ran long enough: a new failure starts the backoff afresh

@@ -12,6 +12,8 @@ What a job holds:
   list or by asking nothing is not given out by count until it ends); a list: those, shared;
   without: every GPU no job holds exclusively. A job whose GPUs are not all of the
   environment's gets a device allow-list of its own with only its GPUs' nodes.
+- `--cpus N` with `--gpus`: the N CPUs come from those local to the job's GPUs first (the
+  pool's `near`, from where `up` found each GPU), one from each GPU's node in turn.
 - `--mem SIZE`: its own memory.max; the environment's memory limit (when it has one) is
   shared out: the active jobs' requests add up to no more than it.
 
@@ -32,7 +34,7 @@ import os
 from pathlib import Path
 
 from envctl.errors import InputError
-from envctl.record import Record
+from envctl.record import Factory, Record
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): see record.py
 if TYPE_CHECKING:
@@ -78,6 +80,15 @@ class Pool(Record, frozen=True):
     cpus: tuple[int, ...]
     gpus: tuple[str, ...] = ()
     mem: int = 0
+    # GPU UUID -> the CPUs local to it (its NUMA node's): a job's CPUs by count come from
+    # those of its GPUs first.
+    near: dict[str, tuple[int, ...]] = Factory(dict)
+
+
+def env_pool(ctx: object) -> Pool:
+    """The pool of an environment that is up (an envctl.runtime.context.EnvContext)."""
+    return Pool(cpus=tuple(ctx.cpus), gpus=tuple(ctx.gpus),  # type: ignore[attr-defined]
+                mem=ctx.memory_max, near=dict(ctx.gpu_cpus))  # type: ignore[attr-defined]
 
 
 class Shortage(Record, frozen=True):
@@ -105,15 +116,20 @@ def allocate(pool: Pool, held: list[tuple[int, Slice]], ask: Ask) -> Slice | Sho
     what is missing. Counts take the lowest free CPUs and the first free GPUs. Pure."""
     cpu_owner = {c: jid for jid, s in held if s.cpus_exclusive for c in s.cpus}
     gpu_owner = {g: jid for jid, s in held if s.gpus_exclusive for g in s.gpus}
-    got_cpus = _pick(ask.cpus, ask.cpu_list, pool.cpus, cpu_owner, "CPU", _cpulist)
-    if isinstance(got_cpus, Shortage):
-        return got_cpus
     # A GPU given by count is the job's alone: not one whose node another active job can open
     # already (a list's, or every GPU of a job without --gpus), since a running job's device
     # list is never narrowed. The count waits until they end.
     gpu_busy = gpu_owner | {g: jid for jid, s in held if not s.gpus_exclusive for g in s.gpus}
     got_gpus = _pick(ask.gpus, ask.gpu_list, pool.gpus, gpu_owner, "GPU", _gpulist,
                      none_ok=True, busy=gpu_busy)  # no GPU at all is fine: a CPU job
+    cpus = pool.cpus
+    asks_gpus = bool(ask.gpus or ask.gpu_list)
+    if ask.cpus and asks_gpus and pool.near and not isinstance(got_gpus, Shortage):
+        cpus = near_first(pool.cpus, [pool.near.get(g, ()) for g in got_gpus[0]])
+    got_cpus = _pick(ask.cpus, ask.cpu_list, cpus, cpu_owner, "CPU", _cpulist)
+    if isinstance(got_cpus, Shortage):
+        return got_cpus
+    got_cpus = (tuple(sorted(got_cpus[0])), got_cpus[1])
     if isinstance(got_gpus, Shortage):
         return got_gpus
     if ask.mem and pool.mem:
@@ -125,6 +141,16 @@ def allocate(pool: Pool, held: list[tuple[int, Slice]], ask: Ask) -> Slice | Sho
                             f"free (held by job(s) {jobs_})")
     return Slice(cpus=got_cpus[0], cpus_exclusive=got_cpus[1], gpus=got_gpus[0],
                  gpus_exclusive=got_gpus[1], mem=ask.mem)
+
+
+def near_first(cpus: tuple[int, ...], local: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """`cpus` reordered so that a count takes CPUs local to the job's GPUs first: one from
+    each GPU's local set in turn (a job on two sockets gets CPUs on both), then the rest."""
+    order: list[int] = []
+    ranked = [[c for c in cpus if c in set(group)] for group in dict.fromkeys(local) if group]
+    for row in range(max((len(r) for r in ranked), default=0)):
+        order += [r[row] for r in ranked if row < len(r) and r[row] not in order]
+    return tuple(dict.fromkeys(order + list(cpus)))
 
 
 def _pick(count: int, listed: tuple | None, pool: tuple, owner: dict, what: str, fmt: object,

@@ -421,7 +421,7 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
 
     ask = slices.Ask(cpus=req.cpu_count, cpu_list=req.cpus, gpus=req.gpu_count,
                      gpu_list=req.gpus, mem=req.mem)
-    pool = slices.Pool(cpus=tuple(ctx.cpus), gpus=tuple(ctx.gpus), mem=ctx.memory_max)
+    pool = slices.env_pool(ctx)
     slices.check_ask(pool, ask, ctx.env)
     from envctl.runtime import queue
 

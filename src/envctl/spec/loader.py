@@ -163,20 +163,39 @@ class _Builder:
                                      node.start_mark.column + 1, _dotted(loc), message))
 
 
-def _allowed_fields(model: type[BaseModel], loc: Loc) -> list[str] | None:
-    """Field names allowed at `loc` (the parent of an unknown key), walking the model tree."""
+def _allowed_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
+    """Field names allowed at `loc` (pydantic's location of the parent of an unknown key,
+    union tags included), walking the model tree: a tag picks its branch of a union
+    (`dedicated`'s NearGpuCpus or ReservedCpus), else the union's first model."""
     current: Any = model
     for part in loc:
         if isinstance(part, int):
             continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)):
-            return None
-        info = current.model_fields.get(str(part))
+        tagged = _model_named(current, str(part))
+        if tagged is not None:
+            current = tagged
+            continue
+        if not _clean_loc((part,)):
+            continue  # another tag pydantic adds (a validator's, a union branch's)
+        found = current if isinstance(current, type) and issubclass(current, BaseModel) \
+            else _first_model(current)
+        info = found.model_fields.get(str(part)) if found is not None else None
         if info is None:
             return None
-        current = _first_model(info.annotation)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return sorted(current.model_fields)
+        current = info.annotation
+    found = current if isinstance(current, type) and issubclass(current, BaseModel) \
+        else _first_model(current)
+    return sorted(found.model_fields) if found is not None else None
+
+
+def _model_named(annotation: Any, name: str) -> Any:
+    """The model named `name` among the members of the union `annotation` (None if none)."""
+    for arg in getattr(annotation, "__args__", ()) or ():
+        if isinstance(arg, type) and issubclass(arg, BaseModel) and arg.__name__ == name:
+            return arg
+        found = _model_named(arg, name)
+        if found is not None:
+            return found
     return None
 
 
@@ -196,7 +215,8 @@ def _clean_loc(loc: tuple[Any, ...]) -> Loc:
     for part in loc:
         if isinstance(part, int) or isinstance(part, str) and not (
             "[" in part or part.startswith(("function-", "tagged-union")) or part in
-            ("tuple[int, ...]", "ReservedCpus", "constrained-str", "str", "int", "float")
+            ("tuple[int, ...]", "ReservedCpus", "NearGpuCpus", "constrained-str", "str", "int",
+             "float")
         ):
             out.append(part)
     return tuple(out)
@@ -224,7 +244,7 @@ def _message(err: dict[str, Any], loc: Loc, plain: dict[Loc, str] | None = None)
         return (f"expected a string, but YAML read {raw} as {what}; quote it (\"{raw}\") to "
                 "keep it as written")
     if kind == "extra_forbidden":
-        allowed = _allowed_fields(EnvSpec, loc[:-1])
+        allowed = _allowed_fields(EnvSpec, tuple(err["loc"])[:-1])
         text = f"unknown field '{loc[-1]}'"
         return text + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
     if kind == "missing":

@@ -420,6 +420,9 @@ class Quantity(Strict):
         return f"{self.percent:g}%" if self.percent is not None else str(self.bytes)
 
 
+NEAR_GPUS = "near_gpus"  # memory.nodes: the NUMA nodes of the environment's GPUs
+
+
 class ReservedCpus(Strict):
     """Dedicated CPUs as "all online CPUs but the first N and the last M"."""
 
@@ -430,9 +433,27 @@ class ReservedCpus(Strict):
     small_host: Literal["share", "error"] = "error"
 
 
+class NearGpuCpus(Strict):
+    """Dedicated CPUs as "`count` CPUs local to this environment's GPUs" (their PCI NUMA node's
+    CPUs, or NVML's CPU affinity), chosen among those no other environment dedicates."""
+
+    near_gpus: bool
+    count: Annotated[int, _whole(1, CPU_MAX + 1)]
+
+    @field_validator("near_gpus")
+    @classmethod
+    def _near(cls, v: bool) -> bool:
+        if v is not True:
+            raise ValueError("near_gpus: true is the only value; to choose CPUs yourself list "
+                             "them (dedicated: 0-7) or reserve some (reserve_first: 2)")
+        return v
+
+
 def _cpus_or_reserved(v: Any) -> str:
     # Picks the union's branch, so a bad mapping is one error rather than one per branch. The
     # tags are names the loader already leaves out of field paths.
+    if isinstance(v, NearGpuCpus) or (isinstance(v, dict) and "near_gpus" in v):
+        return "NearGpuCpus"
     return "ReservedCpus" if isinstance(v, dict | ReservedCpus) else "tuple[int, ...]"
 
 
@@ -451,7 +472,8 @@ class Cpu(Strict):
     weight: Weight = None
     dedicated: Annotated[
         Annotated[tuple[int, ...], Tag("tuple[int, ...]")]
-        | Annotated[ReservedCpus, Tag("ReservedCpus")],
+        | Annotated[ReservedCpus, Tag("ReservedCpus")]
+        | Annotated[NearGpuCpus, Tag("NearGpuCpus")],
         Discriminator(_cpus_or_reserved),
     ] | None = None
 
@@ -521,12 +543,18 @@ class Memory(Strict):
     max: Quantity | None = None
     high: Quantity | None = None
     swap_max: Quantity | None = None
-    nodes: tuple[int, ...] | None = None
+    # Node numbers, or "near_gpus": the NUMA nodes of the environment's GPUs.
+    nodes: tuple[int, ...] | Literal["near_gpus"] | None = None
 
     @field_validator("nodes", mode="before")
     @classmethod
     def _nodes(cls, v: Any) -> Any:
-        return None if v is None else parse_cpu_list(v, most=CPU_MAX, what="memory node")
+        if v is None or v == NEAR_GPUS:
+            return v
+        if isinstance(v, str) and not re.fullmatch(r"[0-9,\s-]*", v):
+            raise ValueError(f"memory.nodes is a list of NUMA nodes like 0-1, or near_gpus (the "
+                             f"nodes of the environment's GPUs), not {_shown(v)}")
+        return parse_cpu_list(v, most=CPU_MAX, what="memory node")
 
     @field_validator("max", "high")
     @classmethod
@@ -1031,6 +1059,22 @@ class EnvSpec(Strict):
         if info.data.get("kind") == "cpu" and v.wanted:
             raise ValueError("a kind: cpu environment cannot claim GPUs; use kind: gpu")
         return v
+
+    @model_validator(mode="after")
+    def _near_gpus_has_gpus(self) -> EnvSpec:
+        # Placement near the GPUs needs GPUs to be near to.
+        res, faults = self.resources, []
+        if isinstance(res.cpu.dedicated, NearGpuCpus) and not self.gpus.wanted:
+            faults.append((("resources", "cpu", "dedicated", "near_gpus"),
+                           "dedicated CPUs near_gpus need GPUs, and this environment claims "
+                           "none (set gpus:, or list the CPUs)"))
+        if res.memory.nodes == NEAR_GPUS and not self.gpus.wanted:
+            faults.append((("resources", "memory", "nodes"),
+                           "memory nodes near_gpus need GPUs, and this environment claims none "
+                           "(set gpus:, or list the nodes)"))
+        if faults:
+            raise FieldFault(faults)
+        return self
 
     @field_validator("mounts")
     @classmethod

@@ -9,7 +9,10 @@ For the monitor (envctl.monitor.nvml), a GPU may also carry what a sample reads:
 `"used"` (bytes of memory used), `"util"` / `"mem_util"` (percent), `"temp"` (C), `"power"`
 (milliwatts), `"ecc"` ({"sbe_vol", "dbe_vol", "sbe_agg", "dbe_agg"} counts, or null: "not
 supported", as on GPUs without ECC), `"processes"` ([[pid, used bytes or null], …]) and
-`"xids"` (XID numbers delivered once each through the event set, in order). For a job's
+`"xids"` (XID numbers delivered once each through the event set, in order), `"clocks"`
+({"sm": MHz, "mem": MHz}), `"clock_reasons"` (the nvmlClocksEventReason bit mask),
+`"power_limit"` (milliwatts) and `"pcie_replays"` (a count); a key left out answers
+NOT_SUPPORTED. For a job's
 accounting (envctl.monitor.nvml.JobGpuMeter): `"energy"` (millijoules since the driver loaded:
 a number, or a list read one value a call, the last one staying). A missing sample key makes
 its call raise NOT_SUPPORTED.
@@ -20,12 +23,18 @@ pending, failure], as nvmlDeviceGetRemappedRows answers; missing: NOT_SUPPORTED,
 Ampere), `"retired_pending"` (0 or 1; missing: NOT_SUPPORTED, as on Ampere and newer), and
 `"lost": true`, which makes every call on that GPU raise GPU_IS_LOST.
 
+Placement: `"cpu_affinity"` (CPU numbers) and `"memory_affinity"` (NUMA node numbers), served
+as NVML's masks by nvmlDeviceGetCpuAffinity / nvmlDeviceGetMemoryAffinity (missing:
+NOT_SUPPORTED).
+
 `fail_init`: true (or an NVML_ERROR_* number) makes nvmlInit raise, as on a
 host without libnvidia-ml; `"mig": null` makes nvmlDeviceGetMigMode raise NOT_SUPPORTED (a
 pre-Ampere GPU);
 `"mig_pending"` is the pending mode (default: the current one);
-`"fail": "nvmlDeviceGetName"` makes that call raise UNKNOWN; `bytes` returns bytes for strings,
-as pynvml did before nvidia-ml-py 11.515.
+`"fail": "nvmlDeviceGetName"` makes that call raise UNKNOWN (on a GPU: `"fail": [calls]`, on
+that GPU only); `"error": N` (an NVML_ERROR_* number) makes every call after nvmlInit raise N,
+as after a driver reload (18, LIB_RM_VERSION_MISMATCH) or an unload (9, DRIVER_NOT_LOADED);
+`bytes` returns bytes for strings, as pynvml did before nvidia-ml-py 11.515.
 
 MIG (read paths, with nvidia-ml-py's signatures): a GPU's `"mig_profiles"` (the GPU instance
 profiles by NVML profile index: id, name, slices, memory_mb, instances, placements [[start,
@@ -54,7 +63,9 @@ NVML_ERROR_INSUFFICIENT_SIZE = 7
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 NVML_ERROR_UNKNOWN = 999
 
 NVML_DEVICE_MIG_DISABLE = 0
@@ -72,6 +83,9 @@ NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2 = 9
 NVML_GPU_INSTANCE_PROFILE_COUNT = 10
 NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0
 NVML_TEMPERATURE_GPU = 0
+NVML_CLOCK_GRAPHICS = 0
+NVML_CLOCK_SM = 1
+NVML_CLOCK_MEM = 2
 NVML_VOLATILE_ECC = 0
 NVML_AGGREGATE_ECC = 1
 NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
@@ -87,6 +101,8 @@ _STRINGS = {NVML_ERROR_UNINITIALIZED: "Uninitialized",
             NVML_ERROR_TIMEOUT: "Timeout",
             NVML_ERROR_GPU_IS_LOST: "GPU is lost",
             NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
+            NVML_ERROR_LIB_RM_VERSION_MISMATCH: "RM has detected an NVML/RM version mismatch.",
+            NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
             NVML_ERROR_UNKNOWN: "Unknown Error"}
 
 calls = {"init": 0, "shutdown": 0}
@@ -158,7 +174,11 @@ def __getattr__(name: str):
 
 
 def _placement(start: int, size: int):
-    return __getattr__("c_nvmlGpuInstancePlacement_t")(start, size)
+    # Through the module's globals once made: a second class of the same name would be
+    # another type to ctypes' arrays.
+    cls = globals().get("c_nvmlGpuInstancePlacement_t") or __getattr__(
+        "c_nvmlGpuInstancePlacement_t")
+    return cls(start, size)
 
 
 class _Info:
@@ -182,6 +202,8 @@ def _live() -> dict:
     if _config.get("live"):  # read afresh at every call: a test changes it while a job runs
         with open(os.environ["FAKE_NVML_JSON"]) as f:
             _config = json.load(f)
+    if _config.get("error"):
+        raise NVMLError(int(_config["error"]))
     return _config
 
 
@@ -193,6 +215,8 @@ def _gpu(handle: int, call: str) -> dict:
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     if cfg["gpus"][handle].get("lost"):
         raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+    if call in (cfg["gpus"][handle].get("fail") or ()):
+        raise NVMLError(NVML_ERROR_UNKNOWN)
     return cfg["gpus"][handle]
 
 
@@ -262,7 +286,8 @@ def nvmlInit() -> None:  # noqa: N802 - pynvml's names
 
 def nvmlShutdown() -> None:  # noqa: N802
     global _config
-    _live()
+    if _config is None:
+        raise NVMLError(NVML_ERROR_UNINITIALIZED)
     calls["shutdown"] += 1
     _config = None
 
@@ -435,6 +460,37 @@ def nvmlDeviceGetPciInfo(handle: int) -> nvmlPciInfo_t:  # noqa: N802
     return nvmlPciInfo_t(_str(_gpu(handle, "nvmlDeviceGetPciInfo")["pci"]))
 
 
+# ---------------------------------------------------------------- affinity (placement)
+
+NVML_AFFINITY_SCOPE_NODE = 0
+NVML_AFFINITY_SCOPE_SOCKET = 1
+
+
+def _mask(items: list[int], words: int) -> list[int]:
+    """A list of numbers as NVML's mask of `words` unsigned longs (64 bits each)."""
+    out = [0] * words
+    for n in items:
+        if n < 64 * words:
+            out[n // 64] |= 1 << (n % 64)
+    return out
+
+
+def nvmlDeviceGetCpuAffinity(handle: int, cpuSetSize: int) -> list[int]:  # noqa: N802, N803
+    gpu = _gpu(handle, "nvmlDeviceGetCpuAffinity")
+    if gpu.get("cpu_affinity") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return _mask(gpu["cpu_affinity"], cpuSetSize)
+
+
+def nvmlDeviceGetMemoryAffinity(handle: int, nodeSetSize: int, scope: int) -> list[int]:  # noqa: N802, N803
+    gpu = _gpu(handle, "nvmlDeviceGetMemoryAffinity")
+    if gpu.get("memory_affinity") is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    if scope not in (NVML_AFFINITY_SCOPE_NODE, NVML_AFFINITY_SCOPE_SOCKET):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return _mask(gpu["memory_affinity"], nodeSetSize)
+
+
 # ---------------------------------------------------------------- what the monitor samples
 
 
@@ -466,6 +522,26 @@ def nvmlDeviceGetTotalEccErrors(handle: int, error_type: int, counter_type: int)
     key = ("sbe" if error_type == NVML_MEMORY_ERROR_TYPE_CORRECTED else "dbe") + (
         "_vol" if counter_type == NVML_VOLATILE_ECC else "_agg")
     return int(ecc.get(key, 0))
+
+
+def nvmlDeviceGetClockInfo(handle: int, clock_type: int) -> int:  # noqa: N802
+    clocks = _sampled(handle, "nvmlDeviceGetClockInfo", "clocks")
+    key = {NVML_CLOCK_SM: "sm", NVML_CLOCK_MEM: "mem"}.get(clock_type)
+    if key is None or key not in clocks:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return int(clocks[key])  # MHz
+
+
+def nvmlDeviceGetCurrentClocksEventReasons(handle: int) -> int:  # noqa: N802
+    return int(_sampled(handle, "nvmlDeviceGetCurrentClocksEventReasons", "clock_reasons"))
+
+
+def nvmlDeviceGetEnforcedPowerLimit(handle: int) -> int:  # noqa: N802
+    return int(_sampled(handle, "nvmlDeviceGetEnforcedPowerLimit", "power_limit"))  # mW
+
+
+def nvmlDeviceGetPcieReplayCounter(handle: int) -> int:  # noqa: N802
+    return int(_sampled(handle, "nvmlDeviceGetPcieReplayCounter", "pcie_replays"))
 
 
 def nvmlDeviceGetRemappedRows(handle: int) -> tuple:  # noqa: N802
