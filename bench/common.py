@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import compileall
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -30,3 +31,18 @@ def let_nobody_run_python(sb: object, root: Path) -> None:
                   f"mount --bind {root}/pyenv {home}")
         res = sb.run("sh", "-c", script)  # type: ignore[attr-defined]
         assert res.returncode == 0, res.stderr
+
+
+def exit_on_signals() -> None:
+    """SIGTERM and SIGINT (a time-out's kill, Ctrl-C) end the benchmark as an exception would:
+    through its `finally` blocks, so that its sandbox is torn down and its temporary directory
+    removed; the exit status is 128 + the signal's number, as a shell reports a killed process.
+    Both are ignored from then on, so that a second one cannot cut the teardown short."""
+
+    def handler(signo: int, _frame) -> None:
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
+        raise SystemExit(128 + signo)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, handler)

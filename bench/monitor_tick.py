@@ -78,7 +78,10 @@ def main() -> None:
     ap.add_argument("--ticks", type=int, default=10_000)
     ap.add_argument("--mig", action="store_true",
                     help="MIG on, 7 instances a GPU, held by the environments")
+    ap.add_argument("--smoke", action="store_true", help="1 environment, 1 GPU, 1,000 ticks")
     args = ap.parse_args()
+    if args.smoke:
+        args.envs, args.gpus, args.ticks = 1, 1, 1000
     with tempfile.TemporaryDirectory(prefix="envctl-bench-monitor-") as tmp:
         root = Path(tmp)
         fh = fake_host(root, args.envs, gpus=args.gpus, procs_per_gpu=2)

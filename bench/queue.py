@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import precompile  # noqa: E402
+from bench.common import exit_on_signals, precompile  # noqa: E402
 from tests.integration.sandbox import Sandbox  # noqa: E402
 
 SPEC = """name: qbench
@@ -126,73 +126,89 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.jobs, args.clients = 50, 2
+    exit_on_signals()
     precompile()
     with tempfile.TemporaryDirectory(prefix="envctl-bench-queue-") as tmp:
-        sb = Sandbox(Path(tmp))
-        sock = {"ENVCTL_SOCKET": str(Path(tmp) / "envctl.sock")}
-        daemon = None
-        try:
-            # Every job is root's: its jobs.max_queued_per_user (default 1,000) above the run's.
-            sb.write_spec("qbench", SPEC % (args.jobs + 10))
-            check(sb.envctl("up", "qbench"), "up")
-            # Its log (a line per request) to a file: an unread pipe would fill and stop it.
-            log = open(Path(tmp) / "daemon.log", "w")  # noqa: SIM115 - closed with the run
-            daemon = subprocess.Popen(["nsenter", "-t", str(sb.pid), "-n", "-m", "--",
-                                       sys.executable, "-m", "envctl", "daemon"],
-                                      env=sb.env(sock), stdout=log, stderr=log)
-            deadline = time.monotonic() + 60
-            # Root's `jobs` runs in-process when no daemon answers: ask for the daemon itself.
-            answers = "from envctl.server import client; raise SystemExit(client.route() is None)"
-            while sb.run(sys.executable, "-c", answers, env=sock).returncode != 0:
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the daemon did not start: "
-                                     f"{(Path(tmp) / 'daemon.log').read_text()[-2000:]}")
-                time.sleep(0.05)
-            check(sb.envctl("submit-job", "--user", "root", "--cpus", "1", "-t", "60",
-                            "qbench", "sleep", "3600", env=sock), "the holding job")
-            load = os.getloadavg()[0]
-            cpu0 = cpu_seconds(daemon.pid)
-            got = json.loads(check(sb.run(sys.executable, "-c", CLIENTS, str(args.jobs),
-                                          str(args.clients), env=sock, timeout=3600),
-                                   "submitting").stdout)
-            daemon_cpu = cpu_seconds(daemon.pid) - cpu0
-            load = max(load, os.getloadavg()[0])
-            jobs_t = []
-            for _ in range(5):
-                t = time.perf_counter()
-                res = check(sb.envctl("jobs", env=sock, timeout=600), "envctl jobs")
-                jobs_t.append(time.perf_counter() - t)
-            shown = sum(1 for line in res.stdout.splitlines() if "PENDING" in line)
-            rss = rss_mb(daemon.pid)
-            kick_s, started = check(sb.run(sys.executable, "-c", KICK, timeout=600),
-                                    "a pass").stdout.split()
-            check(sb.envctl("down", "qbench", "--force", timeout=3600), "down --force")
-            assert sb.residue().get("state_dir") in (None, ["jobs", "lock"]), sb.residue()
-        finally:
-            if daemon is not None and daemon.poll() is None:
-                daemon.terminate()
-                daemon.wait(30)
-            sb.close()
-    n = args.jobs
-    rate = n / got["wall"]
-    med = statistics.median
-    print(f"{n} queued: {rate:7.0f} submissions/s from {args.clients} clients through the "
-          f"daemon (target 200: {'met' if rate >= 200 else 'MISSED'})")
-    # What the rate would be with the machine's CPUs to itself (the VM is shared): CPU
-    # seconds per submit, the daemon's side (itself, its children, its passes) and the
-    # clients'. Ideal, since waits on the jobs lock and the disk are not CPU time.
-    per = (daemon_cpu + got["cpu"]) / n
-    print(f"{n} queued: CPU per submit {daemon_cpu / n * 1000:.1f} ms daemon side + "
-          f"{got['cpu'] / n * 1000:.1f} ms clients = {os.cpu_count()} CPUs' worth "
-          f"{os.cpu_count() / per:.0f} submissions/s (load average up to {load:.1f})")
-    print(f"{n} queued: submit latency median {med(got['first']) * 1000:.1f} ms (first 100), "
-          f"{med(got['last']) * 1000:.1f} ms (last 100)")
-    print(f"{n} queued: envctl jobs {med(jobs_t) * 1000:6.0f} ms  (median of 5, {shown} "
-          f"PENDING shown; target 300 ms: {'met' if med(jobs_t) <= 0.3 else 'MISSED'})")
-    print(f"{n} queued: daemon RSS {rss:6.1f} MB  (target 200 MB: "
-          f"{'met' if rss <= 200 else 'MISSED'})")
-    print(f"{n} queued: one pass of the queue {float(kick_s) * 1000:6.0f} ms "
-          f"({started} started)")
+        run(Path(tmp), args.jobs, args.clients)
+
+
+def run(tmp: Path, n: int, clients: int) -> None:
+    """The benchmark in `tmp`, each row printed as soon as it is measured. However it ends
+    (a failure, SIGTERM or SIGINT through exit_on_signals), nothing of it is left running: the
+    daemon is stopped, the environment taken down with its jobs, then the sandbox killed."""
+    sb = Sandbox(tmp)
+    sock = {"ENVCTL_SOCKET": str(tmp / "envctl.sock")}
+    daemon = None
+    is_up = False
+    # Its log (a line per request) to a file: an unread pipe would fill and stop it.
+    log = open(tmp / "daemon.log", "w")  # noqa: SIM115 - closed with the run
+    try:
+        # Every job is root's: its jobs.max_queued_per_user (default 1,000) above the run's.
+        sb.write_spec("qbench", SPEC % (n + 10))
+        is_up = True  # from here on a failed or interrupted `up` may have made something
+        check(sb.envctl("up", "qbench"), "up")
+        daemon = subprocess.Popen(["nsenter", "-t", str(sb.pid), "-n", "-m", "--",
+                                   sys.executable, "-m", "envctl", "daemon"],
+                                  env=sb.env(sock), stdout=log, stderr=log)
+        deadline = time.monotonic() + 60
+        # Root's `jobs` runs in-process when no daemon answers: ask for the daemon itself.
+        answers = "from envctl.server import client; raise SystemExit(client.route() is None)"
+        while sb.run(sys.executable, "-c", answers, env=sock).returncode != 0:
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the daemon did not start: "
+                                 f"{(tmp / 'daemon.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+        check(sb.envctl("submit-job", "--user", "root", "--cpus", "1", "-t", "60",
+                        "qbench", "sleep", "3600", env=sock), "the holding job")
+        print(f"daemon up, one job holding the CPU: submitting {n} jobs from {clients} "
+              "clients", flush=True)
+        load = os.getloadavg()[0]
+        cpu0 = cpu_seconds(daemon.pid)
+        got = json.loads(check(sb.run(sys.executable, "-c", CLIENTS, str(n), str(clients),
+                                      env=sock, timeout=3600), "submitting").stdout)
+        daemon_cpu = cpu_seconds(daemon.pid) - cpu0
+        load = max(load, os.getloadavg()[0])
+        med = statistics.median
+        rate = n / got["wall"]
+        print(f"{n} queued: {rate:7.0f} submissions/s from {clients} clients through the "
+              f"daemon (target 200: {'met' if rate >= 200 else 'MISSED'})", flush=True)
+        # What the rate would be with the machine's CPUs to itself (the VM is shared): CPU
+        # seconds per submit, the daemon's side (itself, its children, its passes) and the
+        # clients'. Ideal, since waits on the jobs lock and the disk are not CPU time.
+        per = (daemon_cpu + got["cpu"]) / n
+        print(f"{n} queued: CPU per submit {daemon_cpu / n * 1000:.1f} ms daemon side + "
+              f"{got['cpu'] / n * 1000:.1f} ms clients = {os.cpu_count()} CPUs' worth "
+              f"{os.cpu_count() / per:.0f} submissions/s (load average up to {load:.1f})",
+              flush=True)
+        print(f"{n} queued: submit latency median {med(got['first']) * 1000:.1f} ms (first "
+              f"100), {med(got['last']) * 1000:.1f} ms (last 100)", flush=True)
+        jobs_t = []
+        for _ in range(5):
+            t = time.perf_counter()
+            res = check(sb.envctl("jobs", env=sock, timeout=600), "envctl jobs")
+            jobs_t.append(time.perf_counter() - t)
+        shown = sum(1 for line in res.stdout.splitlines() if "PENDING" in line)
+        print(f"{n} queued: envctl jobs {med(jobs_t) * 1000:6.0f} ms  (median of 5, {shown} "
+              f"PENDING shown; target 300 ms: {'met' if med(jobs_t) <= 0.3 else 'MISSED'})",
+              flush=True)
+        rss = rss_mb(daemon.pid)
+        print(f"{n} queued: daemon RSS {rss:6.1f} MB  (target 200 MB: "
+              f"{'met' if rss <= 200 else 'MISSED'})", flush=True)
+        kick_s, started = check(sb.run(sys.executable, "-c", KICK, timeout=600),
+                                "a pass").stdout.split()
+        print(f"{n} queued: one pass of the queue {float(kick_s) * 1000:6.0f} ms "
+              f"({started} started)", flush=True)
+        check(sb.envctl("down", "qbench", "--force", timeout=3600), "down --force")
+        is_up = False
+        assert sb.residue().get("state_dir") in (None, ["jobs", "lock"]), sb.residue()
+    finally:
+        if daemon is not None and daemon.poll() is None:
+            daemon.terminate()
+            daemon.wait(30)
+        if is_up:  # its jobs cancelled and their supervisors gone before the sandbox is
+            sb.envctl("down", "qbench", "--force", timeout=600)
+        sb.close()
+        log.close()
 
 
 if __name__ == "__main__":

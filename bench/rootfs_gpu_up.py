@@ -1,7 +1,8 @@
 """Benchmark: `envctl up` of a GPU environment whose CUDA toolkit is multi-gigabyte, against the
 seed-style copy of the toolkit into the rootfs.
 
-Run as root from the repository root: `python bench/rootfs_gpu_up.py [--runs 5]`.
+Run as root from the repository root: `python bench/rootfs_gpu_up.py [--runs 5]`
+(`--smoke`: the suite's tiny run).
 Each run uses a fresh sandbox (the integration tests' throwaway net + mount namespace) and the
 fake GPU host of tests/integration/test_gpu_env.py (mknod'ed nodes, fake /proc, fake NVML,
 fake driver libraries in a fake ld.so.cache). The toolkit is a tree of sparse files of the
@@ -99,7 +100,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,4,16", help="toolkit sizes in GiB (comma-separated)")
     ap.add_argument("--copy-size", type=float, default=1.0,
                     help="GiB the seed-style copy is timed with (it writes them to disk)")
+    ap.add_argument("--smoke", action="store_true", help="one run, a 1 MiB toolkit")
     args = ap.parse_args()
+    if args.smoke:
+        args.runs, args.sizes, args.copy_size = 1, "0.001", 0.001
     precompile()
     sizes = [float(s) for s in args.sizes.split(",")]
     print(f"toolkit of {FILES} sparse files; {args.runs} runs each, medians")

@@ -2,7 +2,8 @@
 environment with `isolation: native` and inside one with `isolation: gvisor` (runsc, ptrace
 platform here), side by side.
 
-Run as root from the repository root: `python bench/sandbox_overhead.py [--runs 5]`.
+Run as root from the repository root: `python bench/sandbox_overhead.py [--runs 5]`
+(`--smoke`: the suite's tiny run).
 A fresh sandbox (the integration tests' throwaway net + mount namespace) holds three
 environments on one bridge, on the same CPUs (none dedicated): `nat` (native), `gv` (gVisor)
 and `srv` (native, the TCP server). Each run does the three variants of a case in a rotating
@@ -85,7 +86,7 @@ def rotate(runs: int, variants: list[list[str]], sb: Sandbox, read) -> list[floa
 
 
 def row(name: str, values: list[float], unit: str = "s", note: str = "") -> None:
-    nat = values[0]
+    nat = values[0] or float("nan")  # a tiny (--smoke) case may report 0.000 s natively
     cells = "   ".join(f"{label} {v:.3f} {unit} ({v / nat:.2f}x)"
                        for label, v in zip(("native", "envctl-native", "envctl-gvisor"),
                                            values, strict=True))
@@ -100,7 +101,11 @@ def main() -> None:
     ap.add_argument("--dd-gvisor", type=int, default=30000)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--launches", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true", help="every case once, tiny, without NumPy")
     args = ap.parse_args()
+    if args.smoke:
+        args.runs, args.n, args.dd, args.dd_gvisor = 1, 256, 1000, 100
+        args.requests, args.launches = 10, 1
     precompile()
     with tempfile.TemporaryDirectory(prefix="envctl-sbx-", dir="/var/tmp") as tmp:
         t = Path(tmp)
@@ -110,7 +115,7 @@ def main() -> None:
         (t / "walk.c").write_text(WALK)
         subprocess.run(["gcc", "-O2", "-o", str(walk), str(t / "walk.c")], check=True)
         (t / "client.py").write_text(CLIENT)
-        numpy = numpy_site()
+        numpy = None if args.smoke else numpy_site()
         sb = Sandbox(t / "sb")
         server = None
         try:
@@ -130,6 +135,10 @@ def main() -> None:
             native_rw.mkdir()
             for d in ("rw-nat", "rw-gv", "rw-native"):
                 (t / d / "client.py").write_text(CLIENT)
+                # Root inside an environment is an unprivileged host uid of its own (its user
+                # namespace): the scratch directory (`up` made it 0755 root) is everybody's, as
+                # /tmp is, so that it can write there.
+                (t / d).chmod(0o1777)
             ex = [sys.executable, "-m", "envctl", "exec"]
             nat, gv = [*ex, "nat", "--user", "root", "--"], [*ex, "gv", "--user", "root", "--"]
             cpus = sb.run("nproc").stdout.strip()

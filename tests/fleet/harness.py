@@ -82,10 +82,12 @@ def make_host(name: str, root: Path) -> FleetHost:
 def inventory(hosts: list[FleetHost], host_vars: dict[str, dict]) -> dict:
     """An inventory of the sandboxes in the group envctl_hosts (the example playbook's), with
     the role's install part off, envctl pointed at this checkout's and the boot units written
-    into each host's own directory."""
+    into each host's own directory. systemd is not PID 1 in a sandbox: the role's handlers
+    run over no unit (a real host's lists are the role's defaults)."""
     return {"envctl_hosts": {
         "vars": {"ansible_connection": "local", "ansible_become": False,
-                 "envctl_install": False, "envctl_bin": str(ENVCTL_BIN)},
+                 "envctl_install": False, "envctl_bin": str(ENVCTL_BIN),
+                 "envctl_units_start": [], "envctl_units_restart": []},
         "hosts": {h.name: {"ansible_python_interpreter": str(h.interpreter),
                            "envctl_config_dir": str(h.sandbox.config_dir),
                            "envctl_unit_dir": str(h.unit_dir),
