@@ -839,7 +839,9 @@ def install_units(
 @app.command("uninstall-units")
 def uninstall_units(
     now: Annotated[bool, typer.Option("--now", help="Also stop them now (envctl.service runs "
-                                                    "`envctl down --all --force`).")] = False,
+                                                    "`envctl down --all`, which refuses while "
+                                                    "jobs run: then nothing is removed).")
+                   ] = False,
     unit_dir: UnitDirOpt = None,
     json_: JsonOpt = False,
 ) -> None:

@@ -282,22 +282,31 @@ def down(names: list[str] | None, opts: Options, *, all_: bool = False, force: b
 
 
 def _jobs_before_down(host: Any, envs: list[str], *, force: bool) -> None:
-    """Jobs still running in an environment stop its `down` (exit 1: the host's state refuses
-    it, the command is right) unless --force, which cancels them first (recorded CANCELLED)."""
+    """Jobs still running in an environment stop its `down` (exit 1, naming every such
+    environment and its jobs, nothing taken down: the host's state refuses it, the command is
+    right) unless --force, or the host is shutting down (`systemctl is-system-running` says
+    "stopping": envctl.service's ExecStop= at shutdown), which cancel them first (recorded
+    CANCELLED; at shutdown with the reason "host shutdown")."""
     from envctl.runtime.jobs import jobs_dir
 
     if not jobs_dir(host.state_dir).is_dir():
         return  # no job was ever submitted here
     from envctl.runtime import supervisor as sv
 
+    reason = None
     if not force:
-        for env in envs:
-            sv.refuse_down(host, env)
-        return
+        busy = sv.busy_envs(host, envs)
+        if not busy:
+            return
+        if not host.systemd.stopping():
+            raise sv.refuse_down(busy)
+        reason = sv.SHUTDOWN_REASON
+        stderr(f"the host is shutting down: cancelling the jobs of {', '.join(busy)}")
+        envs = list(busy)
     from envctl.host.cgroups import kill_grace_from_env
 
     for env in envs:  # with teardown's grace (ENVCTL_KILL_GRACE) between SIGTERM and SIGKILL
-        for job in sv.stop_env_jobs(host, env, grace=kill_grace_from_env()):
+        for job in sv.stop_env_jobs(host, env, grace=kill_grace_from_env(), reason=reason):
             stderr(f"{env}: job {job.id} {job.state}")
 
 

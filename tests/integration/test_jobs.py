@@ -445,6 +445,58 @@ def test_down_refuses_while_jobs_run_and_force_cancels_them(box):
     assert residue == {}
 
 
+def stopping_systemctl(sb) -> dict[str, str]:
+    """The environment of a host that systemd is shutting down: a systemctl whose
+    `is-system-running` says "stopping" (what envctl asks), as ENVCTL_SYSTEMCTL."""
+    fake = script(sb, "systemctl-stopping", '#!/bin/sh\n[ "$1" = is-system-running ] && '
+                  '{ echo stopping; exit 1; }\nexit 0\n')
+    return {"ENVCTL_SYSTEMCTL": fake, "ENVCTL_KILL_GRACE": "1"}
+
+
+def test_down_all_refuses_naming_each_environment_and_job_and_takes_nothing_down(box):
+    """envctl.service's ExecStop= (`down --all`, no --force) while a job runs: exit 1, one
+    line naming the environment and its job, and everything stays up."""
+    sb = box
+    j = submit(sb, script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n"))
+    res = sb.envctl("down", "--all")
+    assert res.returncode == 1, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert f"down box: 1 job(s) still running ({j['id']})" in last, res.stderr
+    assert record(sb, j["id"])["state"] == "RUNNING"
+    assert sb.envctl_json("status")[0]["state"] == "up"
+    sb.envctl("cancel", str(j["id"]), check=True)
+
+
+def test_down_while_the_host_shuts_down_cancels_the_jobs_with_that_reason(box):
+    sb = box
+    j = submit(sb, script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n"))
+    res = sb.envctl("down", "--all", env=stopping_systemctl(sb))
+    assert res.returncode == 0, res.stderr
+    assert "the host is shutting down: cancelling the jobs of box" in res.stderr
+    final = record(sb, j["id"])
+    assert final["state"] == "CANCELLED" and final["reason"] == "host shutdown", final
+    assert not ours(sb)
+    residue = sb.residue()
+    assert residue.pop("state_dir", None) == ["jobs", "lock"], residue
+    assert residue == {}
+
+
+@pytest.mark.parametrize("shutting_down", [True, False])
+def test_a_sigterm_to_the_supervisor_records_host_shutdown_only_when_it_is_one(box,
+                                                                               shutting_down):
+    """At shutdown systemd stops the jobs' scopes itself (maybe before envctl.service's
+    `down`): the supervisor's SIGTERM then records "host shutdown"; any other SIGTERM, no
+    reason."""
+    sb = box
+    env = stopping_systemctl(sb) if shutting_down else None
+    j = submit(sb, script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n"), env=env)
+    assert wait_until(lambda: record(sb, j["id"])["state"] == "RUNNING")
+    os.kill(j["supervisor"]["pid"], signal.SIGTERM)
+    rc, (final,) = wait(sb, j["id"])
+    assert final["state"] == "CANCELLED", final
+    assert final["reason"] == ("host shutdown" if shutting_down else None), final
+
+
 def test_200_short_jobs_back_to_back_leave_nothing_behind(box):
     sb = box
     true = sb.root / "true"

@@ -71,14 +71,19 @@ def test_the_boot_unit_is_the_oneshot_the_issue_asks_for():
     s = settings((REPO / "systemd/envctl.service").read_text())
     assert s["[Service]Type"] == ["oneshot"] and s["[Service]RemainAfterExit"] == ["yes"]
     assert s["[Service]ExecStart"] == ["envctl up --all"]
-    assert s["[Service]ExecStop"] == ["envctl down --all --force"]
+    # Reload stops nothing; stop never cancels jobs by itself (no --force: `down` refuses
+    # while jobs run, unless the host is shutting down).
+    assert s["[Service]ExecReload"] == ["envctl up --all"]
+    assert s["[Service]ExecStop"] == ["envctl down --all"]
     after = " ".join(s["[Unit]After"]).split()
-    assert {"network-online.target", "local-fs.target", "nvidia-persistenced.service"} <= \
-        set(after)
-    assert s["[Unit]Wants"] == ["network-online.target"]
-    # nvidia-persistenced is ordering only: a host without it must still boot the unit.
-    assert "nvidia-persistenced.service" not in " ".join(
-        s.get("[Unit]Wants", []) + s.get("[Unit]Requires", []))
+    assert {"network-online.target", "local-fs.target", "remote-fs.target",
+            "nvidia-persistenced.service", "nvidia-fabricmanager.service"} <= set(after)
+    # The monitor is started with the environments (and only ordered after them).
+    assert " ".join(s["[Unit]Wants"]).split() == ["network-online.target",
+                                                  "envctl-monitor.service"]
+    # The NVIDIA daemons are ordering only: a host without them must still boot the unit.
+    for daemon in ("nvidia-persistenced.service", "nvidia-fabricmanager.service"):
+        assert daemon not in " ".join(s.get("[Unit]Wants", []) + s.get("[Unit]Requires", []))
     # The supervisors `up` forks stay in the unit's cgroup: only `up` itself may be killed.
     assert s["[Service]KillMode"] == ["process"]
     # `up --all` exiting 1 (one environment not up) keeps the unit active: a failed unit is
@@ -162,7 +167,7 @@ def test_render_points_every_exec_line_at_the_command_and_carries_the_settings()
                                               "ENVCTL_STATE_DIR": "/var/lib/envctl"})
     s = settings(t["envctl.service"])
     assert s["[Service]ExecStart"] == ['"/opt/my envctl/bin/envctl" up --all']
-    assert s["[Service]ExecStop"] == ['"/opt/my envctl/bin/envctl" down --all --force']
+    assert s["[Service]ExecStop"] == ['"/opt/my envctl/bin/envctl" down --all']
     assert s["[Service]Environment"] == ['"ENVCTL_CONFIG_DIR=/etc/e 100%%"',
                                          '"ENVCTL_STATE_DIR=/var/lib/envctl"']
     assert t["envctl.service"].startswith("# Written by `envctl install-units`")
