@@ -826,11 +826,14 @@ def install_units(
     """
     from envctl.host.context import Host
     from envctl.units import Units, carried_environment, envctl_command, render_all
+    from envctl.units import refuse_writable_code as refuse_code
     from envctl.workspace import config_dir
 
+    command = envctl_command()
+    refuse_code(command)  # root code at every boot: only root may change it
     # The directory this command reads (./configs in a checkout included), made absolute: the
     # units run from / and must see the specs the operator's `envctl up` sees.
-    texts = render_all(envctl_command(), carried_environment(
+    texts = render_all(command, carried_environment(
         os.environ, str(config_dir(CTX.config_dir).resolve())))
     units = Units.from_env(Host.from_env().state_dir, unit_dir)
     _render_unit_changes(units.install(texts, now=now), json_, "nothing to do")

@@ -25,6 +25,7 @@ import hashlib
 import os
 import re
 import shlex
+import stat
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -66,6 +67,81 @@ def envctl_command(executable: str = sys.executable) -> list[str]:
     if script.is_file() and os.access(script, os.X_OK):
         return [str(script)]
     return [executable, "-m", "envctl"]
+
+
+def _shebang(script: Path) -> list[Path]:
+    """The interpreter a script's `#!` line names ([] when it has none)."""
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(4096)
+    except OSError:
+        return []
+    words = first[2:].split() if first.startswith(b"#!") else []
+    return [Path(os.fsdecode(words[0]))] if words and words[0].startswith(b"/") else []
+
+
+def code_paths(command: Sequence[str], *, executable: str = sys.executable,
+               prefix: str = sys.prefix, base_prefix: str = sys.base_prefix,
+               package: Path = Path(__file__).resolve().parent
+               ) -> tuple[list[Path], list[Path]]:
+    """What the units run as root at every boot: (files checked with every directory above
+    them and every symlink on the way: the command, the interpreter its `#!` names and this
+    one; trees checked file by file as well: the venv when this is one, and the envctl
+    package, which in an editable install is the checkout's src/envctl)."""
+    first = Path(command[0])
+    files = [first, *_shebang(first), Path(executable)]
+    trees = [Path(prefix)] if Path(prefix) != Path(base_prefix) else []
+    return list(dict.fromkeys(files)), list(dict.fromkeys([*trees, package]))
+
+
+def _tree_problem(tree: Path, trusted: frozenset[int]) -> tuple[Path, str] | None:
+    """The first entry under `tree` that someone not in `trusted` could change (owned by
+    them, or writable by group or others: no sticky exception inside code), with why; a
+    symlink is judged by where it leads (changeable_by_others)."""
+    from envctl.spec.loader import changeable_by_others
+
+    for here, dirs, names in os.walk(tree):
+        dirs.sort()
+        for name in [*dirs, *sorted(names)]:
+            path = Path(here) / name
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                bad = changeable_by_others([path], trusted=trusted)
+                if bad:
+                    return bad[0][1], bad[0][2]
+                continue
+            if st.st_uid not in trusted:
+                return path, f"is owned by uid {st.st_uid}, not root"
+            if st.st_mode & 0o022:
+                mode = stat.S_IMODE(st.st_mode)
+                return path, f"is writable by group or others (mode {mode:04o})"
+    return None
+
+
+def refuse_writable_code(command: Sequence[str], **where: Any) -> None:
+    """HostError (exit 1, one line; before anything is written) when anyone but root could
+    change what the units would run as root: the executable, the interpreter, the venv or
+    the envctl package (code_paths), or a directory above or a symlink on the way to any of
+    them. The rule specs already follow (envctl.spec.loader.changeable_by_others). Not run as
+    root (a test, an image build by a user), the caller's own uid is trusted too."""
+    from envctl.spec.loader import changeable_by_others
+
+    trusted = frozenset({0, os.geteuid()})
+    files, trees = code_paths(command, **where)
+    found = [(q, why) for _, q, why in changeable_by_others([*files, *trees], trusted=trusted)]
+    for tree in trees:
+        if not found:
+            bad = _tree_problem(tree, trusted)
+            found += [bad] if bad else []
+    if found:
+        q, why = found[0]
+        raise HostError(f"install units: {q} {why}: the units run {command[0]} as root at "
+                        "every boot, so only root may be able to change it, its interpreter, "
+                        "venv and envctl package, and every directory above them; chown root "
+                        f"and chmod go-w {q} (or install envctl where only root can write)")
 
 
 def template_dir() -> Path:

@@ -413,3 +413,96 @@ def test_install_units_carries_the_config_directory_this_command_reads(capsys, t
     assert code == 0, err
     s = settings((d / "envctl.service").read_text())
     assert f'"ENVCTL_CONFIG_DIR={tmp_path.resolve() / "configs"}"' in s["[Service]Environment"]
+
+
+# ---------------------------------------------------------------- code only root can change
+
+
+def fake_venv(tmp_path: Path) -> dict:
+    """A venv-shaped tree (bin/envctl whose #! is bin/python, a link to this interpreter; an
+    envctl package under lib/) and the code_paths arguments that point at it."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    script = venv / "bin" / "envctl"
+    script.write_text(f"#!{venv}/bin/python\nfrom envctl.entry import main\nmain()\n")
+    script.chmod(0o755)
+    pkg = venv / "lib" / "site-packages" / "envctl"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    os.chmod(tmp_path, 0o755)
+    return {"command": [str(script)], "executable": str(venv / "bin" / "python"),
+            "prefix": str(venv), "base_prefix": sys.base_prefix, "package": pkg}
+
+
+def refused(where: dict) -> str:
+    args = dict(where)
+    command = args.pop("command")
+    with pytest.raises(HostError) as exc:
+        un.refuse_writable_code(command, **args)
+    return str(exc.value)
+
+
+def test_code_only_root_can_change_is_accepted(tmp_path):
+    where = fake_venv(tmp_path)
+    args = dict(where)
+    un.refuse_writable_code(args.pop("command"), **args)
+    files, trees = un.code_paths(where["command"], **{k: v for k, v in where.items()
+                                                      if k != "command"})
+    # The script, the interpreter its #! names, and the venv and package trees.
+    assert [str(f) for f in files] == [where["command"][0], where["executable"]]
+    assert trees == [Path(where["prefix"]), where["package"]]
+
+
+@pytest.mark.parametrize("what", ["venv", "bin", "script", "package file", "above"])
+def test_group_writable_code_or_directories_are_refused(tmp_path, what):
+    where = fake_venv(tmp_path)
+    venv = Path(where["prefix"])
+    target = {"venv": venv, "bin": venv / "bin", "script": venv / "bin" / "envctl",
+              "package file": where["package"] / "__init__.py", "above": tmp_path}[what]
+    target.chmod(stat.S_IMODE(target.stat().st_mode) | 0o020)
+    msg = refused(where)
+    assert msg.startswith(f"install units: {target} is writable by group"), msg
+    assert "\n" not in msg and "chmod go-w" in msg
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+@pytest.mark.parametrize("what", ["script", "package file", "venv"])
+def test_code_owned_by_a_user_is_refused(tmp_path, what):
+    where = fake_venv(tmp_path)
+    venv = Path(where["prefix"])
+    target = {"script": venv / "bin" / "envctl", "venv": venv,
+              "package file": where["package"] / "__init__.py"}[what]
+    os.chown(target, 1000, 1000)
+    msg = refused(where)
+    assert msg.startswith(f"install units: {target} is owned by uid 1000, not root"), msg
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_symlink_into_a_users_directory_is_refused(tmp_path):
+    """A root-owned link in the package that leads into a user's directory: python follows
+    it at import, so its target is judged."""
+    where = fake_venv(tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "evil.py").write_text("")
+    os.chown(home, 1000, 1000)
+    (where["package"] / "evil.py").symlink_to(home / "evil.py")
+    assert f"install units: {home} is owned by uid 1000" in refused(where)
+
+
+def test_cli_install_units_refuses_user_writable_code_and_writes_nothing(
+        capsys, tmp_path, monkeypatch, fake_systemctl):
+    where = fake_venv(tmp_path)
+    script = Path(where["command"][0])
+    script.chmod(0o775)
+    monkeypatch.setattr(un, "envctl_command", lambda: where["command"])
+    monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("ENVCTL_SYSTEMCTL", fake_systemctl[0])
+    d = tmp_path / "units"
+    code, out, err = run_cli(capsys, "install-units", "--unit-dir", str(d), "-C",
+                             str(tmp_path / "cfg"))
+    assert code == 1 and err.startswith(f"error: install units: {script} is writable by "
+                                        "group"), err
+    assert err.count("\n") == 1
+    assert not d.exists() and not (tmp_path / "state" / "units.json").exists()
