@@ -234,19 +234,31 @@ def _warned(warnings: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 @app.command()
-def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> None:
+def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False,
+       retry: Annotated[bool, typer.Option(
+           "--retry", help="Try again, with backoff (1 s, 2 s, 4 s ... 60 s), the environments "
+           "this boot's `up --all` could not bring up, until all are up or --window has "
+           "passed (envctl-retry.service).")] = False,
+       window: Annotated[float, typer.Option(
+           "--window", min=0, help="With --retry: seconds to keep trying.")] = 600.0,
+       ) -> None:
     """Bring environments up: apply their plan in order, repairing drift; safe to re-run.
 
     A failing step rolls back what this run applied to that environment; the others still
     come up, and the exit status is 1. With --all (the boot unit), an environment this host
-    cannot serve (a required kernel module missing) is reported and skipped. Bad specs and
-    conflicts stop everything before the first change (exit 2).
+    cannot serve (a required kernel module missing) is reported and skipped, and waits for
+    `up --retry`. Bad specs and conflicts stop everything before the first change (exit 2).
 
     Example: sudo envctl up cpu-compute
     """
     from envctl import commands
 
-    _exit(commands.up(names, _opts(), all_=all_, json_=json_))
+    if retry:
+        if names or all_ or json_:
+            raise commands.BadArgs("up", "--retry takes no names, --all or --json")
+        _exit(commands.retry(_opts(), window=window))
+    else:
+        _exit(commands.up(names, _opts(), all_=all_, json_=json_))
 
 
 @app.command()

@@ -36,8 +36,8 @@ from typing import Any
 from envctl.errors import HostError, InputError
 from envctl.host.files import atomic_write, read_json, write_json
 
-NAMES = ("envctl.service", "envctl-monitor.service", "envctl-daemon.socket",
-         "envctl-daemon.service")
+NAMES = ("envctl.service", "envctl-monitor.service", "envctl-retry.service",
+         "envctl-daemon.socket", "envctl-daemon.service")
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
 RECORD = "units.json"
 # The settings that say which specs and which state envctl works on: the units must see the

@@ -78,9 +78,10 @@ def test_the_boot_unit_is_the_oneshot_the_issue_asks_for():
     after = " ".join(s["[Unit]After"]).split()
     assert {"network-online.target", "local-fs.target", "remote-fs.target",
             "nvidia-persistenced.service", "nvidia-fabricmanager.service"} <= set(after)
-    # The monitor is started with the environments (and only ordered after them).
+    # The monitor and the retry are started with the environments (and ordered after them).
     assert " ".join(s["[Unit]Wants"]).split() == ["network-online.target",
-                                                  "envctl-monitor.service"]
+                                                  "envctl-monitor.service",
+                                                  "envctl-retry.service"]
     # The NVIDIA daemons are ordering only: a host without them must still boot the unit.
     for daemon in ("nvidia-persistenced.service", "nvidia-fabricmanager.service"):
         assert daemon not in " ".join(s.get("[Unit]Wants", []) + s.get("[Unit]Requires", []))
@@ -100,6 +101,17 @@ def test_the_monitor_unit_restarts_always_after_the_boot_unit():
     assert "[Unit]Wants" not in s and "[Unit]Requires" not in s
     assert s["[Service]KillMode"] == ["process"]
     assert s["[Service]ExecStart"][0].startswith("envctl monitor --listen 127.0.0.1:")
+
+
+def test_the_retry_unit_runs_after_the_boot_unit_and_stops_with_it():
+    s = settings((REPO / "systemd/envctl-retry.service").read_text())
+    assert s["[Service]ExecStart"] == ["envctl up --retry --window 600"]
+    assert s["[Unit]After"] == ["envctl.service"] and s["[Unit]PartOf"] == ["envctl.service"]
+    # Started only through envctl.service's Wants= (never on its own: no [Install]), and the
+    # supervisors of what it brings up outlive it.
+    assert not any(k.startswith("[Install]") for k in s)
+    assert "[Unit]Wants" not in s and "[Unit]Requires" not in s
+    assert s["[Service]KillMode"] == ["process"]
 
 
 def test_the_daemon_socket_is_the_one_the_cli_connects_to():
@@ -214,6 +226,7 @@ def test_install_writes_enables_reloads_and_is_idempotent(units, fake_systemctl)
     assert [(c.action, c.unit) for c in changes] == [
         ("wrote", "envctl.service"), ("enabled", "envctl.service"),
         ("wrote", "envctl-monitor.service"), ("enabled", "envctl-monitor.service"),
+        ("wrote", "envctl-retry.service"),  # no [Install]: envctl.service's Wants= starts it
         ("wrote", "envctl-daemon.socket"), ("enabled", "envctl-daemon.socket"),
         ("wrote", "envctl-daemon.service"), ("enabled", "envctl-daemon.service"),
         ("reloaded", "systemd")]
@@ -221,19 +234,22 @@ def test_install_writes_enables_reloads_and_is_idempotent(units, fake_systemctl)
         path = units.unit_dir / name
         assert path.read_text() == text
         assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        if name == "envctl-retry.service":
+            continue
         target = "sockets.target" if name.endswith(".socket") else "multi-user.target"
         link = units.unit_dir / f"{target}.wants" / name
         assert os.readlink(link) == str(path)
     assert calls() == ["daemon-reload"]
 
     again = units.install(texts())
-    assert [c.action for c in again] == ["kept"] * 4
+    assert [c.action for c in again] == ["kept"] * 5
     assert calls() == ["daemon-reload"]  # nothing changed: no reload
 
     # Another envctl installation: envctl's own files are rewritten.
     other = units.install(texts(["/usr/local/bin/envctl"]))
     # (the socket unit runs no envctl: it is the same text, kept)
-    assert [c.action for c in other] == ["rewrote", "rewrote", "kept", "rewrote", "reloaded"]
+    assert [c.action for c in other] == ["rewrote", "rewrote", "rewrote", "kept", "rewrote",
+                                         "reloaded"]
     assert "ExecStart=/usr/local/bin/envctl up --all" in \
         (units.unit_dir / "envctl.service").read_text()
 
@@ -242,17 +258,19 @@ def test_install_now_starts_them(units, fake_systemctl):
     _, calls = fake_systemctl
     units.install(texts(), now=True)
     assert calls() == ["daemon-reload", "start envctl.service envctl-monitor.service "
-                       "envctl-daemon.socket envctl-daemon.service"]
+                       "envctl-retry.service envctl-daemon.socket envctl-daemon.service"]
 
 
 def test_without_a_running_systemd_nothing_is_called(tmp_path, fake_systemctl):
     _, calls = fake_systemctl
     u = un.Units(tmp_path / "units", tmp_path / "state", systemctl=[fake_systemctl[0]],
                  booted=False)
-    assert [c.action for c in u.install(texts())] == ["wrote", "enabled"] * 4
+    assert [c.action for c in u.install(texts())] == ["wrote", "enabled"] * 2 + ["wrote"] + \
+        ["wrote", "enabled"] * 2
     with pytest.raises(HostError, match="systemd is not running"):
         u.install(texts(), now=True)
-    assert [c.action for c in u.uninstall()] == ["disabled", "removed"] * 4
+    assert [c.action for c in u.uninstall()] == ["disabled", "removed"] * 3 + ["removed"] + \
+        ["disabled", "removed"]  # sorted: envctl-retry.service (no link) before envctl.service
     assert calls() == []
 
 
@@ -286,7 +304,8 @@ def test_a_file_edited_by_hand_is_neither_overwritten_nor_removed(units):
 def test_identical_content_is_adopted(units, tmp_path):
     for name, text in texts().items():
         (units.unit_dir / name).write_text(text)  # as after a crash before the record
-    assert [c.action for c in units.install(texts())] == ["kept", "enabled"] * 4 + ["reloaded"]
+    assert [c.action for c in units.install(texts())] == ["kept", "enabled"] * 2 + ["kept"] + \
+        ["kept", "enabled"] * 2 + ["reloaded"]
     assert json.loads(units.record_path.read_text())["units"].keys() == set(un.NAMES)
 
 
@@ -309,9 +328,10 @@ def test_uninstall_removes_only_what_envctl_wrote(units, fake_systemctl):
     dropin.write_text("[Service]\nEnvironment=X=1\n")
     changes = units.uninstall(now=True)
     order = ["envctl-daemon.service", "envctl-daemon.socket", "envctl-monitor.service",
-             "envctl.service"]
+             "envctl-retry.service", "envctl.service"]
     assert [(c.action, c.unit) for c in changes] == [("stopped", n) for n in order] + [
-        (a, n) for n in order for a in ("disabled", "removed")] + [("reloaded", "systemd")]
+        (a, n) for n in order for a in ("disabled", "removed")
+        if (a, n) != ("disabled", "envctl-retry.service")] + [("reloaded", "systemd")]
     assert calls()[-2:] == ["stop " + " ".join(order), "daemon-reload"]
     assert sorted(str(p.relative_to(units.unit_dir)) for p in units.unit_dir.rglob("*")) == [
         "envctl.service.d", "envctl.service.d/10-local.conf", "multi-user.target.wants",
