@@ -819,6 +819,24 @@ def _render_unit_changes(changes: list, json_: bool, nothing: str) -> None:
             print(c)
 
 
+def _boot_mounts(specs_dir: Path, state_dir: Path) -> list[str]:
+    """envctl.units.mount_paths of the specs in `specs_dir` as they are now (none, with a
+    warning, when they cannot be read: the unit is still worth installing)."""
+    from envctl.errors import EnvctlError
+    from envctl.units import mount_paths
+    from envctl.workspace import Workspace
+
+    specs = []
+    try:
+        if specs_dir.is_dir():
+            specs = [ls.spec for ls in Workspace.open(specs_dir, pure=True).specs]
+    except EnvctlError as exc:
+        print(f"warning: specs not read ({str(exc).splitlines()[0]}): envctl.service "
+              "requires no data source's mount; run install-units again once they are fixed",
+              file=sys.stderr)
+    return mount_paths(specs, str(state_dir.absolute()), str(specs_dir))
+
+
 @app.command("install-units")
 def install_units(
     now: Annotated[bool, typer.Option("--now", help="Also start them now (envctl.service "
@@ -845,9 +863,11 @@ def install_units(
     refuse_code(command)  # root code at every boot: only root may change it
     # The directory this command reads (./configs in a checkout included), made absolute: the
     # units run from / and must see the specs the operator's `envctl up` sees.
-    texts = render_all(command, carried_environment(
-        os.environ, str(config_dir(CTX.config_dir).resolve())))
-    units = Units.from_env(Host.from_env().state_dir, unit_dir)
+    specs_dir = config_dir(CTX.config_dir).resolve()
+    host = Host.from_env()
+    texts = render_all(command, carried_environment(os.environ, str(specs_dir)),
+                       mounts=_boot_mounts(specs_dir, host.state_dir))
+    units = Units.from_env(host.state_dir, unit_dir)
     _render_unit_changes(units.install(texts, now=now), json_, "nothing to do")
 
 

@@ -184,9 +184,10 @@ def exec_word(word: str) -> str:
 
 def render(name: str, template: str, command: Sequence[str],
            environment: Mapping[str, str] = {},  # noqa: B006 - read only
-           socket: str | None = None) -> str:
+           socket: str | None = None, mounts: Sequence[str] = ()) -> str:
     """The unit file for `template`: the header, the template with each Exec line's `envctl`
-    replaced by `command`, and `environment` as Environment= lines at the top of [Service].
+    replaced by `command`, `environment` as Environment= lines at the top of [Service], and
+    `mounts` (mount_paths) as a RequiresMountsFor= line at the end of [Unit].
 
     A service must run envctl; a socket unit (no [Service], no Exec lines) gets `socket`, when
     given, as its ListenStream= instead: the path the CLI and the daemon use."""
@@ -206,6 +207,11 @@ def render(name: str, template: str, command: Sequence[str],
     text, n = _EXEC.subn(lambda m: m.group(1) + quoted, template)
     if n == 0:
         raise HostError(f"install unit '{name}': the template runs no `envctl` command")
+    if mounts:
+        text, n = re.subn(r"\n\n\[Service\]\n", lambda m: "\n" + MOUNTS_COMMENT
+                          + _mounts_line(mounts) + "\n[Service]\n", text, count=1)
+        if n == 0:
+            raise HostError(f"install unit '{name}': the template has no [Service] section")
     if environment:
         lines = "".join(f'Environment="{_escape(k, "name")}={_escape(v, k)}"\n'
                         for k, v in sorted(environment.items()))
@@ -214,6 +220,24 @@ def render(name: str, template: str, command: Sequence[str],
         if n == 0:
             raise HostError(f"install unit '{name}': the template has no [Service] section")
     return HEADER.format(name=name) + text
+
+
+def mount_paths(specs: Sequence[Any], *other: str) -> list[str]:
+    """What envctl.service needs mounted before `up --all` (its RequiresMountsFor=): each
+    spec's absolute mount sources (relative ones live in the state directory) and `other`
+    (the state and config directories), deduplicated, in order."""
+    paths = [m.source for s in specs for m in s.mounts if m.source.startswith("/")]
+    return list(dict.fromkeys(os.path.normpath(p) for p in [*paths, *other] if p))
+
+
+MOUNTS_COMMENT = ("# Written by install-units from the specs' absolute mount sources, the "
+                  "state and config\n# directories (docs/boot.md): run it again after "
+                  "adding a data source.\n")
+
+
+def _mounts_line(paths: Sequence[str]) -> str:
+    words = [p if _PLAIN.fullmatch(p) else '"' + _escape(p, "mount path") + '"' for p in paths]
+    return f"RequiresMountsFor={' '.join(words)}\n"
 
 
 def wanted_by(text: str) -> list[str]:
@@ -472,9 +496,10 @@ def _unlink_if(path: Path, points_to: str | None) -> bool:
 
 
 def render_all(command: Sequence[str], environment: Mapping[str, str],
-               templates: Path | None = None) -> dict[str, str]:
+               templates: Path | None = None, mounts: Sequence[str] = ()) -> dict[str, str]:
     """Every unit of NAMES rendered from its template; the socket unit listens where
-    `environment`'s ENVCTL_SOCKET says (else the template's /run/envctl/envctl.sock)."""
+    `environment`'s ENVCTL_SOCKET says (else the template's /run/envctl/envctl.sock);
+    envctl.service requires `mounts` mounted (RequiresMountsFor=)."""
     d = templates or template_dir()
     out = {}
     for name in NAMES:
@@ -483,5 +508,6 @@ def render_all(command: Sequence[str], environment: Mapping[str, str],
         except OSError as exc:
             raise HostError(f"install unit '{name}': read {d / name}: {exc.strerror}") from exc
         out[name] = render(name, template, command, environment,
-                           socket=environment.get("ENVCTL_SOCKET"))
+                           socket=environment.get("ENVCTL_SOCKET"),
+                           mounts=mounts if name == "envctl.service" else ())
     return out

@@ -364,7 +364,8 @@ def test_systemd_analyze_verify_is_clean(tmp_path):
     def verify(command: list[str], where: str) -> subprocess.CompletedProcess:
         d = tmp_path / where
         d.mkdir()
-        for name, text in un.render_all(command, {"ENVCTL_STATE_DIR": "/var/lib/envctl"}
+        for name, text in un.render_all(command, {"ENVCTL_STATE_DIR": "/var/lib/envctl"},
+                                        mounts=["/srv/data sets/x", "/var/lib/envctl"]
                                         ).items():
             (d / name).write_text(text)
         return subprocess.run(["systemd-analyze", "verify", *sorted(map(str, d.iterdir()))],
@@ -526,3 +527,45 @@ def test_cli_install_units_refuses_user_writable_code_and_writes_nothing(
                                         "group"), err
     assert err.count("\n") == 1
     assert not d.exists() and not (tmp_path / "state" / "units.json").exists()
+
+
+# ---------------------------------------------------------------- the mounts it waits for
+
+
+def test_envctl_service_requires_the_mounts_of_the_specs_data_sources(capsys, tmp_path,
+                                                                      monkeypatch,
+                                                                      fake_systemctl):
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    (cfg / "a.yaml").write_text("name: a\nkind: cpu\nmounts:\n"
+                                "  - {source: /srv/data sets/x, target: /data}\n"
+                                "  - {source: scratch, target: /scratch}\n")
+    (cfg / "b.yaml").write_text("name: b\nkind: cpu\nmounts:\n"
+                                "  - {source: /nfs/shared/, target: /shared}\n"
+                                "  - {source: /srv/data sets/x, target: /data}\n")
+    monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("ENVCTL_SYSTEMCTL", fake_systemctl[0])
+    d = tmp_path / "units"
+    code, _, err = run_cli(capsys, "install-units", "--unit-dir", str(d), "-C", str(cfg))
+    assert code == 0, err
+    s = settings((d / "envctl.service").read_text())
+    # Absolute sources once each (a relative one lives in the state directory), then the
+    # state and config directories; quoted for systemd where needed.
+    assert s["[Unit]RequiresMountsFor"] == [
+        f'"/srv/data sets/x" /nfs/shared {tmp_path / "state"} {cfg}']
+    for other in ("envctl-monitor.service", "envctl-retry.service", "envctl-daemon.service"):
+        assert "[Unit]RequiresMountsFor" not in settings((d / other).read_text())
+
+    # A spec added with a new data source: install-units again rewrites the unit.
+    (cfg / "c.yaml").write_text("name: c\nkind: cpu\nmounts:\n"
+                                "  - {source: /lustre/c, target: /c}\n")
+    code, out, err = run_cli(capsys, "install-units", "--unit-dir", str(d), "-C", str(cfg))
+    assert code == 0 and "rewrote envctl.service" in out, err
+    assert "/lustre/c" in settings((d / "envctl.service").read_text())["[Unit]RequiresMountsFor"][0]
+
+    # Broken specs: installed all the same, with a warning and only the state and config.
+    (cfg / "c.yaml").write_text("name: c\nkind: cpu\nresources: {memory: {max: lots}}\n")
+    code, out, err = run_cli(capsys, "install-units", "--unit-dir", str(d), "-C", str(cfg))
+    assert code == 0 and "warning: specs not read" in err, err
+    assert settings((d / "envctl.service").read_text())["[Unit]RequiresMountsFor"] == [
+        f"{tmp_path / 'state'} {cfg}"]
