@@ -82,14 +82,17 @@ def _shebang(script: Path) -> list[Path]:
 
 def code_paths(command: Sequence[str], *, executable: str = sys.executable,
                prefix: str = sys.prefix, base_prefix: str = sys.base_prefix,
-               package: Path = Path(__file__).resolve().parent
+               package: Path = Path(__file__).resolve().parent,
+               search_path: Sequence[str] = tuple(sys.path)
                ) -> tuple[list[Path], list[Path]]:
     """What the units run as root at every boot: (files checked with every directory above
     them and every symlink on the way: the command, the interpreter its `#!` names and this
-    one; trees checked file by file as well: the venv when this is one, and the envctl
-    package, which in an editable install is the checkout's src/envctl)."""
+    one, and each directory modules are imported from (sys.path: the stdlib, site-packages,
+    what .pth files add); trees checked file by file as well: the venv when this is one, and
+    the envctl package, which in an editable install is the checkout's src/envctl)."""
     first = Path(command[0])
-    files = [first, *_shebang(first), Path(executable)]
+    files = [first, *_shebang(first), Path(executable),
+             *(Path(p) for p in search_path if p.startswith("/") and os.path.isdir(p))]
     trees = [Path(prefix)] if Path(prefix) != Path(base_prefix) else []
     return list(dict.fromkeys(files)), list(dict.fromkeys([*trees, package]))
 

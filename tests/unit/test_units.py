@@ -453,7 +453,8 @@ def fake_venv(tmp_path: Path) -> dict:
     (pkg / "__init__.py").write_text("")
     os.chmod(tmp_path, 0o755)
     return {"command": [str(script)], "executable": str(venv / "bin" / "python"),
-            "prefix": str(venv), "base_prefix": sys.base_prefix, "package": pkg}
+            "prefix": str(venv), "base_prefix": sys.base_prefix, "package": pkg,
+            "search_path": [str(pkg.parent), "relative/ignored"]}
 
 
 def refused(where: dict) -> str:
@@ -470,8 +471,10 @@ def test_code_only_root_can_change_is_accepted(tmp_path):
     un.refuse_writable_code(args.pop("command"), **args)
     files, trees = un.code_paths(where["command"], **{k: v for k, v in where.items()
                                                       if k != "command"})
-    # The script, the interpreter its #! names, and the venv and package trees.
-    assert [str(f) for f in files] == [where["command"][0], where["executable"]]
+    # The script, the interpreter its #! names, the import path, and the venv and package
+    # trees.
+    assert [str(f) for f in files] == [where["command"][0], where["executable"],
+                                       where["search_path"][0]]
     assert trees == [Path(where["prefix"]), where["package"]]
 
 
@@ -497,6 +500,16 @@ def test_code_owned_by_a_user_is_refused(tmp_path, what):
     os.chown(target, 1000, 1000)
     msg = refused(where)
     assert msg.startswith(f"install units: {target} is owned by uid 1000, not root"), msg
+
+
+def test_a_directory_on_the_import_path_others_can_write_is_refused(tmp_path):
+    """A site-packages a .pth file adds (outside the venv): its own directory is judged."""
+    where = fake_venv(tmp_path)
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    deps.chmod(0o777)
+    where["search_path"] = [str(deps)]
+    assert refused(where).startswith(f"install units: {deps} is writable by group and others")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
