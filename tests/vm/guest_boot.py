@@ -10,7 +10,8 @@ service's process killed -> the monitor brings it back; envctl-retry.service ret
 with backoff; `systemctl reload` with a job running in `web` keeps the job and the service;
 `systemctl stop` with the job running refuses (the unit failed, everything up), and after a
 cancel and a start, `systemctl stop envctl` with `broken` still broken -> nothing left, and
-start -> web up again; `broken` fixed -> the retry brings it up by itself; `systemctl stop envctl` -> nothing left; `systemctl start` -> converged
+start -> web up again; `broken` fixed -> the retry brings it up by itself, and a reload
+succeeds; `systemctl stop envctl` -> nothing left; `systemctl start` -> converged
 again; the state is copied to /out/state for the second boot, which follows a power loss
 (`poweroff -f`: nothing stopped).
 
