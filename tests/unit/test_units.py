@@ -550,12 +550,10 @@ def test_envctl_service_requires_the_mounts_of_the_specs_data_sources(capsys, tm
                                                                       fake_systemctl):
     cfg = tmp_path / "cfg"
     cfg.mkdir()
-    (cfg / "a.yaml").write_text("name: a\nkind: cpu\nmounts:\n"
-                                "  - {source: /srv/data sets/x, target: /data}\n"
-                                "  - {source: scratch, target: /scratch}\n")
-    (cfg / "b.yaml").write_text("name: b\nkind: cpu\nmounts:\n"
-                                "  - {source: /nfs/shared/, target: /shared}\n"
-                                "  - {source: /srv/data sets/x, target: /data}\n")
+    for name, sources in {"a": ["/srv/data sets/x", "scratch"],
+                          "b": ["/nfs/shared/", "/srv/data sets/x"]}.items():
+        (cfg / f"{name}.yaml").write_text(f"name: {name}\nkind: cpu\nmounts:\n" + "".join(
+            f"  - {{source: {s}, target: /m{i}}}\n" for i, s in enumerate(sources)))
     monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("ENVCTL_SYSTEMCTL", fake_systemctl[0])
     d = tmp_path / "units"
