@@ -497,6 +497,35 @@ def test_a_sigterm_to_the_supervisor_records_host_shutdown_only_when_it_is_one(b
     assert final["reason"] == ("host shutdown" if shutting_down else None), final
 
 
+def test_a_job_that_ends_as_systemd_stops_its_supervisor_at_shutdown_is_cancelled(box):
+    """At shutdown systemd signals the job's processes and its supervisor at once: the job
+    may be gone before the supervisor looks at its SIGTERM. Made certain here: the supervisor
+    stopped, the job's launcher killed and left a zombie, then SIGTERM and SIGCONT, so that
+    both arrive in one wake-up. It is the stop that ended it: CANCELLED, "host shutdown"."""
+    sb = box
+    env = stopping_systemctl(sb)
+    j = submit(sb, script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n"), env=env)
+    assert wait_until(lambda: record(sb, j["id"])["state"] == "RUNNING")
+    sup = j["supervisor"]["pid"]
+    os.kill(sup, signal.SIGSTOP)
+    try:
+        children = Path(f"/proc/{sup}/task/{sup}/children").read_text().split()
+        assert children, "the supervisor has no launcher"
+        for pid in children:
+            os.kill(int(pid), signal.SIGKILL)
+
+        def zombies() -> bool:
+            stats = [Path(f"/proc/{p}/stat").read_text() for p in children]
+            return all(s[s.rfind(")") + 2] == "Z" for s in stats)
+
+        assert wait_until(zombies)
+        os.kill(sup, signal.SIGTERM)
+    finally:
+        os.kill(sup, signal.SIGCONT)
+    rc, (final,) = wait(sb, j["id"])
+    assert final["state"] == "CANCELLED" and final["reason"] == "host shutdown", final
+
+
 def test_200_short_jobs_back_to_back_leave_nothing_behind(box):
     sb = box
     true = sb.root / "true"

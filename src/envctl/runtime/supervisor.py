@@ -1395,6 +1395,12 @@ class _Supervisor:
         from envctl.runtime.launch import final_status
 
         status: int | None = final_status(started, status_r, buf)
+        if reason is None and self.cancel_requested and status is not None and not (
+                os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
+            # Asked to stop in the same wake-up as the job ended, not by itself: systemd at
+            # shutdown signals the job's scope and this one's at once, and the job may be
+            # gone before this loop looked at the request. The stop ended it.
+            reason = "cancel"
         return status, reason == "timeout", reason == "cancel"
 
     def _record_stopping(self, cause: str, grace: float) -> None:
