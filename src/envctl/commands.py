@@ -265,10 +265,21 @@ def retry(opts: Options, *, window: float) -> int:
     (exit 1, naming those still not up)."""
     from envctl import app as ops
     from envctl import retry as rt
+    from envctl.engine.signals import Interrupted, interruptible
     from envctl.host.context import Host
 
     ops.require_root("up --retry")
     host = Host.from_env()
+    interruptible()  # systemctl stop envctl (PartOf=): a clean end, not a failed unit
+    try:
+        return _retry_rounds(host, opts, window, rt)
+    except Interrupted as exc:
+        stderr(f"retry stopped ({exc}): what was still not up stays on the list")
+        return 0
+
+
+def _retry_rounds(host: Any, opts: Options, window: float, rt: Any) -> int:
+    """`up --retry`'s rounds (commands.retry)."""
 
     def attempt(names: list[str]) -> list[str]:
         try:

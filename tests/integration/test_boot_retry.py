@@ -5,6 +5,7 @@ the window closes is named (exit 1); one the operator took down is never brought
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -85,3 +86,16 @@ def test_an_environment_taken_down_is_not_brought_back(late):
     res = sb.envctl("up", "--retry", "--window", "5", env=env)
     assert res.returncode == 0 and "nothing to retry" in res.stderr, res.stderr
     assert "late" not in states(sb, env) or states(sb, env)["late"] != "up"
+
+
+def test_a_stop_ends_the_retry_cleanly_and_keeps_the_list(late):
+    """`systemctl stop envctl` stops envctl-retry.service too (PartOf=): SIGTERM is a clean
+    end (exit 0), not a failed unit, and what was not up still is on the list."""
+    sb, env = late
+    proc = start_retry(sb, env, window=120)
+    wait_for_line(proc, "retrying late in 2 s")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "retry stopped (SIGTERM)" in err, err
+    assert json.loads((sb.run_dir / "not-up.json").read_text())["envs"] == ["late"]
