@@ -124,15 +124,20 @@ def _tree_problem(tree: Path, trusted: frozenset[int]) -> tuple[Path, str] | Non
     return None
 
 
-def refuse_writable_code(command: Sequence[str], **where: Any) -> None:
-    """HostError (exit 1, one line; before anything is written) when anyone but root could
-    change what the units would run as root: the executable, the interpreter, the venv or
-    the envctl package (code_paths), or a directory above or a symlink on the way to any of
-    them. The rule specs already follow (envctl.spec.loader.changeable_by_others). Not run as
-    root (a test, an image build by a user), the caller's own uid is trusted too."""
+def refuse_writable_code(command: Sequence[str], *, trusted: frozenset[int] | None = None,
+                         **where: Any) -> None:
+    """HostError (exit 1, one line; before anything is written) when anyone whose uid is not
+    in `trusted` could change what the units would run as root: the executable, the
+    interpreter, the venv or the envctl package (code_paths), or a directory above or a
+    symlink on the way to any of them. The rule specs already follow, checked like theirs
+    only when running as root, which is when it matters (`trusted` None: {0} as root, else
+    nothing is checked: a user's install-units writes a unit dir of its own, not root code)."""
     from envctl.spec.loader import changeable_by_others
 
-    trusted = frozenset({0, os.geteuid()})
+    if trusted is None:
+        if os.geteuid() != 0:
+            return
+        trusted = frozenset({0})
     files, trees = code_paths(command, **where)
     found = [(q, why) for _, q, why in changeable_by_others([*files, *trees], trusted=trusted)]
     for tree in trees:

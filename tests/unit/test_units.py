@@ -457,18 +457,22 @@ def fake_venv(tmp_path: Path) -> dict:
             "search_path": [str(pkg.parent), "relative/ignored"]}
 
 
+# Root and whoever runs the tests (root here; a user in CI): what the fake venv is made by.
+TRUSTED = frozenset({0, os.geteuid()})
+
+
 def refused(where: dict) -> str:
     args = dict(where)
     command = args.pop("command")
     with pytest.raises(HostError) as exc:
-        un.refuse_writable_code(command, **args)
+        un.refuse_writable_code(command, trusted=TRUSTED, **args)
     return str(exc.value)
 
 
 def test_code_only_root_can_change_is_accepted(tmp_path):
     where = fake_venv(tmp_path)
     args = dict(where)
-    un.refuse_writable_code(args.pop("command"), **args)
+    un.refuse_writable_code(args.pop("command"), trusted=TRUSTED, **args)
     files, trees = un.code_paths(where["command"], **{k: v for k, v in where.items()
                                                       if k != "command"})
     # The script, the interpreter its #! names, the import path, and the venv and package
@@ -525,6 +529,7 @@ def test_a_symlink_into_a_users_directory_is_refused(tmp_path):
     assert f"install units: {home} is owned by uid 1000" in refused(where)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="checked only as root, as spec files are")
 def test_cli_install_units_refuses_user_writable_code_and_writes_nothing(
         capsys, tmp_path, monkeypatch, fake_systemctl):
     where = fake_venv(tmp_path)
@@ -580,3 +585,16 @@ def test_envctl_service_requires_the_mounts_of_the_specs_data_sources(capsys, tm
     assert code == 0 and "warning: specs not read" in err, err
     assert settings((d / "envctl.service").read_text())["[Unit]RequiresMountsFor"] == [
         f"{tmp_path / 'state'} {cfg}"]
+
+
+def test_not_root_nothing_is_checked(tmp_path, monkeypatch):
+    """As for spec files: a user's install-units (its own --unit-dir) makes no root code."""
+    where = fake_venv(tmp_path)
+    Path(where["command"][0]).chmod(0o777)
+    monkeypatch.setattr(un.os, "geteuid", lambda: 1000)
+    args = dict(where)
+    un.refuse_writable_code(args.pop("command"), **args)  # no HostError
+    monkeypatch.setattr(un.os, "geteuid", lambda: 0)
+    with pytest.raises(HostError):
+        un.refuse_writable_code(where["command"], **{k: v for k, v in where.items()
+                                                      if k != "command"})
