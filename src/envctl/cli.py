@@ -234,19 +234,31 @@ def _warned(warnings: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 @app.command()
-def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False) -> None:
+def up(names: EnvNames = None, all_: AllOpt = False, json_: JsonOpt = False,
+       retry: Annotated[bool, typer.Option(
+           "--retry", help="Try again, with backoff (1 s, 2 s, 4 s ... 60 s), the environments "
+           "this boot's `up --all` could not bring up, until all are up or --window has "
+           "passed (envctl-retry.service).")] = False,
+       window: Annotated[float, typer.Option(
+           "--window", min=0, help="With --retry: seconds to keep trying.")] = 600.0,
+       ) -> None:
     """Bring environments up: apply their plan in order, repairing drift; safe to re-run.
 
     A failing step rolls back what this run applied to that environment; the others still
     come up, and the exit status is 1. With --all (the boot unit), an environment this host
-    cannot serve (a required kernel module missing) is reported and skipped. Bad specs and
-    conflicts stop everything before the first change (exit 2).
+    cannot serve (a required kernel module missing) is reported and skipped, and waits for
+    `up --retry`. Bad specs and conflicts stop everything before the first change (exit 2).
 
     Example: sudo envctl up cpu-compute
     """
     from envctl import commands
 
-    _exit(commands.up(names, _opts(), all_=all_, json_=json_))
+    if retry:
+        if names or all_ or json_:
+            raise commands.BadArgs("up", "--retry takes no names, --all or --json")
+        _exit(commands.retry(_opts(), window=window))
+    else:
+        _exit(commands.up(names, _opts(), all_=all_, json_=json_))
 
 
 @app.command()
@@ -805,6 +817,24 @@ def _render_unit_changes(changes: list, json_: bool, nothing: str) -> None:
             print(c)
 
 
+def _boot_mounts(specs_dir: Path, state_dir: Path) -> list[str]:
+    """envctl.units.mount_paths of the specs in `specs_dir` as they are now (none, with a
+    warning, when they cannot be read: the unit is still worth installing)."""
+    from envctl.errors import EnvctlError
+    from envctl.units import mount_paths
+    from envctl.workspace import Workspace
+
+    specs = []
+    try:
+        if specs_dir.is_dir():
+            specs = [ls.spec for ls in Workspace.open(specs_dir, pure=True).specs]
+    except EnvctlError as exc:
+        print(f"warning: specs not read ({str(exc).splitlines()[0]}): envctl.service "
+              "requires no data source's mount; run install-units again once they are fixed",
+              file=sys.stderr)
+    return mount_paths(specs, str(state_dir.absolute()), str(specs_dir))
+
+
 @app.command("install-units")
 def install_units(
     now: Annotated[bool, typer.Option("--now", help="Also start them now (envctl.service "
@@ -824,20 +854,27 @@ def install_units(
     """
     from envctl.host.context import Host
     from envctl.units import Units, carried_environment, envctl_command, render_all
+    from envctl.units import refuse_writable_code as refuse_code
     from envctl.workspace import config_dir
 
+    command = envctl_command()
+    refuse_code(command)  # root code at every boot: only root may change it
     # The directory this command reads (./configs in a checkout included), made absolute: the
     # units run from / and must see the specs the operator's `envctl up` sees.
-    texts = render_all(envctl_command(), carried_environment(
-        os.environ, str(config_dir(CTX.config_dir).resolve())))
-    units = Units.from_env(Host.from_env().state_dir, unit_dir)
+    specs_dir = config_dir(CTX.config_dir).resolve()
+    host = Host.from_env()
+    texts = render_all(command, carried_environment(os.environ, str(specs_dir)),
+                       mounts=_boot_mounts(specs_dir, host.state_dir))
+    units = Units.from_env(host.state_dir, unit_dir)
     _render_unit_changes(units.install(texts, now=now), json_, "nothing to do")
 
 
 @app.command("uninstall-units")
 def uninstall_units(
     now: Annotated[bool, typer.Option("--now", help="Also stop them now (envctl.service runs "
-                                                    "`envctl down --all --force`).")] = False,
+                                                    "`envctl down --all`, which refuses while "
+                                                    "jobs run: then nothing is removed).")
+                   ] = False,
     unit_dir: UnitDirOpt = None,
     json_: JsonOpt = False,
 ) -> None:

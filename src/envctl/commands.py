@@ -180,7 +180,9 @@ def plan(names: list[str] | None, opts: Options, *, all_: bool = False, down_: b
 
 
 def up(names: list[str] | None, opts: Options, *, all_: bool = False,
-       json_: bool = False) -> int:
+       json_: bool = False, each: bool = False) -> int:
+    """`each` (a retry's round): the named environments planned one by one as --all plans
+    them (one this host cannot serve is skipped), and a name with no spec left is dropped."""
     from envctl import app as ops
     from envctl.engine.signals import interruptible
     from envctl.render import bar_printer, render_outcomes, step_printer
@@ -193,8 +195,14 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
         for uuid, why in ops.quarantine_findings(ws.host, ws.facts.extra.get(FINDINGS_KEY, []),
                                                  ws.facts.gpu_held).items():
             stderr(f"warning: GPU {uuid} quarantined: {why}")
+    if each:
+        gone = [n for n in env_names if n not in ws.names()]
+        _record_not_up(ws.host, gone, [])  # its spec was removed: nothing to retry
+        env_names = [n for n in env_names if n not in gone]
+        if not env_names:
+            return 0
     selected = ws.select(env_names, all_=all_)
-    if all_:
+    if all_ or each:
         plans, skipped = ws.plan_each(selected)
     else:
         plans, skipped = ws.plan_all(selected), {}
@@ -249,6 +257,9 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
         stderr(f"error: {env}: {err}")
     if result.cdi_error:
         stderr(f"error: {result.cdi_error}")
+    # What waits for `up --retry` (envctl-retry.service): after --all, exactly what is not up.
+    _record_not_up(ws.host, [ls.spec.name for ls in selected],
+                   [*result.failed, *skipped])
     if json_:
         emit_json([o.to_json() for o in result.outcomes]
                   + [{"env": env, "error": err} for env, err in result.failed.items()]
@@ -264,6 +275,60 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
             [f"{env} (skipped)" for env in skipped]
         stderr(f"not up: {', '.join(not_up)}")
         return 1
+    return 0
+
+
+def _record_not_up(host: Any, tried: list[str], not_up: list[str]) -> None:
+    """envctl.retry.record_attempt; a run directory that cannot be written only warns."""
+    from envctl.retry import record_attempt
+
+    try:
+        record_attempt(host.run_dir, host.boot_id, tried, not_up)
+    except OSError as exc:
+        stderr(f"warning: retry list {host.run_dir}: {exc.strerror or exc}")
+
+
+def retry(opts: Options, *, window: float) -> int:
+    """`up --retry`: the environments this boot's `up --all` could not bring up, tried again
+    with backoff (envctl.retry) until all are up (exit 0) or `window` seconds have passed
+    (exit 1, naming those still not up)."""
+    from envctl import app as ops
+    from envctl import retry as rt
+    from envctl.engine.signals import Interrupted, interruptible
+    from envctl.host.context import Host
+
+    ops.require_root("up --retry")
+    host = Host.from_env()
+    interruptible()  # systemctl stop envctl (PartOf=): a clean end, not a failed unit
+    try:
+        return _retry_rounds(host, opts, window, rt)
+    except Interrupted as exc:
+        stderr(f"retry stopped ({exc}): what was still not up stays on the list")
+        return 0
+
+
+def _retry_rounds(host: Any, opts: Options, window: float, rt: Any) -> int:
+    """`up --retry`'s rounds (commands.retry)."""
+
+    def attempt(names: list[str]) -> list[str]:
+        try:
+            up(names, opts, each=True)
+        except EnvctlError as exc:  # a spec being edited, a lock held: the next round
+            for line in (exc.problems if isinstance(exc, SpecError) else [exc]):
+                stderr(f"error: {line}")
+        return rt.read_not_up(host.run_dir, host.boot_id)
+
+    pending = rt.read_not_up(host.run_dir, host.boot_id)
+    if not pending:
+        stderr("nothing to retry: every environment `up --all` tried this boot is up")
+        return 0
+    left = rt.retry(attempt, pending, window=window, on_wait=lambda d, names: stderr(
+        f"retrying {', '.join(names)} in {d:g} s"))
+    if left:
+        stderr(f"still not up after {window:g} s: {', '.join(left)} (envctl up NAME, or "
+               "systemctl restart envctl-retry, once fixed)")
+        return 1
+    stderr("every environment is up")
     return 0
 
 
@@ -303,6 +368,7 @@ def down(names: list[str] | None, opts: Options, *, all_: bool = False, force: b
                    f"{'; '.join(what)}")
     else:
         outcomes = ops.down(engine, envs)
+    _record_not_up(host, envs, [])  # taken down on purpose: never brought back by a retry
     if json_:
         emit_json([o.to_json() for o in outcomes])
     else:
@@ -311,22 +377,31 @@ def down(names: list[str] | None, opts: Options, *, all_: bool = False, force: b
 
 
 def _jobs_before_down(host: Any, envs: list[str], *, force: bool) -> None:
-    """Jobs still running in an environment stop its `down` (exit 1: the host's state refuses
-    it, the command is right) unless --force, which cancels them first (recorded CANCELLED)."""
+    """Jobs still running in an environment stop its `down` (exit 1, naming every such
+    environment and its jobs, nothing taken down: the host's state refuses it, the command is
+    right) unless --force, or the host is shutting down (`systemctl is-system-running` says
+    "stopping": envctl.service's ExecStop= at shutdown), which cancel them first (recorded
+    CANCELLED; at shutdown with the reason "host shutdown")."""
     from envctl.runtime.jobs import jobs_dir
 
     if not jobs_dir(host.state_dir).is_dir():
         return  # no job was ever submitted here
     from envctl.runtime import supervisor as sv
 
+    reason = None
     if not force:
-        for env in envs:
-            sv.refuse_down(host, env)
-        return
+        busy = sv.busy_envs(host, envs)
+        if not busy:
+            return
+        if not host.systemd.stopping():
+            raise sv.refuse_down(busy)
+        reason = sv.SHUTDOWN_REASON
+        stderr(f"the host is shutting down: cancelling the jobs of {', '.join(busy)}")
+        envs = list(busy)
     from envctl.host.cgroups import kill_grace_from_env
 
     for env in envs:  # with teardown's grace (ENVCTL_KILL_GRACE) between SIGTERM and SIGKILL
-        for job in sv.stop_env_jobs(host, env, grace=kill_grace_from_env()):
+        for job in sv.stop_env_jobs(host, env, grace=kill_grace_from_env(), reason=reason):
             stderr(f"{env}: job {job.id} {job.state}")
 
 

@@ -25,6 +25,7 @@ import hashlib
 import os
 import re
 import shlex
+import stat
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -35,8 +36,8 @@ from typing import Any
 from envctl.errors import HostError, InputError
 from envctl.host.files import atomic_write, read_json, write_json
 
-NAMES = ("envctl.service", "envctl-monitor.service", "envctl-daemon.socket",
-         "envctl-daemon.service")
+NAMES = ("envctl.service", "envctl-monitor.service", "envctl-retry.service",
+         "envctl-daemon.socket", "envctl-daemon.service")
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
 RECORD = "units.json"
 # The settings that say which specs and which state envctl works on: the units must see the
@@ -66,6 +67,89 @@ def envctl_command(executable: str = sys.executable) -> list[str]:
     if script.is_file() and os.access(script, os.X_OK):
         return [str(script)]
     return [executable, "-m", "envctl"]
+
+
+def _shebang(script: Path) -> list[Path]:
+    """The interpreter a script's `#!` line names ([] when it has none)."""
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(4096)
+    except OSError:
+        return []
+    words = first[2:].split() if first.startswith(b"#!") else []
+    return [Path(os.fsdecode(words[0]))] if words and words[0].startswith(b"/") else []
+
+
+def code_paths(command: Sequence[str], *, executable: str = sys.executable,
+               prefix: str = sys.prefix, base_prefix: str = sys.base_prefix,
+               package: Path = Path(__file__).resolve().parent,
+               search_path: Sequence[str] = tuple(sys.path)
+               ) -> tuple[list[Path], list[Path]]:
+    """What the units run as root at every boot: (files checked with every directory above
+    them and every symlink on the way: the command, the interpreter its `#!` names and this
+    one, and each directory modules are imported from (sys.path: the stdlib, site-packages,
+    what .pth files add); trees checked file by file as well: the venv when this is one, and
+    the envctl package, which in an editable install is the checkout's src/envctl)."""
+    first = Path(command[0])
+    files = [first, *_shebang(first), Path(executable),
+             *(Path(p) for p in search_path if p.startswith("/") and os.path.isdir(p))]
+    trees = [Path(prefix)] if Path(prefix) != Path(base_prefix) else []
+    return list(dict.fromkeys(files)), list(dict.fromkeys([*trees, package]))
+
+
+def _tree_problem(tree: Path, trusted: frozenset[int]) -> tuple[Path, str] | None:
+    """The first entry under `tree` that someone not in `trusted` could change (owned by
+    them, or writable by group or others: no sticky exception inside code), with why; a
+    symlink is judged by where it leads (changeable_by_others)."""
+    from envctl.spec.loader import changeable_by_others
+
+    for here, dirs, names in os.walk(tree):
+        dirs.sort()
+        for name in [*dirs, *sorted(names)]:
+            path = Path(here) / name
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                bad = changeable_by_others([path], trusted=trusted)
+                if bad:
+                    return bad[0][1], bad[0][2]
+                continue
+            if st.st_uid not in trusted:
+                return path, f"is owned by uid {st.st_uid}, not root"
+            if st.st_mode & 0o022:
+                mode = stat.S_IMODE(st.st_mode)
+                return path, f"is writable by group or others (mode {mode:04o})"
+    return None
+
+
+def refuse_writable_code(command: Sequence[str], *, trusted: frozenset[int] | None = None,
+                         **where: Any) -> None:
+    """HostError (exit 1, one line; before anything is written) when anyone whose uid is not
+    in `trusted` could change what the units would run as root: the executable, the
+    interpreter, the venv or the envctl package (code_paths), or a directory above or a
+    symlink on the way to any of them. The rule specs already follow, checked like theirs
+    only when running as root, which is when it matters (`trusted` None: {0} as root, else
+    nothing is checked: a user's install-units writes a unit dir of its own, not root code)."""
+    from envctl.spec.loader import changeable_by_others
+
+    if trusted is None:
+        if os.geteuid() != 0:
+            return
+        trusted = frozenset({0})
+    files, trees = code_paths(command, **where)
+    found = [(q, why) for _, q, why in changeable_by_others([*files, *trees], trusted=trusted)]
+    for tree in trees:
+        if not found:
+            bad = _tree_problem(tree, trusted)
+            found += [bad] if bad else []
+    if found:
+        q, why = found[0]
+        raise HostError(f"install units: {q} {why}: the units run {command[0]} as root at "
+                        "every boot, so only root may be able to change it, its interpreter, "
+                        "venv and envctl package, and every directory above them; chown root "
+                        f"and chmod go-w {q} (or install envctl where only root can write)")
 
 
 def template_dir() -> Path:
@@ -108,9 +192,10 @@ def exec_word(word: str) -> str:
 
 def render(name: str, template: str, command: Sequence[str],
            environment: Mapping[str, str] = {},  # noqa: B006 - read only
-           socket: str | None = None) -> str:
+           socket: str | None = None, mounts: Sequence[str] = ()) -> str:
     """The unit file for `template`: the header, the template with each Exec line's `envctl`
-    replaced by `command`, and `environment` as Environment= lines at the top of [Service].
+    replaced by `command`, `environment` as Environment= lines at the top of [Service], and
+    `mounts` (mount_paths) as a RequiresMountsFor= line at the end of [Unit].
 
     A service must run envctl; a socket unit (no [Service], no Exec lines) gets `socket`, when
     given, as its ListenStream= instead: the path the CLI and the daemon use."""
@@ -130,6 +215,11 @@ def render(name: str, template: str, command: Sequence[str],
     text, n = _EXEC.subn(lambda m: m.group(1) + quoted, template)
     if n == 0:
         raise HostError(f"install unit '{name}': the template runs no `envctl` command")
+    if mounts:
+        text, n = re.subn(r"\n\n\[Service\]\n", lambda m: "\n" + MOUNTS_COMMENT
+                          + _mounts_line(mounts) + "\n[Service]\n", text, count=1)
+        if n == 0:
+            raise HostError(f"install unit '{name}': the template has no [Service] section")
     if environment:
         lines = "".join(f'Environment="{_escape(k, "name")}={_escape(v, k)}"\n'
                         for k, v in sorted(environment.items()))
@@ -138,6 +228,24 @@ def render(name: str, template: str, command: Sequence[str],
         if n == 0:
             raise HostError(f"install unit '{name}': the template has no [Service] section")
     return HEADER.format(name=name) + text
+
+
+def mount_paths(specs: Sequence[Any], *other: str) -> list[str]:
+    """What envctl.service needs mounted before `up --all` (its RequiresMountsFor=): each
+    spec's absolute mount sources (relative ones live in the state directory) and `other`
+    (the state and config directories), deduplicated, in order."""
+    paths = [m.source for s in specs for m in s.mounts if m.source.startswith("/")]
+    return list(dict.fromkeys(os.path.normpath(p) for p in [*paths, *other] if p))
+
+
+MOUNTS_COMMENT = ("# Written by install-units from the specs' absolute mount sources, the "
+                  "state and config\n# directories (docs/boot.md): run it again after "
+                  "adding a data source.\n")
+
+
+def _mounts_line(paths: Sequence[str]) -> str:
+    words = [p if _PLAIN.fullmatch(p) else '"' + _escape(p, "mount path") + '"' for p in paths]
+    return f"RequiresMountsFor={' '.join(words)}\n"
 
 
 def wanted_by(text: str) -> list[str]:
@@ -396,9 +504,10 @@ def _unlink_if(path: Path, points_to: str | None) -> bool:
 
 
 def render_all(command: Sequence[str], environment: Mapping[str, str],
-               templates: Path | None = None) -> dict[str, str]:
+               templates: Path | None = None, mounts: Sequence[str] = ()) -> dict[str, str]:
     """Every unit of NAMES rendered from its template; the socket unit listens where
-    `environment`'s ENVCTL_SOCKET says (else the template's /run/envctl/envctl.sock)."""
+    `environment`'s ENVCTL_SOCKET says (else the template's /run/envctl/envctl.sock);
+    envctl.service requires `mounts` mounted (RequiresMountsFor=)."""
     d = templates or template_dir()
     out = {}
     for name in NAMES:
@@ -407,5 +516,6 @@ def render_all(command: Sequence[str], environment: Mapping[str, str],
         except OSError as exc:
             raise HostError(f"install unit '{name}': read {d / name}: {exc.strerror}") from exc
         out[name] = render(name, template, command, environment,
-                           socket=environment.get("ENVCTL_SOCKET"))
+                           socket=environment.get("ENVCTL_SOCKET"),
+                           mounts=mounts if name == "envctl.service" else ())
     return out

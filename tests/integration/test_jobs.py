@@ -445,6 +445,87 @@ def test_down_refuses_while_jobs_run_and_force_cancels_them(box):
     assert residue == {}
 
 
+def stopping_systemctl(sb) -> dict[str, str]:
+    """The environment of a host that systemd is shutting down: a systemctl whose
+    `is-system-running` says "stopping" (what envctl asks), as ENVCTL_SYSTEMCTL."""
+    fake = script(sb, "systemctl-stopping", '#!/bin/sh\n[ "$1" = is-system-running ] && '
+                  '{ echo stopping; exit 1; }\nexit 0\n')
+    return {"ENVCTL_SYSTEMCTL": fake, "ENVCTL_KILL_GRACE": "1"}
+
+
+def test_down_all_refuses_naming_each_environment_and_job_and_takes_nothing_down(box):
+    """envctl.service's ExecStop= (`down --all`, no --force) while a job runs: exit 1, one
+    line naming the environment and its job, and everything stays up."""
+    sb = box
+    j = submit(sb, script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n"))
+    res = sb.envctl("down", "--all")
+    assert res.returncode == 1, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert f"down box: 1 job(s) still running ({j['id']})" in last, res.stderr
+    assert record(sb, j["id"])["state"] == "RUNNING"
+    assert sb.envctl_json("status")[0]["state"] == "up"
+    sb.envctl("cancel", str(j["id"]), check=True)
+
+
+def test_down_while_the_host_shuts_down_cancels_the_jobs_with_that_reason(box):
+    sb = box
+    j = submit(sb, script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n"))
+    res = sb.envctl("down", "--all", env=stopping_systemctl(sb))
+    assert res.returncode == 0, res.stderr
+    assert "the host is shutting down: cancelling the jobs of box" in res.stderr
+    final = record(sb, j["id"])
+    assert final["state"] == "CANCELLED" and final["reason"] == "host shutdown", final
+    assert not ours(sb)
+    residue = sb.residue()
+    assert residue.pop("state_dir", None) == ["jobs", "lock"], residue
+    assert residue == {}
+
+
+@pytest.mark.parametrize("shutting_down", [True, False])
+def test_a_sigterm_to_the_supervisor_records_host_shutdown_only_when_it_is_one(box,
+                                                                               shutting_down):
+    """At shutdown systemd stops the jobs' scopes itself (maybe before envctl.service's
+    `down`): the supervisor's SIGTERM then records "host shutdown"; any other SIGTERM, no
+    reason."""
+    sb = box
+    env = stopping_systemctl(sb) if shutting_down else None
+    j = submit(sb, script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n"), env=env)
+    assert wait_until(lambda: record(sb, j["id"])["state"] == "RUNNING")
+    os.kill(j["supervisor"]["pid"], signal.SIGTERM)
+    rc, (final,) = wait(sb, j["id"])
+    assert final["state"] == "CANCELLED", final
+    assert final["reason"] == ("host shutdown" if shutting_down else None), final
+
+
+def test_a_job_that_ends_as_systemd_stops_its_supervisor_at_shutdown_is_cancelled(box):
+    """At shutdown systemd signals the job's processes and its supervisor at once: the job
+    may be gone before the supervisor looks at its SIGTERM. Made certain here: the supervisor
+    stopped, the job's launcher killed and left a zombie, then SIGTERM and SIGCONT, so that
+    both arrive in one wake-up. It is the stop that ended it: CANCELLED, "host shutdown"."""
+    sb = box
+    env = stopping_systemctl(sb)
+    j = submit(sb, script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n"), env=env)
+    assert wait_until(lambda: record(sb, j["id"])["state"] == "RUNNING")
+    sup = j["supervisor"]["pid"]
+    os.kill(sup, signal.SIGSTOP)
+    try:
+        children = Path(f"/proc/{sup}/task/{sup}/children").read_text().split()
+        assert children, "the supervisor has no launcher"
+        for pid in children:
+            os.kill(int(pid), signal.SIGKILL)
+
+        def zombies() -> bool:
+            stats = [Path(f"/proc/{p}/stat").read_text() for p in children]
+            return all(s[s.rfind(")") + 2] == "Z" for s in stats)
+
+        assert wait_until(zombies)
+        os.kill(sup, signal.SIGTERM)
+    finally:
+        os.kill(sup, signal.SIGCONT)
+    rc, (final,) = wait(sb, j["id"])
+    assert final["state"] == "CANCELLED" and final["reason"] == "host shutdown", final
+
+
 def test_200_short_jobs_back_to_back_leave_nothing_behind(box):
     sb = box
     true = sb.root / "true"

@@ -71,14 +71,20 @@ def test_the_boot_unit_is_the_oneshot_the_issue_asks_for():
     s = settings((REPO / "systemd/envctl.service").read_text())
     assert s["[Service]Type"] == ["oneshot"] and s["[Service]RemainAfterExit"] == ["yes"]
     assert s["[Service]ExecStart"] == ["envctl up --all"]
-    assert s["[Service]ExecStop"] == ["envctl down --all --force"]
+    # Reload stops nothing; stop never cancels jobs by itself (no --force: `down` refuses
+    # while jobs run, unless the host is shutting down).
+    assert s["[Service]ExecReload"] == ["envctl up --all"]
+    assert s["[Service]ExecStop"] == ["envctl down --all"]
     after = " ".join(s["[Unit]After"]).split()
-    assert {"network-online.target", "local-fs.target", "nvidia-persistenced.service"} <= \
-        set(after)
-    assert s["[Unit]Wants"] == ["network-online.target"]
-    # nvidia-persistenced is ordering only: a host without it must still boot the unit.
-    assert "nvidia-persistenced.service" not in " ".join(
-        s.get("[Unit]Wants", []) + s.get("[Unit]Requires", []))
+    assert {"network-online.target", "local-fs.target", "remote-fs.target",
+            "nvidia-persistenced.service", "nvidia-fabricmanager.service"} <= set(after)
+    # The monitor and the retry are started with the environments (and ordered after them).
+    assert " ".join(s["[Unit]Wants"]).split() == ["network-online.target",
+                                                  "envctl-monitor.service",
+                                                  "envctl-retry.service"]
+    # The NVIDIA daemons are ordering only: a host without them must still boot the unit.
+    for daemon in ("nvidia-persistenced.service", "nvidia-fabricmanager.service"):
+        assert daemon not in " ".join(s.get("[Unit]Wants", []) + s.get("[Unit]Requires", []))
     # The supervisors `up` forks stay in the unit's cgroup: only `up` itself may be killed.
     assert s["[Service]KillMode"] == ["process"]
     # `up --all` exiting 1 (one environment not up) keeps the unit active: a failed unit is
@@ -98,6 +104,17 @@ def test_the_monitor_unit_restarts_always_after_the_boot_unit():
     # sd_notify: READY=1 after the first tick, WATCHDOG=1 from the loop (monitor/notify.py).
     assert s["[Service]Type"] == ["notify"] and s["[Service]NotifyAccess"] == ["main"]
     assert s["[Service]WatchdogSec"] == ["5min"] and s["[Service]TimeoutStartSec"] == ["5min"]
+
+
+def test_the_retry_unit_runs_after_the_boot_unit_and_stops_with_it():
+    s = settings((REPO / "systemd/envctl-retry.service").read_text())
+    assert s["[Service]ExecStart"] == ["envctl up --retry --window 600"]
+    assert s["[Unit]After"] == ["envctl.service"] and s["[Unit]PartOf"] == ["envctl.service"]
+    # Started only through envctl.service's Wants= (never on its own: no [Install]), and the
+    # supervisors of what it brings up outlive it.
+    assert not any(k.startswith("[Install]") for k in s)
+    assert "[Unit]Wants" not in s and "[Unit]Requires" not in s
+    assert s["[Service]KillMode"] == ["process"]
 
 
 def test_the_daemon_socket_is_the_one_the_cli_connects_to():
@@ -165,7 +182,7 @@ def test_render_points_every_exec_line_at_the_command_and_carries_the_settings()
                                               "ENVCTL_STATE_DIR": "/var/lib/envctl"})
     s = settings(t["envctl.service"])
     assert s["[Service]ExecStart"] == ['"/opt/my envctl/bin/envctl" up --all']
-    assert s["[Service]ExecStop"] == ['"/opt/my envctl/bin/envctl" down --all --force']
+    assert s["[Service]ExecStop"] == ['"/opt/my envctl/bin/envctl" down --all']
     assert s["[Service]Environment"] == ['"ENVCTL_CONFIG_DIR=/etc/e 100%%"',
                                          '"ENVCTL_STATE_DIR=/var/lib/envctl"']
     assert t["envctl.service"].startswith("# Written by `envctl install-units`")
@@ -212,6 +229,7 @@ def test_install_writes_enables_reloads_and_is_idempotent(units, fake_systemctl)
     assert [(c.action, c.unit) for c in changes] == [
         ("wrote", "envctl.service"), ("enabled", "envctl.service"),
         ("wrote", "envctl-monitor.service"), ("enabled", "envctl-monitor.service"),
+        ("wrote", "envctl-retry.service"),  # no [Install]: envctl.service's Wants= starts it
         ("wrote", "envctl-daemon.socket"), ("enabled", "envctl-daemon.socket"),
         ("wrote", "envctl-daemon.service"), ("enabled", "envctl-daemon.service"),
         ("reloaded", "systemd")]
@@ -219,19 +237,22 @@ def test_install_writes_enables_reloads_and_is_idempotent(units, fake_systemctl)
         path = units.unit_dir / name
         assert path.read_text() == text
         assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        if name == "envctl-retry.service":
+            continue
         target = "sockets.target" if name.endswith(".socket") else "multi-user.target"
         link = units.unit_dir / f"{target}.wants" / name
         assert os.readlink(link) == str(path)
     assert calls() == ["daemon-reload"]
 
     again = units.install(texts())
-    assert [c.action for c in again] == ["kept"] * 4
+    assert [c.action for c in again] == ["kept"] * 5
     assert calls() == ["daemon-reload"]  # nothing changed: no reload
 
     # Another envctl installation: envctl's own files are rewritten.
     other = units.install(texts(["/usr/local/bin/envctl"]))
     # (the socket unit runs no envctl: it is the same text, kept)
-    assert [c.action for c in other] == ["rewrote", "rewrote", "kept", "rewrote", "reloaded"]
+    assert [c.action for c in other] == ["rewrote", "rewrote", "rewrote", "kept", "rewrote",
+                                         "reloaded"]
     assert "ExecStart=/usr/local/bin/envctl up --all" in \
         (units.unit_dir / "envctl.service").read_text()
 
@@ -240,17 +261,19 @@ def test_install_now_starts_them(units, fake_systemctl):
     _, calls = fake_systemctl
     units.install(texts(), now=True)
     assert calls() == ["daemon-reload", "start envctl.service envctl-monitor.service "
-                       "envctl-daemon.socket envctl-daemon.service"]
+                       "envctl-retry.service envctl-daemon.socket envctl-daemon.service"]
 
 
 def test_without_a_running_systemd_nothing_is_called(tmp_path, fake_systemctl):
     _, calls = fake_systemctl
     u = un.Units(tmp_path / "units", tmp_path / "state", systemctl=[fake_systemctl[0]],
                  booted=False)
-    assert [c.action for c in u.install(texts())] == ["wrote", "enabled"] * 4
+    assert [c.action for c in u.install(texts())] == ["wrote", "enabled"] * 2 + ["wrote"] + \
+        ["wrote", "enabled"] * 2
     with pytest.raises(HostError, match="systemd is not running"):
         u.install(texts(), now=True)
-    assert [c.action for c in u.uninstall()] == ["disabled", "removed"] * 4
+    assert [c.action for c in u.uninstall()] == ["disabled", "removed"] * 3 + ["removed"] + \
+        ["disabled", "removed"]  # sorted: envctl-retry.service (no link) before envctl.service
     assert calls() == []
 
 
@@ -284,7 +307,8 @@ def test_a_file_edited_by_hand_is_neither_overwritten_nor_removed(units):
 def test_identical_content_is_adopted(units, tmp_path):
     for name, text in texts().items():
         (units.unit_dir / name).write_text(text)  # as after a crash before the record
-    assert [c.action for c in units.install(texts())] == ["kept", "enabled"] * 4 + ["reloaded"]
+    assert [c.action for c in units.install(texts())] == ["kept", "enabled"] * 2 + ["kept"] + \
+        ["kept", "enabled"] * 2 + ["reloaded"]
     assert json.loads(units.record_path.read_text())["units"].keys() == set(un.NAMES)
 
 
@@ -307,9 +331,10 @@ def test_uninstall_removes_only_what_envctl_wrote(units, fake_systemctl):
     dropin.write_text("[Service]\nEnvironment=X=1\n")
     changes = units.uninstall(now=True)
     order = ["envctl-daemon.service", "envctl-daemon.socket", "envctl-monitor.service",
-             "envctl.service"]
+             "envctl-retry.service", "envctl.service"]
     assert [(c.action, c.unit) for c in changes] == [("stopped", n) for n in order] + [
-        (a, n) for n in order for a in ("disabled", "removed")] + [("reloaded", "systemd")]
+        (a, n) for n in order for a in ("disabled", "removed")
+        if (a, n) != ("disabled", "envctl-retry.service")] + [("reloaded", "systemd")]
     assert calls()[-2:] == ["stop " + " ".join(order), "daemon-reload"]
     assert sorted(str(p.relative_to(units.unit_dir)) for p in units.unit_dir.rglob("*")) == [
         "envctl.service.d", "envctl.service.d/10-local.conf", "multi-user.target.wants",
@@ -342,7 +367,8 @@ def test_systemd_analyze_verify_is_clean(tmp_path):
     def verify(command: list[str], where: str) -> subprocess.CompletedProcess:
         d = tmp_path / where
         d.mkdir()
-        for name, text in un.render_all(command, {"ENVCTL_STATE_DIR": "/var/lib/envctl"}
+        for name, text in un.render_all(command, {"ENVCTL_STATE_DIR": "/var/lib/envctl"},
+                                        mounts=["/srv/data sets/x", "/var/lib/envctl"]
                                         ).items():
             (d / name).write_text(text)
         return subprocess.run(["systemd-analyze", "verify", *sorted(map(str, d.iterdir()))],
@@ -411,3 +437,167 @@ def test_install_units_carries_the_config_directory_this_command_reads(capsys, t
     assert code == 0, err
     s = settings((d / "envctl.service").read_text())
     assert f'"ENVCTL_CONFIG_DIR={tmp_path.resolve() / "configs"}"' in s["[Service]Environment"]
+
+
+# ---------------------------------------------------------------- code only root can change
+
+
+def fake_venv(tmp_path: Path) -> dict:
+    """A venv-shaped tree (bin/envctl whose #! is bin/python, a link to this interpreter; an
+    envctl package under lib/) and the code_paths arguments that point at it."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    script = venv / "bin" / "envctl"
+    script.write_text(f"#!{venv}/bin/python\nfrom envctl.entry import main\nmain()\n")
+    script.chmod(0o755)
+    pkg = venv / "lib" / "site-packages" / "envctl"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    os.chmod(tmp_path, 0o755)
+    return {"command": [str(script)], "executable": str(venv / "bin" / "python"),
+            "prefix": str(venv), "base_prefix": sys.base_prefix, "package": pkg,
+            "search_path": [str(pkg.parent), "relative/ignored"]}
+
+
+# Root and whoever runs the tests (root here; a user in CI): what the fake venv is made by.
+TRUSTED = frozenset({0, os.geteuid()})
+
+
+def refused(where: dict) -> str:
+    args = dict(where)
+    command = args.pop("command")
+    with pytest.raises(HostError) as exc:
+        un.refuse_writable_code(command, trusted=TRUSTED, **args)
+    return str(exc.value)
+
+
+def test_code_only_root_can_change_is_accepted(tmp_path):
+    where = fake_venv(tmp_path)
+    args = dict(where)
+    un.refuse_writable_code(args.pop("command"), trusted=TRUSTED, **args)
+    files, trees = un.code_paths(where["command"], **{k: v for k, v in where.items()
+                                                      if k != "command"})
+    # The script, the interpreter its #! names, the import path, and the venv and package
+    # trees.
+    assert [str(f) for f in files] == [where["command"][0], where["executable"],
+                                       where["search_path"][0]]
+    assert trees == [Path(where["prefix"]), where["package"]]
+
+
+@pytest.mark.parametrize("what", ["venv", "bin", "script", "package file", "above"])
+def test_group_writable_code_or_directories_are_refused(tmp_path, what):
+    where = fake_venv(tmp_path)
+    venv = Path(where["prefix"])
+    target = {"venv": venv, "bin": venv / "bin", "script": venv / "bin" / "envctl",
+              "package file": where["package"] / "__init__.py", "above": tmp_path}[what]
+    target.chmod(stat.S_IMODE(target.stat().st_mode) | 0o020)
+    msg = refused(where)
+    assert msg.startswith(f"install units: {target} is writable by group"), msg
+    assert "\n" not in msg and "chmod go-w" in msg
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+@pytest.mark.parametrize("what", ["script", "package file", "venv"])
+def test_code_owned_by_a_user_is_refused(tmp_path, what):
+    where = fake_venv(tmp_path)
+    venv = Path(where["prefix"])
+    target = {"script": venv / "bin" / "envctl", "venv": venv,
+              "package file": where["package"] / "__init__.py"}[what]
+    os.chown(target, 1000, 1000)
+    msg = refused(where)
+    assert msg.startswith(f"install units: {target} is owned by uid 1000, not root"), msg
+
+
+def test_a_directory_on_the_import_path_others_can_write_is_refused(tmp_path):
+    """A site-packages a .pth file adds (outside the venv): its own directory is judged."""
+    where = fake_venv(tmp_path)
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    deps.chmod(0o777)
+    where["search_path"] = [str(deps)]
+    assert refused(where).startswith(f"install units: {deps} is writable by group and others")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_symlink_into_a_users_directory_is_refused(tmp_path):
+    """A root-owned link in the package that leads into a user's directory: python follows
+    it at import, so its target is judged."""
+    where = fake_venv(tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "evil.py").write_text("")
+    os.chown(home, 1000, 1000)
+    (where["package"] / "evil.py").symlink_to(home / "evil.py")
+    assert f"install units: {home} is owned by uid 1000" in refused(where)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="checked only as root, as spec files are")
+def test_cli_install_units_refuses_user_writable_code_and_writes_nothing(
+        capsys, tmp_path, monkeypatch, fake_systemctl):
+    where = fake_venv(tmp_path)
+    script = Path(where["command"][0])
+    script.chmod(0o775)
+    monkeypatch.setattr(un, "envctl_command", lambda: where["command"])
+    monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("ENVCTL_SYSTEMCTL", fake_systemctl[0])
+    d = tmp_path / "units"
+    code, out, err = run_cli(capsys, "install-units", "--unit-dir", str(d), "-C",
+                             str(tmp_path / "cfg"))
+    assert code == 1 and err.startswith(f"error: install units: {script} is writable by "
+                                        "group"), err
+    assert err.count("\n") == 1
+    assert not d.exists() and not (tmp_path / "state" / "units.json").exists()
+
+
+# ---------------------------------------------------------------- the mounts it waits for
+
+
+def test_envctl_service_requires_the_mounts_of_the_specs_data_sources(capsys, tmp_path,
+                                                                      monkeypatch,
+                                                                      fake_systemctl):
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    for name, sources in {"a": ["/srv/data sets/x", "scratch"],
+                          "b": ["/nfs/shared/", "/srv/data sets/x"]}.items():
+        (cfg / f"{name}.yaml").write_text(f"name: {name}\nkind: cpu\nmounts:\n" + "".join(
+            f"  - {{source: {s}, target: /m{i}}}\n" for i, s in enumerate(sources)))
+    monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("ENVCTL_SYSTEMCTL", fake_systemctl[0])
+    d = tmp_path / "units"
+    code, _, err = run_cli(capsys, "install-units", "--unit-dir", str(d), "-C", str(cfg))
+    assert code == 0, err
+    s = settings((d / "envctl.service").read_text())
+    # Absolute sources once each (a relative one lives in the state directory), then the
+    # state and config directories; quoted for systemd where needed.
+    assert s["[Unit]RequiresMountsFor"] == [
+        f'"/srv/data sets/x" /nfs/shared {tmp_path / "state"} {cfg}']
+    for other in ("envctl-monitor.service", "envctl-retry.service", "envctl-daemon.service"):
+        assert "[Unit]RequiresMountsFor" not in settings((d / other).read_text())
+
+    # A spec added with a new data source: install-units again rewrites the unit.
+    (cfg / "c.yaml").write_text("name: c\nkind: cpu\nmounts:\n"
+                                "  - {source: /lustre/c, target: /c}\n")
+    code, out, err = run_cli(capsys, "install-units", "--unit-dir", str(d), "-C", str(cfg))
+    assert code == 0 and "rewrote envctl.service" in out, err
+    assert "/lustre/c" in settings((d / "envctl.service").read_text())["[Unit]RequiresMountsFor"][0]
+
+    # Broken specs: installed all the same, with a warning and only the state and config.
+    (cfg / "c.yaml").write_text("name: c\nkind: cpu\nresources: {memory: {max: lots}}\n")
+    code, out, err = run_cli(capsys, "install-units", "--unit-dir", str(d), "-C", str(cfg))
+    assert code == 0 and "warning: specs not read" in err, err
+    assert settings((d / "envctl.service").read_text())["[Unit]RequiresMountsFor"] == [
+        f"{tmp_path / 'state'} {cfg}"]
+
+
+def test_not_root_nothing_is_checked(tmp_path, monkeypatch):
+    """As for spec files: a user's install-units (its own --unit-dir) makes no root code."""
+    where = fake_venv(tmp_path)
+    Path(where["command"][0]).chmod(0o777)
+    monkeypatch.setattr(un.os, "geteuid", lambda: 1000)
+    args = dict(where)
+    un.refuse_writable_code(args.pop("command"), **args)  # no HostError
+    monkeypatch.setattr(un.os, "geteuid", lambda: 0)
+    with pytest.raises(HostError):
+        un.refuse_writable_code(where["command"], **{k: v for k, v in where.items()
+                                                      if k != "command"})

@@ -6,9 +6,12 @@ TestFirstBoot: `web` (netns, address, limits, a service) came up and `broken` (a
 this kernel lacks) was skipped; envctl.service is active (`up` exited 1: SuccessExitStatus) and
 its status names `broken`; the service's supervisor outlived `up` in a scope of its own
 (nothing left in envctl.service's cgroup); the monitor serves /metrics on loopback; the
-service's process killed -> the monitor brings it back; `systemctl stop envctl` with `broken`
-still broken -> nothing left, and start -> web up again; `broken` fixed and `systemctl restart
-envctl` -> both up; `systemctl stop envctl` -> nothing left; `systemctl start` -> converged
+service's process killed -> the monitor brings it back; envctl-retry.service retries `broken`
+with backoff; `systemctl reload` with a job running in `web` keeps the job and the service;
+`systemctl stop` with the job running refuses (the unit inactive, everything up), and after a
+cancel and a start, `systemctl stop envctl` with `broken` still broken -> nothing left, and
+start -> web up again; `broken` fixed -> the retry brings it up by itself, and a reload
+succeeds; `systemctl stop envctl` -> nothing left; `systemctl start` -> converged
 again; the state is copied to /out/state for the second boot, which follows a power loss
 (`poweroff -f`: nothing stopped).
 
@@ -82,7 +85,7 @@ DROPIN = "[Service]\nExecStart=\nExecStart={envctl} monitor --listen 127.0.0.1:9
 
 # Stopped after envctl.service and the monitor at shutdown (Before=: stop order is the reverse
 # of start order), while /out and the checkout are still mounted (RequiresMountsFor=): its
-# ExecStop= records what the shutdown's `envctl down --all --force` left.
+# ExecStop= records what the shutdown's `envctl down --all` left.
 SHUTDOWN_PROBE = """\
 [Unit]
 Description=envctl VM test: what envctl left at shutdown
@@ -219,7 +222,8 @@ def residue() -> dict[str, list[str]]:
         "journals": sorted(p.name for p in (STATE / "journal").glob("*"))
         if (STATE / "journal").is_dir() else [],
         "unit_procs": [f"{u}: {(CG / 'system.slice' / u / 'cgroup.procs').read_text()}"
-                       for u in ("envctl.service", "envctl-monitor.service")
+                       for u in ("envctl.service", "envctl-monitor.service",
+                                 "envctl-retry.service")
                        if (CG / "system.slice" / u / "cgroup.procs").exists()
                        and (CG / "system.slice" / u / "cgroup.procs").read_text().strip()],
     }
@@ -258,6 +262,14 @@ def assert_supervisor_scoped(sup: int) -> None:
     envctl forked it (envctl.service's `up`, the monitor's heal)."""
     assert cgroup_of(sup) == \
         f"/envctl.slice/envctl-web.slice/envctl-web-service-supervisor-{sup}.scope"
+
+
+def journal(unit: str) -> str:
+    return run("journalctl", "-b", "-u", unit, "--no-pager", "-o", "cat", check=False).stdout
+
+
+def job(job_id: int) -> dict:
+    return json.loads((STATE / "jobs" / f"{job_id}.json").read_text())
 
 
 def stop_and_check_residue() -> None:
@@ -303,6 +315,48 @@ class TestFirstBoot:
     def test_a_killed_service_is_brought_back_by_the_monitor(self):
         kill_service_and_wait_for_the_monitor()
 
+    def test_the_retry_unit_retries_broken_with_backoff(self):
+        # envctl.service's Wants= started it once `up --all` was done; broken still fails.
+        assert show("envctl-retry.service", "ActiveState")["ActiveState"] == "active"
+        wait_for(lambda: "retrying broken in 4 s" in journal("envctl-retry.service"),
+                 "the retry's third wait (1 s, 2 s, then 4 s)")
+
+    def test_reload_with_a_job_running_stops_nothing(self):
+        sub = json.loads(run(ENVCTL, "submit-job", "--json", "--user", "root", "web",
+                             "sleep", "1000").stdout)
+        TestFirstBoot.job_id = sub["id"]
+        wait_for(lambda: job(sub["id"])["state"] == "RUNNING", "the job to run")
+        before, service = job(sub["id"])["supervisor"], running("web")["pid"]
+        # broken is still broken: `up --all` exits 1, which SuccessExitStatus=1 counts as
+        # success for ExecReload= too; the unit stays active with everything as it was.
+        run("systemctl", "reload", "envctl.service", timeout=600)
+        assert show("envctl.service", "ActiveState")["ActiveState"] == "active"
+        assert "not up: broken (skipped)" in journal("envctl.service")
+        now = job(sub["id"])
+        assert now["state"] == "RUNNING" and now["supervisor"] == before, now
+        assert running("web")["pid"] == service
+        assert_web_up()
+
+    def test_stop_with_a_job_running_refuses_and_keeps_everything(self):
+        jid = TestFirstBoot.job_id
+        # ExecStop='s `down` refuses (exit 1), which SuccessExitStatus=1 covers too: systemd
+        # counts the stop as done (inactive, `systemctl stop` exits 0), its monitor and retry
+        # stopped (PartOf=), and nothing was taken down (KillMode=process: the supervisors are
+        # not its processes). The refusal is in the journal.
+        run("systemctl", "stop", "envctl.service", timeout=600)
+        props = show("envctl.service", "ActiveState", "Result")
+        assert props == {"ActiveState": "inactive", "Result": "success"}, props
+        assert show("envctl-monitor.service", "ActiveState")["ActiveState"] == "inactive"
+        assert show("envctl-retry.service", "ActiveState")["ActiveState"] == "inactive"
+        assert f"down web: 1 job(s) still running ({jid})" in journal("envctl.service")
+        assert job(jid)["state"] == "RUNNING"
+        assert_web_up()
+        final = json.loads(run(ENVCTL, "cancel", "--json", str(jid)).stdout)
+        assert final[0]["state"] == "CANCELLED" and final[0]["reason"] is None, final
+        run("systemctl", "start", "envctl.service", timeout=600)
+        assert show("envctl.service", "ActiveState")["ActiveState"] == "active"
+        assert show("envctl-monitor.service", "ActiveState")["ActiveState"] == "active"
+
     def test_stop_with_one_broken_leaves_nothing_and_start_brings_web_back(self):
         stop_and_check_residue()
         run("systemctl", "start", "envctl.service", "envctl-monitor.service", timeout=600)
@@ -310,13 +364,17 @@ class TestFirstBoot:
         assert_web_up()
         assert not Path("/run/netns/broken").exists()
 
-    def test_fixed_and_restarted_both_come_up(self):
-        (CONFIG / "broken.yaml").write_text(FIXED)
-        run("systemctl", "restart", "envctl.service", timeout=600)
-        props = show("envctl.service", "ActiveState", "Result")
-        assert props == {"ActiveState": "active", "Result": "success"}, props
+    def test_fixed_after_boot_it_comes_up_by_itself_within_the_retry_window(self):
+        (CONFIG / "broken.yaml").write_text(FIXED)  # nobody runs anything after this
+        wait_for(lambda: show("envctl-retry.service", "ActiveState", "Result") == {
+            "ActiveState": "inactive", "Result": "success"}, "the retry to end", timeout=180)
+        assert "every environment is up" in journal("envctl-retry.service")
         assert_up("broken")
         assert_web_up()
+        # Now a reload has nothing left to bring up: it succeeds, and stops nothing.
+        service = running("web")["pid"]
+        run("systemctl", "reload", "envctl.service", timeout=600)
+        assert running("web")["pid"] == service
 
     def test_stop_leaves_nothing_behind(self):
         stop_and_check_residue()

@@ -50,7 +50,7 @@ def test_boot_units_under_a_real_systemd(vm_ready, tmp_path):
     shutil.copytree(first / "state", second / "state", symlinks=True)
     res = boot(second, "TestSecondBoot", guest_boot.preboot_script(
         ENVCTL, state_from="/out/state", shutdown_probe=True), clean_poweroff=True)
-    # The clean poweroff: envctl.service's ExecStop= (`down --all --force`) took everything
+    # The clean poweroff: envctl.service's ExecStop= (`down --all`) took everything
     # down, with web's service run by the monitor's supervisor, before the probe ran.
     probe = second / "shutdown.json"
     assert probe.exists(), f"the shutdown probe did not run\n{res.console[-3000:]}"

@@ -141,7 +141,9 @@ class Job(Record):
     # {} in a record of an older envctl.
     program: dict[str, str] = Factory(dict)
     # In the queue (envctl.runtime.queue): PENDING with no supervisor yet, its request in
-    # `<id>.req`; `reason` as squeue shows it (Resources, Priority, MaxRunning, …).
+    # `<id>.req`; `reason` as squeue shows it (Resources, Priority, MaxRunning, …). Once
+    # CANCELLED: why, when it was not a user's cancel ("host shutdown": `down` or systemd
+    # stopped it while the host shut down).
     queued: bool = False
     reason: str | None = None
     # The bytes of its program staged in its directory (what jobs.max_staged_per_user bounds).

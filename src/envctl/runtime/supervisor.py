@@ -1176,6 +1176,7 @@ class _Supervisor:
         self.job = job
         self.report_fd: int | None = report
         self.cancel_requested = False
+        self.cancel_signal: int | None = None  # what asked: SIGUSR1 (cancel) or SIGTERM/SIGINT
         self.cg_name = f"job-{job.id}"  # below the environment's cgroup
         self.cg_dirs: list[Path] | None = None  # made (cgroupfs driver)
         self.attempts: dict[str, int] = {}  # writes tried per state (ENVCTL_FAULT's `record`)
@@ -1408,6 +1409,12 @@ class _Supervisor:
         from envctl.runtime.launch import final_status
 
         status: int | None = final_status(started, status_r, buf)
+        if reason is None and self.cancel_requested and status is not None and not (
+                os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
+            # Asked to stop in the same wake-up as the job ended, not by itself: systemd at
+            # shutdown signals the job's scope and this one's at once, and the job may be
+            # gone before this loop looked at the request. The stop ended it.
+            reason = "cancel"
         return status, reason == "timeout", reason == "cancel"
 
     def _record_stopping(self, cause: str, grace: float) -> None:
@@ -1505,6 +1512,19 @@ class _Supervisor:
         except (OSError, ValueError, TypeError, AttributeError, UsageError):
             return jobs.KILL_GRACE  # SIGTERM to the supervisor itself: the default
 
+    def _cancel_reason(self) -> str | None:
+        """Why a cancelled job was cancelled, for its record: the reason its cancel request
+        gives (`down` while the host shuts down), else SHUTDOWN_REASON when systemd sent the
+        SIGTERM while shutting the host down (it stops the jobs' scopes itself, maybe before
+        envctl.service's `down`), else None (a user's cancel)."""
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            data = json.loads(jobs.cancel_path(self.host.state_dir, self.job.id).read_text())
+            if isinstance(data.get("reason"), str):
+                return data["reason"]
+        if self.cancel_signal == signal.SIGTERM and self.host.systemd.stopping():
+            return SHUTDOWN_REASON
+        return None
+
     def _kill_all(self, started: Started) -> None:
         """SIGKILL the launcher: the init dies with it (PDEATHSIG), and the kernel kills the
         rest of the PID namespace; the job's cgroup too, for good measure."""
@@ -1544,6 +1564,8 @@ class _Supervisor:
                 problems.append(str(exc))
         j = self.job
         j.state, j.exit_code, j.signal = state, code, sig
+        if cancelled:
+            j.reason = self._cancel_reason()
         j.end_time = time.time()
         if stats is not None:
             j.cpu_seconds = None if stats.cpu_usage_us is None else stats.cpu_usage_us / 1e6
@@ -1581,6 +1603,8 @@ class _Supervisor:
 
     def _on_cancel(self, signum: int, frame: Any) -> None:
         self.cancel_requested = True
+        if self.cancel_signal is None:
+            self.cancel_signal = signum
 
     @property
     def environ(self) -> dict[str, str]:
@@ -1656,7 +1680,7 @@ def _kick_behind(host: Host) -> None:
 
 
 def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
-           wait: bool = True) -> Job:
+           wait: bool = True, reason: str | None = None) -> Job:
     """Cancel one job: SIGTERM, then SIGKILL after `grace` seconds; the record as it ends.
 
     Race-free against the job ending by itself: the request is written to `<id>.cancel`
@@ -1671,7 +1695,7 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
     if not job.active:
         return job
     if job.queued:
-        done = _cancel_queued(host, job.id)
+        done = _cancel_queued(host, job.id, reason=reason)
         if done is not None:
             kick(host)  # it may have been the head: others may start, or backfill, now
             return done
@@ -1684,7 +1708,8 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
         return _finalize_lost(host, job)
     try:
         jobs.write_cancel(host.state_dir, job.id,
-                          {"grace": grace, "time": time.time(), "by": os.getuid()})
+                          {"grace": grace, "time": time.time(), "by": os.getuid(),
+                           **({"reason": reason} if reason else {})})
         with contextlib.suppress(ProcessLookupError):  # ended meanwhile: its record says how
             signal.pidfd_send_signal(pidfd, signal.SIGUSR1)
         if wait:
@@ -1705,7 +1730,7 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
     return final
 
 
-def _cancel_queued(host: Host, job_id: int) -> Job | None:
+def _cancel_queued(host: Host, job_id: int, *, reason: str | None = None) -> Job | None:
     """Cancel a job still in the queue: CANCELLED, never started, its index line, request and
     directory (the staged program) gone. None when it is no longer queued (a pass claimed it
     meanwhile: it is cancelled as a running job)."""
@@ -1716,7 +1741,7 @@ def _cancel_queued(host: Host, job_id: int) -> Job | None:
         if job is None or not job.queued or job.state is not State.PENDING:
             return None
         done = job.replace(state=State.CANCELLED, end_time=time.time(), queued=False,
-                           reason=None)
+                           reason=reason)
         jobs.write(host.state_dir, done, durable=True)
         lines = queue.read_env(host.state_dir, job.env)
         queue.write_env(host.state_dir, job.env, [e for e in lines if e["id"] != job_id])
@@ -1728,7 +1753,7 @@ def _cancel_queued(host: Host, job_id: int) -> Job | None:
     return done
 
 
-def _cancel_env_queue(host: Host, env: str) -> list[Job]:
+def _cancel_env_queue(host: Host, env: str, *, reason: str | None = None) -> list[Job]:
     """Cancel every job in `env`'s queue in one pass (`down --force`: 10,000 of them must
     not rewrite the index 10,000 times); their records."""
     from envctl.runtime import queue
@@ -1742,7 +1767,7 @@ def _cancel_env_queue(host: Host, env: str) -> list[Job]:
             if job is None or not job.queued or job.state is not State.PENDING:
                 continue
             done = job.replace(state=State.CANCELLED, end_time=time.time(), queued=False,
-                               reason=None)
+                               reason=reason)
             jobs.write(host.state_dir, done)
             out.append(done)
         queue.write_env(host.state_dir, env, [])
@@ -1862,29 +1887,49 @@ def wait(host: Host, job_ids: list[int], *, timeout: float | None = None) -> lis
 QUEUE_POLL = 0.5
 
 
-def stop_env_jobs(host: Host, env: str, *, grace: float = jobs.KILL_GRACE) -> list[Job]:
-    """For `down --force`: cancel every running job of `env` (all at once, then wait for
-    each); their final records."""
+def stop_env_jobs(host: Host, env: str, *, grace: float = jobs.KILL_GRACE,
+                  reason: str | None = None) -> list[Job]:
+    """For `down --force` (and `down` while the host shuts down): cancel every running job of
+    `env` (all at once, then wait for each); their final records, CANCELLED with `reason`
+    (e.g. SHUTDOWN_REASON) in each when given."""
     # The queued ones first: none of them may start as the running ones end.
-    queued = _cancel_env_queue(host, env)
+    queued = _cancel_env_queue(host, env, reason=reason)
     running = jobs.active_jobs(host.state_dir, host.boot_id, env)
     for job in running:
-        cancel(host, job.id, grace=grace, wait=False)
-    return queued + [cancel(host, job.id, grace=grace) for job in running]
+        cancel(host, job.id, grace=grace, wait=False, reason=reason)
+    return queued + [cancel(host, job.id, grace=grace, reason=reason) for job in running]
 
 
-def refuse_down(host: Host, env: str) -> None:
-    """`down` of an environment whose jobs still run: HostError (exit 1: the command is right,
-    the host's state refuses it for now)."""
-    running = jobs.active_jobs(host.state_dir, host.boot_id, env)
-    queued = queued_jobs(host, env)
-    if running or queued:
-        ids = " ".join(str(j.id) for j in running + queued)
+# What a job cancelled because the host is shutting down records as its `reason`.
+SHUTDOWN_REASON = "host shutdown"
+
+
+def busy_envs(host: Host, envs: list[str]) -> dict[str, tuple[list[Job], list[Job]]]:
+    """The environments of `envs` with jobs running or pending: env -> (running, queued)."""
+    out = {}
+    for env in envs:
+        running = jobs.active_jobs(host.state_dir, host.boot_id, env)
+        queued = queued_jobs(host, env)
+        if running or queued:
+            out[env] = (running, queued)
+    return out
+
+
+def refuse_down(busy: dict[str, tuple[list[Job], list[Job]]]) -> HostError:
+    """The refusal of a `down` of environments whose jobs still run (busy_envs), naming every
+    one of them and its jobs: HostError (exit 1: the command is right, the host's state
+    refuses it for now)."""
+    parts, every = [], []
+    for env, (running, queued) in busy.items():
+        ids = [str(j.id) for j in running + queued]
+        every += ids
         what = " and ".join(x for x in (f"{len(running)} job(s) still running" if running
                                         else "", f"{len(queued)} job(s) pending in its queue"
                                         if queued else "") if x)
-        raise HostError(f"down {env}: {what} ({ids}): wait for them (envctl wait {ids}), "
-                        "cancel them, or use --force, which cancels them first")
+        parts.append(f"{env}: {what} ({' '.join(ids)})")
+    ids = " ".join(every)
+    return HostError(f"down {'; '.join(parts)}: wait for them (envctl wait {ids}), cancel "
+                     "them, or use --force, which cancels them first")
 
 
 

@@ -419,12 +419,25 @@ def spec_files(directory: str | os.PathLike[str]) -> list[Path]:
 
 def unsafe_spec_paths(paths: list[Path]) -> list[Problem]:
     """Spec files, their directory and its ancestors that someone other than root could
-    change: not owned by root, or writable by group or others (a world-writable directory with
-    the sticky bit, such as /tmp, is fine above a root-owned entry: nobody else can replace
-    it). Checked only when running as root, which is when it matters."""
+    change (changeable_by_others). Checked only when running as root, which is when it
+    matters."""
     if os.geteuid() != 0:
         return []
-    problems: list[Problem] = []
+    return [Problem(str(path), None, None, "", (
+        f"{q} {why}: envctl reads host settings (sysctls, kernel modules) from specs as root, "
+        f"so only root may be able to change them; chown root and chmod go-w {q}"))
+        for path, q, why in changeable_by_others(paths)]
+
+
+def changeable_by_others(paths: list[Path], *, trusted: frozenset[int] = frozenset({0})
+                         ) -> list[tuple[Path, Path, str]]:
+    """For each of `paths` that someone whose uid is not in `trusted` could change: (the path
+    given, the first file or directory on the way to it that lets them, why). On the way:
+    the path, every directory above it, and every symlink met resolving it and where each
+    leads (_walked). Changeable: owned by an untrusted uid, or writable by group or others (a
+    world-writable directory with the sticky bit, such as /tmp, is fine above a trusted
+    entry: nobody else can replace that entry). Paths that do not exist are skipped."""
+    out: list[tuple[Path, Path, str]] = []
     seen: set[Path] = set()
     for path, p in ((given, q) for given in paths for q in _walked(given.absolute())):
         chain = [p, *p.parents]
@@ -438,19 +451,16 @@ def unsafe_spec_paths(paths: list[Path]) -> list[Problem]:
                 continue
             sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
             why = ""
-            if st.st_uid != 0:
+            if st.st_uid not in trusted:
                 why = f"is owned by uid {st.st_uid}, not root"
             elif st.st_mode & 0o022 and not (sticky_dir and i > 0):
                 who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
                                    if st.st_mode & bit)
                 why = f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
             if why:
-                problems.append(Problem(str(path), None, None, "", (
-                    f"{q} {why}: envctl reads host settings (sysctls, kernel modules) from "
-                    "specs as root, so only root may be able to change them; "
-                    f"chown root and chmod go-w {q}")))
+                out.append((path, q, why))
                 break
-    return problems
+    return out
 
 
 def _walked(path: Path) -> list[Path]:

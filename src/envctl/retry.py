@@ -1,0 +1,82 @@
+"""Which environments this boot's `up` could not bring up (`<run>/not-up.json`) and the
+backoff loop of `envctl up --retry` (envctl-retry.service) that tries them again.
+
+The list is what `up --all` (boot, `systemctl reload envctl`) left down, skipped (a module
+missing, a data source not mounted yet) or failed; `up NAME` and `down NAME` take NAME off
+it (it came up, or the operator decided), so a retry never brings back an environment an
+operator took down. It records the boot id: a list from another boot is nobody's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from envctl.host.files import read_json, write_json
+
+NOT_UP = "not-up.json"
+FIRST_DELAY = 1.0  # seconds before the first retry, doubled after each
+MAX_DELAY = 60.0  # the longest wait between two tries
+WINDOW = 600.0  # how long `up --retry` keeps trying by default (10 min)
+
+
+def not_up_path(run_dir: Path) -> Path:
+    return run_dir / NOT_UP
+
+
+def read_not_up(run_dir: Path, boot_id: str) -> list[str]:
+    """The environments waiting for a retry ([] when none, the list is from another boot, or
+    it cannot be read: a retry is a convenience, never a reason to fail)."""
+    try:
+        rec = read_json(not_up_path(run_dir))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(rec, dict) or rec.get("boot_id") != boot_id:
+        return []
+    names = rec.get("envs")
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
+def record_attempt(run_dir: Path, boot_id: str, tried: list[str], not_up: list[str]) -> None:
+    """After `up` (or `down`) of `tried`: those of them in `not_up` wait for a retry, the
+    others no longer do; the rest of the list is kept. The file goes when the list is empty."""
+    keep = [n for n in read_not_up(run_dir, boot_id) if n not in tried]
+    names = list(dict.fromkeys([*keep, *not_up]))
+    path = not_up_path(run_dir)
+    if not names:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    write_json(path, {"boot_id": boot_id, "envs": names, "time": time.time()}, durable=False)
+
+
+def delays(first: float = FIRST_DELAY, cap: float = MAX_DELAY) -> Iterator[float]:
+    """1 s, 2 s, 4 s, … then `cap` seconds for ever."""
+    d = first
+    while True:
+        yield min(d, cap)
+        d = min(d * 2, cap)
+
+
+def retry(attempt: Callable[[list[str]], list[str]], pending: list[str], *,
+          window: float = WINDOW, cap: float = MAX_DELAY,
+          on_wait: Callable[[float, list[str]], None] = lambda d, names: None,
+          sleep: Callable[[float], None] = time.sleep,
+          clock: Callable[[], float] = time.monotonic) -> list[str]:
+    """Call `attempt(pending)` (which tries them and returns those still not up) after each
+    delay of `delays()`, until nothing is pending or `window` seconds have passed; the last
+    wait is cut so that the last try comes at the window's end. What is still pending."""
+    deadline = clock() + window
+    for d in delays(cap=cap):
+        if not pending:
+            break
+        left = deadline - clock()
+        if left <= 0:
+            break
+        d = min(d, left)
+        on_wait(d, pending)
+        sleep(d)
+        pending = attempt(pending)
+    return pending

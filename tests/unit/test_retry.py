@@ -1,0 +1,98 @@
+"""envctl.retry: the list of environments this boot's `up` left down (what `up NAME`, `down`
+and another `up --all` do to it) and the backoff loop of `up --retry`, with a fake clock."""
+
+from __future__ import annotations
+
+import json
+
+from envctl import retry as rt
+
+
+class Clock:
+    """time.monotonic and time.sleep of a clock that only moves when slept on."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, d: float) -> None:
+        self.slept.append(d)
+        self.now += d
+
+
+def test_delays_double_from_one_second_up_to_the_cap():
+    d = rt.delays()
+    assert [next(d) for _ in range(9)] == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+
+
+def test_retry_stops_as_soon_as_everything_is_up():
+    clock = Clock()
+    tries = []
+
+    def attempt(names):
+        tries.append(list(names))
+        return [] if len(tries) == 3 else names  # fixed before the third try
+
+    assert rt.retry(attempt, ["web"], window=600, sleep=clock.sleep, clock=clock) == []
+    assert tries == [["web"]] * 3 and clock.slept == [1, 2, 4]
+
+
+def test_retry_gives_up_at_the_window_with_a_last_try_at_its_end():
+    clock = Clock()
+    tries = []
+
+    def attempt(names):
+        tries.append(clock.now)
+        return names
+
+    waits = []
+    left = rt.retry(attempt, ["a", "b"], window=600, sleep=clock.sleep, clock=clock,
+                    on_wait=lambda d, names: waits.append((d, names)))
+    assert left == ["a", "b"]
+    # 1+2+4+8+16+32 = 63 s, then every 60 s, the last wait cut to end at 600 s.
+    assert clock.slept[:7] == [1, 2, 4, 8, 16, 32, 60]
+    assert sum(clock.slept) == 600 and tries[-1] == 700.0
+    assert max(clock.slept) == 60 and len(tries) == len(clock.slept) == 15
+    assert waits[0] == (1, ["a", "b"])
+
+
+def test_what_each_try_returns_is_what_the_next_one_tries():
+    clock = Clock()
+    tries = []
+
+    def attempt(names):
+        tries.append(list(names))
+        return {2: ["b"], 3: []}.get(len(tries) + 1, names)
+
+    assert rt.retry(attempt, ["a", "b"], window=60, sleep=clock.sleep, clock=clock) == []
+    assert tries == [["a", "b"], ["b"]]
+
+
+def test_nothing_pending_or_no_window_tries_nothing():
+    clock = Clock()
+    assert rt.retry(lambda n: 1 / 0, [], window=600, sleep=clock.sleep, clock=clock) == []
+    assert rt.retry(lambda n: 1 / 0, ["a"], window=0, sleep=clock.sleep, clock=clock) == ["a"]
+    assert clock.slept == []
+
+
+def test_the_list_follows_up_all_up_name_and_down(tmp_path):
+    run = tmp_path / "run"
+    assert rt.read_not_up(run, "boot1") == []
+    # `up --all` of a, b, c: b skipped, c failed.
+    rt.record_attempt(run, "boot1", ["a", "b", "c"], ["b", "c"])
+    assert rt.read_not_up(run, "boot1") == ["b", "c"]
+    rec = json.loads((run / "not-up.json").read_text())
+    assert rec["boot_id"] == "boot1" and rec["envs"] == ["b", "c"]
+    # Another boot's list is nobody's.
+    assert rt.read_not_up(run, "boot2") == []
+    # `up b` brought it up; `down c` took it off on purpose: never brought back by a retry.
+    rt.record_attempt(run, "boot1", ["b"], [])
+    assert rt.read_not_up(run, "boot1") == ["c"]
+    rt.record_attempt(run, "boot1", ["c"], [])
+    assert not (run / "not-up.json").exists()
+    # A damaged file is an empty list, not a failure.
+    run.joinpath("not-up.json").write_text("{")
+    assert rt.read_not_up(run, "boot1") == []
