@@ -377,7 +377,7 @@ def down(names: list[str] | None, opts: Options, *, all_: bool = False, force: b
 
 
 def _jobs_before_down(host: Any, envs: list[str], *, force: bool) -> None:
-    """Jobs still running in an environment stop its `down` (exit 1, naming every such
+    """Jobs still running in an environment stop its `down` (exit 3, naming every such
     environment and its jobs, nothing taken down: the host's state refuses it, the command is
     right) unless --force, or the host is shutting down (`systemctl is-system-running` says
     "stopping": envctl.service's ExecStop= at shutdown), which cancel them first (recorded

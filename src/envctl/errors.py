@@ -57,6 +57,14 @@ class HostError(EnvctlError):
     """The host refused an operation: `<action> <kind> '<name>': <operation>: <cause>`."""
 
 
+class Busy(HostError):
+    """`down` of environments whose jobs still run or wait: exit 3, apart from every other
+    refusal, so that envctl.service's ExecStop= (whose exit 1, a partial `up`, is a success
+    there) ends the unit *failed* when a stop was refused (docs/boot.md)."""
+
+    exit_code = 3
+
+
 class ForeignObject(HostError):
     """Something envctl did not make is where envctl would make its own; it is left alone."""
 

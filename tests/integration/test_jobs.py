@@ -433,7 +433,7 @@ def test_down_refuses_while_jobs_run_and_force_cancels_them(box):
     sleeper = script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n")
     j = submit(sb, sleeper)
     res = sb.envctl("down", "box")
-    assert res.returncode == 1 and f"({j['id']})" in res.stderr, res.stderr
+    assert res.returncode == 3 and f"({j['id']})" in res.stderr, res.stderr  # errors.Busy
     assert record(sb, j["id"])["state"] == "RUNNING"
     assert sb.run("test", "-e", str(sb.run_dir / "mnt.d" / "box")).returncode == 0
     res = sb.envctl("down", "box", "--force", env={"ENVCTL_KILL_GRACE": "1"})
@@ -454,12 +454,12 @@ def stopping_systemctl(sb) -> dict[str, str]:
 
 
 def test_down_all_refuses_naming_each_environment_and_job_and_takes_nothing_down(box):
-    """envctl.service's ExecStop= (`down --all`, no --force) while a job runs: exit 1, one
+    """envctl.service's ExecStop= (`down --all`, no --force) while a job runs: exit 3, one
     line naming the environment and its job, and everything stays up."""
     sb = box
     j = submit(sb, script(sb, "sleeper.sh", "#!/bin/sh\nexec sleep 1000\n"))
     res = sb.envctl("down", "--all")
-    assert res.returncode == 1, res.stderr
+    assert res.returncode == 3, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert f"down box: 1 job(s) still running ({j['id']})" in last, res.stderr
     assert record(sb, j["id"])["state"] == "RUNNING"

@@ -146,7 +146,7 @@ def test_cancel_of_a_pending_job_and_down_with_one_pending(qbox):
     # Another one waits: down says so and refuses; --force cancels both.
     third = submit(sb, "true")
     res = sb.envctl("down", "qbox")
-    assert res.returncode == 1, res.stderr
+    assert res.returncode == 3, res.stderr
     assert "1 job(s) still running and 1 job(s) pending in its queue" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     res = sb.envctl("down", "qbox", "--force")

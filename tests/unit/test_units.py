@@ -75,6 +75,11 @@ def test_the_boot_unit_is_the_oneshot_the_issue_asks_for():
     # while jobs run, unless the host is shutting down).
     assert s["[Service]ExecReload"] == ["envctl up --all"]
     assert s["[Service]ExecStop"] == ["envctl down --all"]
+    # A partial `up` (exit 1) keeps the unit active; a refused stop (errors.Busy, exit 3)
+    # fails it, so that `systemctl status` and `--failed` show what was left running.
+    from envctl.errors import Busy
+
+    assert s["[Service]SuccessExitStatus"] == ["1"] and Busy.exit_code == 3
     after = " ".join(s["[Unit]After"]).split()
     assert {"network-online.target", "local-fs.target", "remote-fs.target",
             "nvidia-persistenced.service", "nvidia-fabricmanager.service"} <= set(after)

@@ -339,13 +339,14 @@ class TestFirstBoot:
 
     def test_stop_with_a_job_running_refuses_and_keeps_everything(self):
         jid = TestFirstBoot.job_id
-        # ExecStop='s `down` refuses (exit 1), which SuccessExitStatus=1 covers too: systemd
-        # counts the stop as done (inactive, `systemctl stop` exits 0), its monitor and retry
-        # stopped (PartOf=), and nothing was taken down (KillMode=process: the supervisors are
-        # not its processes). The refusal is in the journal.
+        # ExecStop='s `down` refuses (exit 3, errors.Busy: not in SuccessExitStatus=1): the
+        # unit ends failed (Result exit-code; `systemctl stop` exits 0 all the same, as
+        # systemd does for a failed ExecStop=), its monitor and retry stopped (PartOf=), and
+        # nothing was taken down (KillMode=process: the supervisors are not its processes).
+        # The refusal is in the journal.
         run("systemctl", "stop", "envctl.service", timeout=600)
         props = show("envctl.service", "ActiveState", "Result")
-        assert props == {"ActiveState": "inactive", "Result": "success"}, props
+        assert props == {"ActiveState": "failed", "Result": "exit-code"}, props
         assert show("envctl-monitor.service", "ActiveState")["ActiveState"] == "inactive"
         assert show("envctl-retry.service", "ActiveState")["ActiveState"] == "inactive"
         assert f"down web: 1 job(s) still running ({jid})" in journal("envctl.service")

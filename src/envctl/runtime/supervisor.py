@@ -45,7 +45,7 @@ import stat
 import time
 from pathlib import Path
 
-from envctl.errors import EnvctlError, HostError, InputError, NeedsRootError, UsageError
+from envctl.errors import Busy, EnvctlError, HostError, InputError, NeedsRootError, UsageError
 from envctl.record import Factory, Record
 from envctl.runtime import jobs
 from envctl.runtime.daemon import poll_ms, protect_from_oom, read_report, wait_fd
@@ -1915,10 +1915,10 @@ def busy_envs(host: Host, envs: list[str]) -> dict[str, tuple[list[Job], list[Jo
     return out
 
 
-def refuse_down(busy: dict[str, tuple[list[Job], list[Job]]]) -> HostError:
+def refuse_down(busy: dict[str, tuple[list[Job], list[Job]]]) -> Busy:
     """The refusal of a `down` of environments whose jobs still run (busy_envs), naming every
-    one of them and its jobs: HostError (exit 1: the command is right, the host's state
-    refuses it for now)."""
+    one of them and its jobs: Busy (exit 3: the command is right, the host's state refuses it
+    for now; apart from exit 1 so that a refused ExecStop= fails envctl.service)."""
     parts, every = [], []
     for env, (running, queued) in busy.items():
         ids = [str(j.id) for j in running + queued]
@@ -1928,7 +1928,7 @@ def refuse_down(busy: dict[str, tuple[list[Job], list[Job]]]) -> HostError:
                                         if queued else "") if x)
         parts.append(f"{env}: {what} ({' '.join(ids)})")
     ids = " ".join(every)
-    return HostError(f"down {'; '.join(parts)}: wait for them (envctl wait {ids}), cancel "
+    return Busy(f"down {'; '.join(parts)}: wait for them (envctl wait {ids}), cancel "
                      "them, or use --force, which cancels them first")
 
 

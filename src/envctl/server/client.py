@@ -31,8 +31,9 @@ class Refused(EnvctlError):
 
     def __init__(self, text: str, code: int):
         super().__init__(text)
-        # 127/126: exec's command not found / not runnable, as a shell (and in-process) says
-        self.exit_code = code if code in (1, 2, 126, 127) else 1
+        # 127/126: exec's command not found / not runnable, as a shell (and in-process) says;
+        # 3: a `down` refused while jobs run (errors.Busy)
+        self.exit_code = code if code in (1, 2, 3, 126, 127) else 1
 
 
 def _connect(path: str) -> _socket.socket | None:
