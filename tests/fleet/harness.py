@@ -26,6 +26,7 @@ ENVCTL_BIN = VENV_BIN / "envctl"
 INTERPRETER = """\
 #!{python}
 import os, sys
+os.environ.pop("PYTHONPATH", None)
 os.environ.update({env!r})
 os.execvp("nsenter", ["nsenter", "-t", "{pid}", "-n", "-m", "--", sys.executable,
                       *sys.argv[1:]])
@@ -72,11 +73,19 @@ class PlaybookRun:
 def make_host(name: str, root: Path) -> FleetHost:
     root.mkdir(parents=True)
     sb = Sandbox(root)
-    env = {k: v for k, v in sb.env().items() if k.startswith("ENVCTL_") or k == "PYTHONPATH"}
     interp = root / "python"
-    interp.write_text(INTERPRETER.format(python=sys.executable, env=env, pid=sb.pid))
-    interp.chmod(0o755)
+    write_interpreter(sb, interp)
     return FleetHost(name, sb, interp)
+
+
+def write_interpreter(sb: Sandbox, path: Path, *, pythonpath: bool = True) -> None:
+    """The host's Python for Ansible: this one in the sandbox's namespaces, with its ENVCTL_*
+    (and, unless `pythonpath` is False, PYTHONPATH at this checkout's src: False for a host
+    that is to run the envctl it installed, as a real one does)."""
+    env = {k: v for k, v in sb.env().items()
+           if k.startswith("ENVCTL_") or (pythonpath and k == "PYTHONPATH")}
+    path.write_text(INTERPRETER.format(python=sys.executable, env=env, pid=sb.pid))
+    path.chmod(0o755)
 
 
 def inventory(hosts: list[FleetHost], host_vars: dict[str, dict]) -> dict:

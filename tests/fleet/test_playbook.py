@@ -23,6 +23,7 @@ from tests.fleet.harness import (
     inventory,
     make_host,
     run_playbook,
+    write_interpreter,
 )
 
 pytestmark = pytest.mark.root
@@ -149,8 +150,17 @@ def install_vars(h, **extra) -> tuple[dict, dict[str, Path]]:
     directory and a venv maker of its own (MAKE_VENV); and those paths."""
     root = h.sandbox.root
     make_venv = root / "make-venv"
+    # The dependencies without this run's own envctl-partitions: pip would find that version
+    # installed already and skip it (and its hash check), whatever the role asks for.
+    deps = root / "deps"
+    deps.mkdir()
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    for entry in purelib.iterdir():
+        if not re.match(r"(__editable__[._])?envctl", entry.name, re.I) \
+                and entry.suffix != ".pth":
+            (deps / entry.name).symlink_to(entry)
     make_venv.write_text(MAKE_VENV.format(
-        python=sys._base_executable, site=sysconfig.get_paths()["purelib"],
+        python=sys._base_executable, site=deps,
         major=sys.version_info.major, minor=sys.version_info.minor))
     make_venv.chmod(0o755)
     paths = {"venv": root / "venv", "cache": root / "cache",
@@ -162,6 +172,12 @@ def install_vars(h, **extra) -> tuple[dict, dict[str, Path]]:
         "envctl_cache_dir": str(paths["cache"]), "envctl_virtualenv_command": str(make_venv),
         **extra}})
     inv["envctl_hosts"]["vars"].pop("envctl_install")
+    # No PYTHONPATH at this checkout's src on a host that installs envctl: pip would find the
+    # checkout's envctl_partitions.egg-info there, count the requirement as installed and skip
+    # it, hash check included.
+    interp = root / "python-installed"
+    write_interpreter(h.sandbox, interp, pythonpath=False)
+    inv["envctl_hosts"]["hosts"][h.name]["ansible_python_interpreter"] = str(interp)
     return inv, paths
 
 
@@ -201,8 +217,9 @@ def test_role_installs_this_checkouts_wheel_in_a_root_venv_starts_units_and_is_i
     assert (site / "envctl" / "cli.py").read_bytes() == (REPO / "src/envctl/cli.py").read_bytes()
     st = venv.stat()
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o755)
-    # Every unit (the wheel carries all four templates) runs the installed envctl.
-    for unit in ("envctl.service", "envctl-monitor.service", "envctl-daemon.service"):
+    # Every unit (the wheel carries every template) runs the installed envctl.
+    for unit in ("envctl.service", "envctl-monitor.service", "envctl-daemon.service",
+                 "envctl-retry.service"):
         assert f"ExecStart={venv}/bin/envctl " in (h1.unit_dir / unit).read_text(), unit
     assert (h1.unit_dir / "envctl-daemon.socket").is_file()
     assert h1.up() == {"alpha": "up"}

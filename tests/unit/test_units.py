@@ -606,3 +606,15 @@ def test_not_root_nothing_is_checked(tmp_path, monkeypatch):
     with pytest.raises(HostError):
         un.refuse_writable_code(where["command"], **{k: v for k, v in where.items()
                                                       if k != "command"})
+
+
+def test_the_wheel_carries_every_unit_template():
+    """install-units run from an installed wheel reads its templates from share/envctl/systemd:
+    a unit added under systemd/ and not to pyproject's data-files breaks it there alone."""
+    import tomllib
+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    shipped = meta["tool"]["setuptools"]["data-files"]["share/envctl/systemd"]
+    units = sorted(f"systemd/{p.name}" for p in (REPO / "systemd").iterdir()
+                   if p.suffix in (".service", ".socket", ".timer"))
+    assert sorted(shipped) == units
