@@ -239,7 +239,7 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
         mig_failed = dict(rolled_back)
         ws = ws.with_host_facts()
         again = [ws.get(p.env) for p in plans if p.env not in mig_failed]
-        plans, more = ws.plan_each(again) if all_ else (ws.plan_all(again), {})
+        plans, more = ws.plan_each(again) if all_ or each else (ws.plan_all(again), {})
         skipped.update(more)
         for p in plans:
             if p.resolved.get(PENDING_KEY):  # made, yet discovery does not show them
