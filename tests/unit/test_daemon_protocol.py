@@ -320,6 +320,27 @@ def _wait_for(what, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def test_a_worker_a_request_left_changed_serves_no_other(daemon, monkeypatch):
+    """A worker serves the next user's request only as it started: a request that left its
+    process changed (here its umask, as a failed file-system id switch would leave its ids)
+    is that worker's last; the next submit is another worker's."""
+    from envctl.server import handlers, server
+
+    def submit(caller, req, fds):
+        if req.get("leak"):
+            os.umask(0o000)
+        return {"pid": os.getpid()}, []
+
+    monkeypatch.setitem(handlers.FORKED, "submit", submit)
+    monkeypatch.setattr(server, "WORKERS", 1)
+    path, d = daemon
+    first = _call(path, {"v": 1, "op": "submit"})["pid"]
+    assert _call(path, {"v": 1, "op": "submit"})["pid"] == first  # reused while unchanged
+    assert _call(path, {"v": 1, "op": "submit", "leak": True})["pid"] == first
+    _wait_for(lambda: all(w.pid != first for w in d.workers))
+    assert _call(path, {"v": 1, "op": "submit"})["pid"] != first
+
+
 def test_submits_are_served_by_reused_workers_that_are_replaced_when_they_die(daemon,
                                                                               monkeypatch):
     """Submits go to a long-lived worker (the same process for the next one, not the

@@ -88,6 +88,11 @@ def _fsgid(gid: int) -> int:
     return libc.setfsgid(ctypes.c_uint32(gid & 0xFFFFFFFF))
 
 
+def fs_ids() -> tuple[int, int]:
+    """The file-system uid and gid in force (a query: changes nothing)."""
+    return _fsuid(_QUERY), _fsgid(_QUERY)
+
+
 @contextlib.contextmanager
 def as_user(creds: Creds | tuple | None) -> Iterator[None]:
     """File access in the block with `creds`' rights (uid, gid, groups). No switch for None,

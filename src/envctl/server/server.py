@@ -633,6 +633,7 @@ def worker_main(sock: socket.socket) -> int:
     code, 1 if it was the last]; WORKER_REQUESTS of them, or until the daemon is gone (EOF:
     a request in hand is finished and answered first)."""
     _leave_the_daemon({sock.fileno()})
+    start = _process_ids()
     for n in range(1, WORKER_REQUESTS + 1):
         try:
             data, fds, _ = proto.recv_fds(sock, proto.MAX_REQUEST + 4096, proto.MAX_FDS + 1)
@@ -660,9 +661,25 @@ def worker_main(sock: socket.socket) -> int:
                 if _identities([fd]).get(fd) == ident:
                     with contextlib.suppress(OSError):
                         os.close(fd)
+        # The next request is another user's: a worker that is not exactly as it started
+        # (file-system ids or groups left switched by a failed asuser switch, umask, cwd)
+        # serves no more; it says this was its last and goes.
+        last = n == WORKER_REQUESTS or _process_ids() != start
         with contextlib.suppress(OSError):
-            sock.send(bytes([code, n == WORKER_REQUESTS]), socket.MSG_NOSIGNAL)
+            sock.send(bytes([code, last]), socket.MSG_NOSIGNAL)
+        if last:
+            break
     return 0
+
+
+def _process_ids() -> tuple:
+    """What a request must leave as it found it in a worker that serves the next one."""
+    from envctl.host import asuser
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return (asuser.fs_ids(), os.getresuid(), os.getresgid(), sorted(os.getgroups()), umask,
+            os.getcwd())
 
 
 def _identities(fds: list[int]) -> dict[int, tuple[int, int, int]]:
