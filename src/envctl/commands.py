@@ -311,6 +311,11 @@ def _retry_rounds(host: Any, opts: Options, window: float, rt: Any) -> int:
     """`up --retry`'s rounds (commands.retry)."""
 
     def attempt(names: list[str]) -> list[str]:
+        # Only what is still on the list now: a `down NAME` during the wait took NAME off
+        # (the operator decided), and it is never brought back.
+        names = [n for n in names if n in rt.read_not_up(host.run_dir, host.boot_id)]
+        if not names:
+            return rt.read_not_up(host.run_dir, host.boot_id)
         try:
             up(names, opts, each=True)
         except EnvctlError as exc:  # a spec being edited, a lock held: the next round

@@ -341,6 +341,39 @@ def test_a_worker_a_request_left_changed_serves_no_other(daemon, monkeypatch):
     assert _call(path, {"v": 1, "op": "submit"})["pid"] != first
 
 
+def test_a_request_near_the_limit_in_utf_8_reaches_its_worker_whole(daemon, monkeypatch):
+    """ATTACK (attacker review, fixed before it shipped): a submit under MAX_REQUEST in raw
+    UTF-8 ("€" a byte-triple) was passed on ASCII-escaped, twice its size, cut at the worker's
+    read, and its connection left open in the worker. Now it arrives whole, and a worker's
+    descriptors do not grow with the requests it served."""
+    import struct
+
+    from envctl.server import handlers, server
+
+    def submit(caller, req, fds):
+        return {"pid": os.getpid(), "len": len(req.get("name", "")),
+                "fds": len(os.listdir("/proc/self/fd"))}, []
+
+    monkeypatch.setitem(handlers.FORKED, "submit", submit)
+    monkeypatch.setattr(server, "WORKERS", 1)
+    path, _ = daemon
+    name = "€" * ((proto.MAX_REQUEST - 100) // 3)
+    body = ('{"v":1,"op":"submit","name":"' + name + '"}').encode()
+    assert len(body) <= proto.MAX_REQUEST < 2 * len(body)
+    seen = []
+    for _ in range(5):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(struct.pack(">I", len(body)) + body)
+        reply, _fds = proto.recv_frame(s)
+        s.close()
+        assert reply["ok"] is True and reply["len"] == len(name), reply
+        seen.append((reply["pid"], reply["fds"]))
+    assert len({pid for pid, _ in seen}) == 1  # one worker served them all
+    assert len({n for _, n in seen}) == 1, seen  # and kept no descriptor of theirs
+
+
 def test_submits_are_served_by_reused_workers_that_are_replaced_when_they_die(daemon,
                                                                               monkeypatch):
     """Submits go to a long-lived worker (the same process for the next one, not the

@@ -96,3 +96,41 @@ def test_the_list_follows_up_all_up_name_and_down(tmp_path):
     # A damaged file is an empty list, not a failure.
     run.joinpath("not-up.json").write_text("{")
     assert rt.read_not_up(run, "boot1") == []
+
+
+def test_a_round_never_brings_up_what_was_taken_down_during_its_wait(tmp_path, monkeypatch):
+    """`down b` while `up --retry` waits takes b off the list: the next round tries a alone
+    (attacker review: the round used to try what the previous one left)."""
+    from types import SimpleNamespace
+
+    from envctl import commands
+
+    host = SimpleNamespace(run_dir=tmp_path / "run", boot_id="boot1")
+    rt.record_attempt(host.run_dir, "boot1", ["a", "b"], ["a", "b"])
+    tried: list[list[str]] = []
+
+    def up(names, opts, *, each):
+        tried.append(list(names))  # nothing comes up
+        return 1
+
+    clock = Clock()
+    sleep = clock.sleep
+
+    def down_b_while_waiting(d):
+        sleep(d)
+        if len(clock.slept) == 1:
+            rt.record_attempt(host.run_dir, "boot1", ["b"], [])
+
+    clock.sleep = down_b_while_waiting
+    monkeypatch.setattr(commands, "up", up)
+    monkeypatch.setattr(rt, "retry", lambda attempt, pending, **kw: _retry(attempt, pending,
+                                                                           clock, **kw))
+    assert commands._retry_rounds(host, None, 3.0, rt) == 1
+    assert tried and all(t == ["a"] for t in tried), tried  # (the first try follows a wait)
+
+
+_RETRY = rt.retry
+
+
+def _retry(attempt, pending, clock, **kw):
+    return _RETRY(attempt, pending, sleep=clock.sleep, clock=clock, **kw)

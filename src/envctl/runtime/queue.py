@@ -526,6 +526,8 @@ def rebuild(state_dir: Path) -> dict[str, list[dict]]:
 def queued_jobs(state_dir: Path, env: str | None = None) -> list[Job]:
     """The queued jobs as their index lines show them (reasons as the last pass set them),
     without reading their records: `envctl jobs` with 10,000 queued."""
+    import time
+
     from envctl.runtime.jobs import jobs_lock
 
     out: list[Job] = []
@@ -535,8 +537,13 @@ def queued_jobs(state_dir: Path, env: str | None = None) -> list[Job]:
         # grown by one O_APPEND write, so a read sees a whole index, or one whose last line
         # is torn and does not parse. That one (and a damaged one, which read_env rebuilds)
         # is read again under the lock.
-        got = _parsed(state_dir, e, locked=False)
-        if got is None:
+        got = None
+        for _ in range(5):  # a torn line is an append in flight: whole a moment later
+            got = _parsed(state_dir, e, locked=False)
+            if got is not None:
+                break
+            time.sleep(0.002)
+        if got is None:  # damaged (a crash's torn line): read_env rebuilds it, under the lock
             with jobs_lock(state_dir):
                 got = _parsed(state_dir, e, locked=True)
         out += got or []

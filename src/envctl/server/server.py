@@ -80,6 +80,9 @@ WORKER_REQUESTS = 1000  # requests a worker serves before it exits (and a fresh 
 # With every worker busy, a submit waits up to POOL_WAIT seconds for one (a submit takes a few
 # ms; a fork more) before it gets a child of its own: a stuck worker delays others no longer.
 POOL_WAIT = 0.05
+# The largest message a worker reads (the caller and the request, compact: at most the
+# client's frame, MAX_REQUEST, plus the caller's ids).
+WORKER_MESSAGE = proto.MAX_REQUEST + 4096
 
 
 class Worker:
@@ -249,9 +252,11 @@ class Daemon:
         if self.kicker is None:
             due.append(self.kick_at)
         busy = [w.since + POOL_WAIT for w in self.workers if w.uid is not None]
-        if self.queue and busy:
+        if self.queue and busy and max(busy) > now:
             # A submit waiting for a worker: a child of its own once the last to take a
-            # request has been busy for POOL_WAIT (worker_soon).
+            # request has been busy for POOL_WAIT (worker_soon). (Not one past already: a
+            # submit its uid's cap holds waits for a child's or a worker's end, never a
+            # timer, and a past deadline would spin the loop.)
             due.append(max(busy))
         timeout = max(0.0, min(due) - now) if due else None
         for key, events in self.sel.select(timeout):
@@ -507,8 +512,13 @@ class Daemon:
             return False
         worker = idle[0]
         c = conn.caller
+        # Compact and UTF-8 as sent: never larger than the client's frame (<= MAX_REQUEST)
+        # plus the caller; an ASCII-escaped one could double and be cut at the worker's read.
         msg = json.dumps({"caller": [c.uid, c.gid, list(c.groups), c.pid],
-                          "request": request}).encode()
+                          "request": request}, ensure_ascii=False,
+                         separators=(",", ":")).encode()
+        if len(msg) > WORKER_MESSAGE:
+            return False  # (cannot happen: see above) a child of its own instead
         try:
             socket.send_fds(worker.sock, [msg], [conn.sock.fileno(), *fds], socket.MSG_NOSIGNAL)
         except OSError:  # gone (its exit is reaped through its pidfd): a child instead
@@ -522,9 +532,19 @@ class Daemon:
         return True
 
     def spawn_worker(self) -> Worker | None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET
-                                         | socket.SOCK_CLOEXEC)
-        pid = os.fork()
+        try:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET
+                                             | socket.SOCK_CLOEXEC)
+        except OSError as exc:  # EMFILE, ENFILE: a child of its own instead (fork's rules)
+            log(f"submit worker: {exc}")
+            return None
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            log(f"submit worker: fork: {exc}")
+            ours.close()
+            theirs.close()
+            return None
         if pid == 0:
             code = 1
             try:
@@ -535,9 +555,10 @@ class Daemon:
         theirs.close()
         try:
             pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            os.waitpid(pid, 0)
+        except OSError:  # (gone already, or EMFILE: its socket closed, it exits at EOF)
             ours.close()
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
             return None
         self.exiting[pidfd] = pid  # reaped whenever it exits
         self.sel.register(pidfd, selectors.EVENT_READ, "worker-exit")
@@ -636,15 +657,17 @@ def worker_main(sock: socket.socket) -> int:
     start = _process_ids()
     for n in range(1, WORKER_REQUESTS + 1):
         try:
-            data, fds, _ = proto.recv_fds(sock, proto.MAX_REQUEST + 4096, proto.MAX_FDS + 1)
+            data, fds, flags = proto.recv_fds(sock, WORKER_MESSAGE, proto.MAX_FDS + 1)
         except OSError:
             return 0
         if not data:
             return 0  # the daemon is gone
         code = 1
         conn = None
-        passed = _identities(fds[1:])
+        passed = _identities(fds)
         try:
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                raise ValueError("the daemon's message was cut")  # its fds closed below
             msg = json.loads(data)
             uid, gid, groups, pid = msg["caller"]
             conn = socket.socket(fileno=fds[0])
@@ -655,6 +678,7 @@ def worker_main(sock: socket.socket) -> int:
         finally:
             if conn is not None:
                 conn.close()  # (the object's own close: never a later request's reused fd)
+                passed.pop(fds[0], None)
             # The request's descriptors the handler left open; not a number it closed and
             # the C library (NSS) reused since: only one that still is what came.
             for fd, ident in passed.items():
