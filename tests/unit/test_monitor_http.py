@@ -308,3 +308,44 @@ def test_a_web_config_another_user_may_write_is_refused(pki):
         webconfig.load(path)
     path.chmod(0o600)
     assert webconfig.load(path).tls is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the check applies to a monitor run as root")
+@pytest.mark.parametrize("name, mode, why", [
+    ("ca.crt", 0o664, "client CA file .* writable by a user other than root"),
+    ("server.crt", 0o646, "TLS certificate file .* writable by a user other than root"),
+    ("server.key", 0o604, "TLS key file .* readable by every user"),
+])
+def test_every_tls_file_is_root_s_alone(pki, name, mode, why):
+    """ATTACK (attacker review, fixed before it shipped): only the key file was checked. Who
+    can write the client CA file makes a client certificate that passes; the certificate and
+    the key are loaded from the descriptors that were checked; a world-readable key is
+    refused."""
+    text = ("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
+            "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n")
+    assert webconfig.load(_web(pki, text)).tls is not None
+    before = (pki / name).stat().st_mode
+    (pki / name).chmod(mode)
+    try:
+        with pytest.raises(InputError, match=why):
+            webconfig.load(_web(pki, text))
+    finally:
+        (pki / name).chmod(before)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the check applies to a monitor run as root")
+def test_a_tls_file_in_a_directory_a_user_may_write_is_refused(pki, tmp_path):
+    """A root-owned 0644 certificate in a directory someone else may write can be replaced by
+    them between two loads: refused, naming the directory."""
+    import shutil
+
+    d = tmp_path / "certs"
+    d.mkdir()
+    for f in ("server.crt", "server.key"):
+        shutil.copy2(pki / f, d / f)
+    d.chmod(0o777)
+    text = f"tls_server_config:\n  cert_file: {d}/server.crt\n  key_file: {d}/server.key\n"
+    with pytest.raises(InputError, match=f"reached through {d}, which is writable by"):
+        webconfig.load(_web(pki, text))
+    d.chmod(0o755)
+    assert webconfig.load(_web(pki, text)).tls is not None

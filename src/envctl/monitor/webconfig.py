@@ -140,17 +140,31 @@ def _tls(where: _Where, base: Path, key_node: Any, node: Any) -> ssl.SSLContext:
     cert, cert_node = values["cert_file"]
     key, key_file_node = values["key_file"]
     cert_path, key_path = base / cert, base / key  # relative to the file, as the toolkit
-    _read_guarded(key_path, "TLS key file", where=(where, key_file_node, f"{f}.key_file"))
+    # Each file checked (root's alone to change, the key not world-readable), then loaded
+    # from the descriptor that was checked (/proc/self/fd: the same inode, not the name
+    # again, which could have been swapped meanwhile).
+    key_fd = _open_guarded(key_path, "TLS key file", private=True,
+                           where=(where, key_file_node, f"{f}.key_file"))
     try:
-        ctx.load_cert_chain(cert_path, key_path)
-    except (OSError, ssl.SSLError) as exc:
-        raise where.fail(cert_node, f"{f}.cert_file", f"cannot load {cert_path} with "
-                         f"{key_path}: {getattr(exc, 'strerror', None) or exc}") from None
+        cert_fd = _open_guarded(cert_path, "TLS certificate file",
+                                where=(where, cert_node, f"{f}.cert_file"))
+        try:
+            ctx.load_cert_chain(f"/proc/self/fd/{cert_fd}", f"/proc/self/fd/{key_fd}")
+        except (OSError, ssl.SSLError) as exc:
+            raise where.fail(cert_node, f"{f}.cert_file", f"cannot load {cert_path} with "
+                             f"{key_path}: {getattr(exc, 'strerror', None) or exc}") from None
+        finally:
+            os.close(cert_fd)
+    finally:
+        os.close(key_fd)
     ctx.verify_mode = CLIENT_AUTH[auth_type]
     if "client_ca_file" in values:
         ca, ca_node = values["client_ca_file"]
+        # Who can write the CA file can make a client certificate that passes.
+        pem = _read_guarded(base / ca, "client CA file",
+                            where=(where, ca_node, f"{f}.client_ca_file"))
         try:
-            ctx.load_verify_locations(cafile=base / ca)
+            ctx.load_verify_locations(cadata=pem)
         except (OSError, ssl.SSLError) as exc:
             raise where.fail(ca_node, f"{f}.client_ca_file", f"cannot load {base / ca}: "
                              f"{getattr(exc, 'strerror', None) or exc}") from None
@@ -181,23 +195,45 @@ def _users(where: _Where, key_node: Any, node: Any) -> dict[str, bytes]:
 
 def _read_guarded(path: Path, what: str, *, where: tuple[_Where, Any, str] | None = None) -> str:
     """The text of `path`, refused when, as root, another user could have written it."""
+    fd = _open_guarded(path, what, where=where)
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
+def _open_guarded(path: Path, what: str, *, private: bool = False,
+                  where: tuple[_Where, Any, str] | None = None) -> int:
+    """A descriptor of `path` (a regular file), refused when, as root, someone other than
+    root could have changed it or a directory or symlink on the way to it
+    (spec.loader.changeable_by_others, the rule specs follow), or, `private` (a key), when
+    every user may read it."""
+    from envctl.spec.loader import changeable_by_others
+
+    def refuse(msg: str) -> InputError:
+        if where is not None:
+            return where[0].fail(where[1], where[2], msg)
+        return InputError(msg)
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as exc:
-        msg = f"cannot open {what} {path}: {exc.strerror}"
-        if where is not None:
-            raise where[0].fail(where[1], where[2], msg) from None
-        raise InputError(msg) from None
-    with os.fdopen(fd, "rb") as f:
+        raise refuse(f"cannot open {what} {path}: {exc.strerror}") from None
+    try:
         st = os.fstat(fd)
+        problem = ""
         if not stat.S_ISREG(st.st_mode):
             problem = "is not a regular file"
         elif os.geteuid() == 0 and (st.st_uid != 0 or st.st_mode & 0o022):
             problem = (f"is writable by a user other than root (owner uid {st.st_uid}, mode "
                        f"{stat.S_IMODE(st.st_mode):04o}): chown root and chmod go-w it")
-        else:
-            return f.read().decode("utf-8", "replace")
-    msg = f"{what} {path} {problem}"
-    if where is not None:
-        raise where[0].fail(where[1], where[2], msg)
-    raise InputError(msg)
+        elif os.geteuid() == 0 and (bad := changeable_by_others([path])):
+            _, where_, why = bad[0]
+            problem = f"is reached through {where_}, which {why}: only root may change it"
+        elif private and st.st_mode & 0o004:
+            problem = (f"is readable by every user (mode {stat.S_IMODE(st.st_mode):04o}): "
+                       "chmod o-r it")
+        if problem:
+            raise refuse(f"{what} {path} {problem}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
