@@ -146,11 +146,30 @@ def allocate(pool: Pool, held: list[tuple[int, Slice]], ask: Ask) -> Slice | Sho
 def near_first(cpus: tuple[int, ...], local: list[tuple[int, ...]]) -> tuple[int, ...]:
     """`cpus` reordered so that a count takes CPUs local to the job's GPUs first: one from
     each GPU's local set in turn (a job on two sockets gets CPUs on both), then the rest."""
-    order: list[int] = []
-    ranked = [[c for c in cpus if c in set(group)] for group in dict.fromkeys(local) if group]
+    return _near_first(cpus, tuple(dict.fromkeys(g for g in local if g)))
+
+
+_NEAR: dict[tuple, tuple[int, ...]] = {}  # a pass asks the same (pool, GPUs) for every job
+
+
+def _near_first(cpus: tuple[int, ...], groups: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    key = (cpus, groups)
+    if (hit := _NEAR.get(key)) is not None:
+        return hit
+    sets = [frozenset(g) for g in groups]
+    ranked = [[c for c in cpus if c in g] for g in sets]
+    seen: dict[int, None] = {}
     for row in range(max((len(r) for r in ranked), default=0)):
-        order += [r[row] for r in ranked if row < len(r) and r[row] not in order]
-    return tuple(dict.fromkeys(order + list(cpus)))
+        for r in ranked:
+            if row < len(r):
+                seen.setdefault(r[row])
+    for c in cpus:
+        seen.setdefault(c)
+    out = tuple(seen)
+    if len(_NEAR) > 4096:  # bounded: pools and GPU sets are few
+        _NEAR.clear()
+    _NEAR[key] = out
+    return out
 
 
 def _pick(count: int, listed: tuple | None, pool: tuple, owner: dict, what: str, fmt: object,
