@@ -257,9 +257,11 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
         stderr(f"error: {env}: {err}")
     if result.cdi_error:
         stderr(f"error: {result.cdi_error}")
-    # What waits for `up --retry` (envctl-retry.service): after --all, exactly what is not up.
+    # What waits for `up --retry` (envctl-retry.service): after --all (and a retry's round),
+    # exactly what is not up. An `up NAME` that failed is the operator's to run again, never
+    # retried by itself: it only takes what came up off the list.
     _record_not_up(ws.host, [ls.spec.name for ls in selected],
-                   [*result.failed, *skipped])
+                   [*result.failed, *skipped] if all_ or each else [])
     if json_:
         emit_json([o.to_json() for o in result.outcomes]
                   + [{"env": env, "error": err} for env, err in result.failed.items()]
@@ -278,11 +280,15 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
     return 0
 
 
-def _record_not_up(host: Any, tried: list[str], not_up: list[str]) -> None:
-    """envctl.retry.record_attempt; a run directory that cannot be written only warns."""
-    from envctl.retry import record_attempt
+def _record_not_up(host: Any, tried: list[str], not_up: list[str], *,
+                   everything: bool = False) -> None:
+    """envctl.retry.record_attempt (`everything`: the whole list goes); a run directory that
+    cannot be written only warns."""
+    from envctl.retry import read_not_up, record_attempt
 
     try:
+        if everything:
+            tried = [*tried, *read_not_up(host.run_dir, host.boot_id)]
         record_attempt(host.run_dir, host.boot_id, tried, not_up)
     except OSError as exc:
         stderr(f"warning: retry list {host.run_dir}: {exc.strerror or exc}")
@@ -373,7 +379,8 @@ def down(names: list[str] | None, opts: Options, *, all_: bool = False, force: b
                    f"{'; '.join(what)}")
     else:
         outcomes = ops.down(engine, envs)
-    _record_not_up(host, envs, [])  # taken down on purpose: never brought back by a retry
+    # Taken down on purpose: never brought back by a retry (`down --all`: nothing is).
+    _record_not_up(host, envs, [], everything=all_)
     if json_:
         emit_json([o.to_json() for o in outcomes])
     else:
