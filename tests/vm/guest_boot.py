@@ -362,7 +362,9 @@ class TestFirstBoot:
         assert final[0]["state"] == "CANCELLED" and final[0]["reason"] is None, final
         run("systemctl", "start", "envctl.service", timeout=600)
         assert show("envctl.service", "ActiveState")["ActiveState"] == "active"
-        assert show("envctl-monitor.service", "ActiveState")["ActiveState"] == "active"
+        # Wants= starts the monitor beside it; Type=notify: active at READY=1, its first tick.
+        wait_for(lambda: show("envctl-monitor.service", "ActiveState")["ActiveState"]
+                 == "active", "the monitor to be ready")
 
     def test_stop_with_one_broken_leaves_nothing_and_start_brings_web_back(self):
         stop_and_check_residue()
