@@ -227,32 +227,35 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
                 for p in plans}
 
     carving = [p for p in plans if p.resolved.get(PENDING_KEY)]
-    mig_failed: dict[str, str] = {}
-    rolled_back: dict[str, str] = {}
-    first: list = []
-    fresh = set()
-    if carving:
-        # MIG instances first: their UUIDs and access nodes exist only once made, then the
-        # environments are planned again with them (as if named by MIG UUID).
-        fresh = {p.env for p in carving if not engine.journal(p.env).entries}
-        first, rolled_back = ops.make_mig(carving, engine, claims())
-        mig_failed = dict(rolled_back)
-        ws = ws.with_host_facts()
-        again = [ws.get(p.env) for p in plans if p.env not in mig_failed]
-        plans, more = ws.plan_each(again) if all_ or each else (ws.plan_all(again), {})
-        skipped.update(more)
-        for p in plans:
-            if p.resolved.get(PENDING_KEY):  # made, yet discovery does not show them
-                mig_failed[p.env] = (f"the MIG instances made for it are not among those NVML "
-                                     f"lists ({p.resolved['mig']}); `envctl gpus` shows them")
-        plans = [p for p in plans if p.env not in mig_failed]
-    result = ops.up(plans, engine, claims())
-    if carving:
-        result.outcomes = ops.with_made(result.outcomes, first)
-    result.failed = {**mig_failed, **result.failed}
-    for env in fresh & set(result.failed) - set(rolled_back):
-        # It held nothing before this `up`: its MIG instances go too, as a rollback would.
-        ops.down(engine, [env])
+    # One hold of the global lock for both halves of a MIG `up` (the instances, then the
+    # environments planned again with them): no other envctl runs between them.
+    with engine.locked():
+        mig_failed: dict[str, str] = {}
+        rolled_back: dict[str, str] = {}
+        first: list = []
+        fresh = set()
+        if carving:
+            # MIG instances first: their UUIDs and access nodes exist only once made, then the
+            # environments are planned again with them (as if named by MIG UUID).
+            fresh = {p.env for p in carving if not engine.journal(p.env).entries}
+            first, rolled_back = ops.make_mig(carving, engine, claims())
+            mig_failed = dict(rolled_back)
+            ws = ws.with_host_facts()
+            again = [ws.get(p.env) for p in plans if p.env not in mig_failed]
+            plans, more = ws.plan_each(again) if all_ or each else (ws.plan_all(again), {})
+            skipped.update(more)
+            for p in plans:
+                if p.resolved.get(PENDING_KEY):  # made, yet discovery does not show them
+                    mig_failed[p.env] = (f"the MIG instances made for it are not among those NVML "
+                                         f"lists ({p.resolved['mig']}); `envctl gpus` shows them")
+            plans = [p for p in plans if p.env not in mig_failed]
+        result = ops.up(plans, engine, claims())
+        if carving:
+            result.outcomes = ops.with_made(result.outcomes, first)
+        result.failed = {**mig_failed, **result.failed}
+        for env in fresh & set(result.failed) - set(rolled_back):
+            # It held nothing before this `up`: its MIG instances go too, as a rollback would.
+            ops.down(engine, [env])
     for env, err in result.failed.items():
         stderr(f"error: {env}: {err}")
     if result.cdi_error:
