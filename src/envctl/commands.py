@@ -481,7 +481,12 @@ def status(names: list[str] | None, opts: Options, *, json_: bool = False,
     else:
         render_status(console(), rows, warnings, cgroups=cgroups, isolation=isolation,
                       descriptions=descriptions, states=states, limits=limits)
-        render_maintenance(console(), marks)
+        from envctl.monitor.maintenance import GPUS, read
+        from envctl.monitor.nvmlkeep import holder
+
+        gpus = read(host.run_dir, GPUS)
+        render_maintenance(console(), marks, gpus,
+                           holder(host.run_dir) if gpus is not None else None)
         render_events(console(), events)
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):
@@ -512,11 +517,61 @@ def maintenance(env: str, mode: str, opts: Options, *, json_: bool = False) -> i
     return 0
 
 
-def render_maintenance(out: Any, marks: dict[str, dict[str, Any]]) -> None:
+GPU_RELEASE_WAIT = 60.0  # seconds `maintenance --gpus on` waits for the monitor to let go
+
+
+def maintenance_gpus(mode: str, opts: Options, *, json_: bool = False,
+                     wait: float = GPU_RELEASE_WAIT) -> int:
+    """`envctl maintenance --gpus on|off`: pause or resume the monitor's GPU sampling. `on`
+    then waits (at most `wait` s) until the running monitor has shut NVML down, so that the
+    next command (`nvidia-smi -r`) finds no handle of envctl's; exit 1 if it has not by then."""
+    import time
+
+    from envctl import app as ops
+    from envctl.host.context import Host
+    from envctl.monitor import maintenance as mt
+    from envctl.monitor.nvmlkeep import PAUSE_POLL, holder
+
+    if mode not in ("on", "off"):
+        raise BadArgs("maintenance", f"--gpus '{mode}': give on or off")
+    ops.require_root(f"maintenance --gpus {mode} (the monitor runs as root)")
+    host = Host.from_env()
+    changed = mt.set_mode(host.run_dir, mt.GPUS, mode == "on")
+    held = holder(host.run_dir) if mode == "on" else None
+    if held is not None and not json_:
+        console().print(f"waiting for the monitor (pid {held}) to shut NVML down …")
+    deadline = time.monotonic() + wait
+    while held is not None and time.monotonic() < deadline:
+        time.sleep(min(0.1, PAUSE_POLL))
+        held = holder(host.run_dir)
+    if json_:
+        emit_json({"gpus": "paused" if mode == "on" else "sampled", "changed": changed,
+                   "nvml_held_by": held})
+    elif mode == "on":
+        console().print("GPU sampling paused: no envctl monitor holds NVML" if held is None
+                        else f"GPU sampling paused, but the monitor (pid {held}) still holds "
+                        f"NVML after {wait:.0f} s (a heal in progress?)")
+    else:
+        console().print("GPU sampling resumed: the monitor opens NVML at its next tick"
+                        if changed else "GPU sampling was not paused: nothing changed")
+    if held is not None:
+        stderr(f"maintenance --gpus on: the monitor (pid {held}) still holds NVML")
+        return 1
+    return 0
+
+
+def render_maintenance(out: Any, marks: dict[str, dict[str, Any]],
+                       gpus: dict[str, Any] | None = None,
+                       held: int | None = None) -> None:
     from envctl.monitor.maintenance import describe
 
     for env, mark in marks.items():
         out.print(f"[bold]{env}[/]  [yellow]{describe(mark)}[/]")
+    if gpus is not None:
+        text = describe(gpus).replace("healing paused", "GPU sampling paused")
+        who = ("NVML released" if held is None else
+               f"the monitor (pid {held}) still holds NVML")
+        out.print(f"[bold]GPUs[/]  [yellow]{text}: {who}[/]")
 
 
 def list_(names: list[str] | None, opts: Options, *, json_: bool = False) -> int:
