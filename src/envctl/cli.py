@@ -1020,6 +1020,7 @@ def maintenance(
             raise commands.BadArgs("maintenance", "with --gpus give only on or off (no "
                                    "environment)")
         _exit(commands.maintenance_gpus(env.strip().lower(), _opts(), json_=json_))
+        return
     if mode is None:
         raise commands.BadArgs("maintenance", "give an environment and on or off (or --gpus "
                                "on|off)")

@@ -159,6 +159,9 @@ def test_a_gpu_pause_shuts_nvml_down_and_sampling_resumes_after(tmp_path, fake_n
     said = []
     k = _pausable(fh, fake_nvml, said)
     assert len(k.sample()) == 2 and fake_nvml.calls == {"init": 1, "shutdown": 0}
+    assert not fh.run.exists()  # no environment up, no run directory: the monitor makes none
+    fh.run.mkdir()
+    assert len(k.sample()) == 2 and fake_nvml.calls == {"init": 1, "shutdown": 0}
     assert holder(fh.run) == os.getpid()  # nvml-held.json: this process holds NVML
 
     assert maintenance.set_mode(fh.run, maintenance.GPUS, True, now=5.0)

@@ -88,6 +88,7 @@ class NvmlKeeper:
         self.next_at = 0.0
         self.opened = 0  # sessions opened so far
         self._said = ""  # the last failure said (each once while it repeats)
+        self._held_said = False  # nvml-held.json written for the session open now
         if not self.poll_pause():  # started paused: NVML is not opened at all
             self._open()
 
@@ -152,6 +153,8 @@ class NvmlKeeper:
     def sample(self) -> list[GpuSample]:
         if self.poll_pause():
             return []
+        if self.session is not None and not self._held_said and self.run_dir is not None:
+            self._say_held(True)  # the run directory was not there when NVML was opened
         if self.session is None:
             if "ENVCTL_NVML=off" in self.why or self.clock() < self.next_at:
                 return []
@@ -182,8 +185,11 @@ class NvmlKeeper:
             self._say_held(False)
 
     def _say_held(self, held: bool) -> None:
-        """nvml-held.json written (held) or removed; a run directory that cannot be written
-        costs only the wait of `maintenance --gpus on`."""
+        """nvml-held.json written (held) or removed. Only into a run directory that exists
+        (the monitor makes none: with no environment up there may be none; `sample` writes it
+        once one appears); one that cannot be written costs only `maintenance --gpus on` its
+        wait."""
+        self._held_said = False
         if self.run_dir is None:
             return
         from envctl.host.files import write_json
@@ -191,8 +197,10 @@ class NvmlKeeper:
         path = self.run_dir / HELD
         with contextlib.suppress(OSError):
             if held:
-                write_json(path, {"pid": os.getpid(), "start": start_time(os.getpid())},
-                           durable=False)
+                if self.run_dir.is_dir():
+                    write_json(path, {"pid": os.getpid(), "start": start_time(os.getpid())},
+                               durable=False)
+                    self._held_said = True
             else:
                 path.unlink()
 
