@@ -482,11 +482,11 @@ def status(names: list[str] | None, opts: Options, *, json_: bool = False,
         render_status(console(), rows, warnings, cgroups=cgroups, isolation=isolation,
                       descriptions=descriptions, states=states, limits=limits)
         from envctl.monitor.maintenance import GPUS, read
-        from envctl.monitor.nvmlkeep import holder
+        from envctl.monitor.nvmlkeep import holders
 
         gpus = read(host.run_dir, GPUS)
         render_maintenance(console(), marks, gpus,
-                           holder(host.run_dir) if gpus is not None else None)
+                           holders(host.run_dir) if gpus is not None else [])
         render_events(console(), events)
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):
@@ -530,47 +530,49 @@ def maintenance_gpus(mode: str, opts: Options, *, json_: bool = False,
     from envctl import app as ops
     from envctl.host.context import Host
     from envctl.monitor import maintenance as mt
-    from envctl.monitor.nvmlkeep import PAUSE_POLL, holder
+    from envctl.monitor.nvmlkeep import PAUSE_POLL, holders
 
     if mode not in ("on", "off"):
         raise BadArgs("maintenance", f"--gpus '{mode}': give on or off")
     ops.require_root(f"maintenance --gpus {mode} (the monitor runs as root)")
     host = Host.from_env()
     changed = mt.set_mode(host.run_dir, mt.GPUS, mode == "on")
-    held = holder(host.run_dir) if mode == "on" else None
-    if held is not None and not json_:
-        console().print(f"waiting for the monitor (pid {held}) to shut NVML down …")
+    held = holders(host.run_dir) if mode == "on" else []
+    if held and not json_:
+        console().print(f"waiting for pid {', '.join(map(str, held))} (the monitor, top) to "
+                        "shut NVML down …")
     deadline = time.monotonic() + wait
-    while held is not None and time.monotonic() < deadline:
+    while held and time.monotonic() < deadline:
         time.sleep(min(0.1, PAUSE_POLL))
-        held = holder(host.run_dir)
+        held = holders(host.run_dir)
+    pids = ", ".join(map(str, held))
     if json_:
         emit_json({"gpus": "paused" if mode == "on" else "sampled", "changed": changed,
                    "nvml_held_by": held})
     elif mode == "on":
-        console().print("GPU sampling paused: no envctl monitor holds NVML" if held is None
-                        else f"GPU sampling paused, but the monitor (pid {held}) still holds "
-                        f"NVML after {wait:.0f} s (a heal in progress?)")
+        console().print("GPU sampling paused: no envctl process holds NVML" if not held
+                        else f"GPU sampling paused, but pid {pids} still holds NVML after "
+                        f"{wait:.0f} s (a heal in progress?)")
     else:
         console().print("GPU sampling resumed: the monitor opens NVML at its next tick"
                         if changed else "GPU sampling was not paused: nothing changed")
-    if held is not None:
-        stderr(f"maintenance --gpus on: the monitor (pid {held}) still holds NVML")
+    if held:
+        stderr(f"maintenance --gpus on: pid {pids} still holds NVML")
         return 1
     return 0
 
 
 def render_maintenance(out: Any, marks: dict[str, dict[str, Any]],
                        gpus: dict[str, Any] | None = None,
-                       held: int | None = None) -> None:
+                       held: list[int] | None = None) -> None:
     from envctl.monitor.maintenance import describe
 
     for env, mark in marks.items():
         out.print(f"[bold]{env}[/]  [yellow]{describe(mark)}[/]")
     if gpus is not None:
         text = describe(gpus).replace("healing paused", "GPU sampling paused")
-        who = ("NVML released" if held is None else
-               f"the monitor (pid {held}) still holds NVML")
+        who = ("NVML released" if not held else
+               f"pid {', '.join(map(str, held))} still holds NVML")
         out.print(f"[bold]GPUs[/]  [yellow]{text}: {who}[/]")
 
 

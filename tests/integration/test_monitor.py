@@ -392,11 +392,12 @@ def test_healing_respects_restart_no_and_maintenance(box, tmp_path):
 
 def test_maintenance_gpus_lets_the_running_monitor_release_nvml(box, tmp_path):
     """`envctl maintenance --gpus on` with a monitor running (the fake NVML, two GPUs): the
-    monitor shuts NVML down, `on` returns once it has (nvml-held.json gone), /metrics says
+    monitor shuts NVML down, `on` returns once it has (nvml-held.d/PID gone), /metrics says
     paused and has no GPU series, status says so; `off` and the next tick sample the GPUs
-    again. SIGTERM leaves no nvml-held.json; down leaves what it always does."""
+    again. SIGTERM leaves no nvml-held.d; down leaves what it always does."""
     sb = box
-    held = sb.run_dir / "nvml-held.json"
+    held_dir = sb.run_dir / "nvml-held.d"
+    held = held_dir / str(os.getpid())  # replaced below by the monitor's pid
     proc = sb.popen(sys.executable, "-m", "envctl", "monitor", "--interval", "1", "--listen",
                     "127.0.0.1:9465", "--csv-dir", "none", "--no-heal", env=sb.gpu_env)
     fetch = ("import urllib.request as u; print(u.urlopen('http://127.0.0.1:9465/metrics', "
@@ -414,10 +415,11 @@ def test_maintenance_gpus_lets_the_running_monitor_release_nvml(box, tmp_path):
 
     try:
         assert wait_until(gpus_sampled, 60)
+        held = held_dir / str(proc.pid)
         assert json.loads(held.read_text())["pid"] == proc.pid
         res = sb.envctl("maintenance", "--gpus", "on")
         assert res.returncode == 0, res.stdout + res.stderr
-        assert "no envctl monitor holds NVML" in res.stdout and not held.exists()
+        assert "no envctl process holds NVML" in res.stdout and not held.exists()
         assert wait_until(lambda: metrics().get("envctl_monitor_gpu_sampling_paused",
                                                 [(0, 0)])[0][1] == 1, 30)
         assert "envctl_gpu_memory_free_bytes" not in metrics()
@@ -437,7 +439,7 @@ def test_maintenance_gpus_lets_the_running_monitor_release_nvml(box, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert not held.exists()
+    assert not held_dir.exists()
     assert sb.envctl("down", "box").returncode == 0
     residue = sb.residue()
     assert residue.pop("state_dir", None) in (None, ["lock"]), residue

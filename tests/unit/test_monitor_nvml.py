@@ -152,7 +152,7 @@ def test_a_gpu_pause_shuts_nvml_down_and_sampling_resumes_after(tmp_path, fake_n
     closed: no handle open), samples no GPU and does not open NVML again while paused; the
     mark gone, the next sample opens it and the GPUs are back."""
     from envctl.monitor import maintenance
-    from envctl.monitor.nvmlkeep import HELD, holder
+    from envctl.monitor.nvmlkeep import HELD, holders
 
     fh = fake_host(tmp_path, 1, gpus=2)
     monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))
@@ -162,13 +162,13 @@ def test_a_gpu_pause_shuts_nvml_down_and_sampling_resumes_after(tmp_path, fake_n
     assert not fh.run.exists()  # no environment up, no run directory: the monitor makes none
     fh.run.mkdir()
     assert len(k.sample()) == 2 and fake_nvml.calls == {"init": 1, "shutdown": 0}
-    assert holder(fh.run) == os.getpid()  # nvml-held.json: this process holds NVML
+    assert holders(fh.run) == [os.getpid()]  # nvml-held.d/PID: this process holds NVML
 
     assert maintenance.set_mode(fh.run, maintenance.GPUS, True, now=5.0)
     assert k.poll_pause() is True
     assert fake_nvml.calls == {"init": 1, "shutdown": 1} and fake_nvml._config is None
     assert k.session is None and k.releases == 1
-    assert not (fh.run / HELD).exists() and holder(fh.run) is None
+    assert not (fh.run / HELD).exists() and holders(fh.run) == []
     sampled = fake_nvml.sampled["calls"]
     for _ in range(3):  # ticks while paused: no GPU, no NVML call, a problem that says why
         assert k.sample() == []
@@ -179,9 +179,9 @@ def test_a_gpu_pause_shuts_nvml_down_and_sampling_resumes_after(tmp_path, fake_n
     assert maintenance.set_mode(fh.run, maintenance.GPUS, False)
     assert [g.uuid for g in k.sample()] == [gpu_uuid(0), gpu_uuid(1)]
     assert fake_nvml.calls == {"init": 2, "shutdown": 1} and k.problems == []
-    assert holder(fh.run) == os.getpid() and "GPU sampling resumed" in said[-1]
+    assert holders(fh.run) == [os.getpid()] and "GPU sampling resumed" in said[-1]
     k.close()
-    assert fake_nvml.calls["shutdown"] == 2 and holder(fh.run) is None
+    assert fake_nvml.calls["shutdown"] == 2 and not (fh.run / HELD).exists()
 
 
 def test_a_monitor_started_while_paused_never_opens_nvml(tmp_path, fake_nvml, monkeypatch):
@@ -238,31 +238,68 @@ def test_the_monitor_lets_nvml_go_between_ticks(tmp_path, fake_nvml, monkeypatch
 
 
 def test_maintenance_gpus_on_waits_for_the_monitor_to_let_go(tmp_path, monkeypatch):
-    """`envctl maintenance --gpus on` returns once nvml-held.json is gone (the monitor let
-    go), at once when the file names a process that is not (any more) the one that wrote it,
-    and exit 1 when the monitor still holds NVML at the end of the wait."""
+    """`envctl maintenance --gpus on` returns once no nvml-held.d/PID names a live holder (the
+    monitor let go; a second holder, `top`, too), at once when a file names a process that is
+    not (any more) the one that wrote it, and exit 1 when NVML is still held at the end of the
+    wait."""
+    import subprocess
+    import sys
     import threading
 
     from envctl import app as ops
     from envctl import commands
     from envctl.host.files import write_json
     from envctl.monitor import maintenance
-    from envctl.monitor.nvmlkeep import HELD, start_time
+    from envctl.monitor.nvmlkeep import HELD, holders, start_time
 
     run = tmp_path / "run"
     monkeypatch.setenv("ENVCTL_RUN_DIR", str(run))
     monkeypatch.setenv("ENVCTL_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setattr(ops, "require_root", lambda action: None)
-    me = {"pid": os.getpid(), "start": start_time(os.getpid())}
-    write_json(run / HELD, me)
-    threading.Timer(0.3, (run / HELD).unlink).start()
-    assert commands.maintenance_gpus("on", commands.Options(), json_=True, wait=20) == 0
-    assert maintenance.read(run, maintenance.GPUS)["since"] > 0
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = {"pid": os.getpid(), "start": start_time(os.getpid())}
+        them = {"pid": other.pid, "start": start_time(other.pid)}
+        write_json(run / HELD / str(me["pid"]), me)
+        write_json(run / HELD / str(them["pid"]), them)
+        assert holders(run) == sorted([me["pid"], them["pid"]], key=str)
+        threading.Timer(0.2, (run / HELD / str(me["pid"])).unlink).start()
+        threading.Timer(0.4, (run / HELD / str(them["pid"])).unlink).start()
+        assert commands.maintenance_gpus("on", commands.Options(), json_=True, wait=20) == 0
+        assert holders(run) == [] and maintenance.read(run, maintenance.GPUS)["since"] > 0
 
-    write_json(run / HELD, {**me, "start": me["start"] + 1})  # a reused pid: not the monitor
-    assert commands.maintenance_gpus("on", commands.Options(), json_=True, wait=20) == 0
-    write_json(run / HELD, me)
-    assert commands.maintenance_gpus("on", commands.Options(), json_=True, wait=0.3) == 1
-    (run / HELD).unlink()
-    assert commands.maintenance_gpus("off", commands.Options(), json_=True) == 0
-    assert maintenance.read(run, maintenance.GPUS) is None
+        # A reused pid (another start time) and a dead one are not holders.
+        write_json(run / HELD / "1", {"pid": os.getpid(), "start": me["start"] + 1})
+        other.kill()
+        other.wait()
+        write_json(run / HELD / str(them["pid"]), them)
+        assert commands.maintenance_gpus("on", commands.Options(), json_=True, wait=20) == 0
+        write_json(run / HELD / str(me["pid"]), me)
+        assert commands.maintenance_gpus("on", commands.Options(), json_=True, wait=0.3) == 1
+        assert commands.maintenance_gpus("off", commands.Options(), json_=True) == 0
+        assert maintenance.read(run, maintenance.GPUS) is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_two_holders_one_file_each(tmp_path, fake_nvml, monkeypatch):
+    """The monitor and `envctl top` (or `monitor --once`) each hold NVML: each has its own
+    nvml-held.d/PID, so the one that stops first does not take the other's away."""
+    from envctl.monitor.nvmlkeep import HELD
+
+    fh = fake_host(tmp_path, 1, gpus=1)
+    fh.run.mkdir()
+    monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))
+    real = os.getpid()
+    a = _pausable(fh, fake_nvml, [])
+    a.sample()
+    monkeypatch.setattr(os, "getpid", lambda: 1)  # the second keeper as another process
+    b = _pausable(fh, fake_nvml, [])
+    b.sample()
+    assert sorted(os.listdir(fh.run / HELD)) == sorted(["1", str(real)])
+    b.close()
+    assert os.listdir(fh.run / HELD) == [str(real)]
+    monkeypatch.setattr(os, "getpid", lambda: real)
+    a.close()
+    assert not (fh.run / HELD).exists()  # the last one out takes the directory

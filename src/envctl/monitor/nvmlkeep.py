@@ -16,9 +16,10 @@ purpose: without the persistence daemon the driver tears a GPU's state down when
 client closes (seconds to bring back, volatile ECC counts reset), and XID events that arrive
 while no event set is registered are never seen.
 
-While it holds a session the keeper says so in `<run>/nvml-held.json` ({"pid", "start": the
+While it holds a session the keeper says so in `<run>/nvml-held.d/<pid>` ({"pid", "start": the
 process's start time in clock ticks since boot, as /proc/PID/stat field 22}), removed when it
-lets go: `envctl maintenance --gpus on` waits on it.
+lets go: `envctl maintenance --gpus on` waits until none is left. One file per process: the
+monitor, `envctl top` and `monitor --once` each hold NVML and each honour the pause.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from envctl.monitor.nvml import GpuSample, NvmlSession, open_session
 BASE_DELAY = 10.0
 MAX_DELAY = 600.0
 PAUSE_POLL = 1.0  # seconds between two looks for the pause mark between ticks
-HELD = "nvml-held.json"  # in the run directory (a dot: never an environment's name)
+HELD = "nvml-held.d"  # in the run directory (a dot: never an environment's name)
 
 
 def start_time(pid: int) -> int | None:
@@ -52,17 +53,25 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def holder(run_dir: Path) -> int | None:
-    """The pid of the monitor holding NVML now, per `<run>/nvml-held.json`, or None (no file,
-    or its process is gone or is another one by now)."""
+def holders(run_dir: Path) -> list[int]:
+    """The pids of the processes holding NVML through a keeper now, per `<run>/nvml-held.d/`
+    (a file whose process is gone, or is another one by now, does not count)."""
     import json
 
     try:
-        rec = json.loads((run_dir / HELD).read_text())
-        pid, start = int(rec["pid"]), rec["start"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return pid if start is not None and start_time(pid) == start else None
+        names = os.listdir(run_dir / HELD)
+    except OSError:
+        return []
+    out = []
+    for name in sorted(names):
+        try:
+            rec = json.loads((run_dir / HELD / name).read_text())
+            pid, start = int(rec["pid"]), rec["start"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if start is not None and start_time(pid) == start:
+            out.append(pid)
+    return out
 
 
 class NvmlKeeper:
@@ -72,8 +81,8 @@ class NvmlKeeper:
                  opener: Callable[..., tuple[NvmlSession | None, str]] = open_session,
                  clock: Callable[[], float] = time.monotonic,
                  say: Callable[[str], None] | None = None, run_dir: Path | None = None):
-        """`run_dir`: where the pause mark is looked for and nvml-held.json written (None: the
-        keeper cannot be paused; tests, benchmarks, `--once`)."""
+        """`run_dir`: where the pause mark is looked for and nvml-held.d/<pid> written (None:
+        the keeper cannot be paused; tests, benchmarks)."""
         self.gpu_root = gpu_root
         self.run_dir = run_dir
         self.paused: dict[str, Any] | None = None  # the pause mark while paused
@@ -88,7 +97,7 @@ class NvmlKeeper:
         self.next_at = 0.0
         self.opened = 0  # sessions opened so far
         self._said = ""  # the last failure said (each once while it repeats)
-        self._held_said = False  # nvml-held.json written for the session open now
+        self._held_said = False  # nvml-held.d/<pid> written for the session open now
         if not self.poll_pause():  # started paused: NVML is not opened at all
             self._open()
 
@@ -185,16 +194,16 @@ class NvmlKeeper:
             self._say_held(False)
 
     def _say_held(self, held: bool) -> None:
-        """nvml-held.json written (held) or removed. Only into a run directory that exists
-        (the monitor makes none: with no environment up there may be none; `sample` writes it
-        once one appears); one that cannot be written costs only `maintenance --gpus on` its
-        wait."""
+        """`<run>/nvml-held.d/<pid>` written (held) or removed (and the directory with the last
+        one). Only in a run directory that exists (the monitor makes none: with no environment
+        up there may be none; `sample` writes it once one appears); one that cannot be written
+        (`envctl top` as a plain user) costs only `maintenance --gpus on` its wait."""
         self._held_said = False
         if self.run_dir is None:
             return
         from envctl.host.files import write_json
 
-        path = self.run_dir / HELD
+        path = self.run_dir / HELD / str(os.getpid())
         with contextlib.suppress(OSError):
             if held:
                 if self.run_dir.is_dir():
@@ -203,6 +212,7 @@ class NvmlKeeper:
                     self._held_said = True
             else:
                 path.unlink()
+                path.parent.rmdir()  # ENOTEMPTY: another process holds NVML too: kept
 
 
 def _paused_line(mark: dict[str, Any]) -> str:
