@@ -1,0 +1,164 @@
+"""An attacker's review, session 33: what a host user who owns a directory envctl's root
+processes write to or read from (the monitor's textfile directory, a directory an operator's
+spec link leads through), a plain user through the daemon, and root inside a partition can do.
+Each test makes one attempt on the real kernel, in the sandbox.
+
+`ATTACK (fixed)`: the test failed on the code before the commit that adds it; `ATTACK (open)`:
+xfail(strict=True), the fix is the lead's (its reason says what it is); the others record
+attempts that held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.sandbox import stderr_of
+from tests.integration.test_attacks_daemon import alive, raw
+from tests.integration.test_daemon import BOB, team  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.root
+
+NOBODY = 65534
+
+
+def wait_until(cond, timeout: float, proc=None) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"it died: {stderr_of(proc)}")
+        time.sleep(0.05)
+    return False
+
+
+# ---------------------------------------------------------------- the monitor's textfile
+
+
+def test_the_textfile_directorys_owner_cannot_make_the_monitor_overwrite_a_root_file(
+        sandbox, tmp_path):
+    """ATTACK (fixed): node_exporter's textfile directory is commonly its service user's
+    (`node-exp`, 0775: the prometheus-community role). The monitor, root, wrote each tick to
+    `.envctl.prom.<its pid>.tmp` beside the textfile, opened O_CREAT|O_TRUNC by name: that
+    user planted the name as a symlink to any root file, and root truncated it and wrote the
+    exposition there (host.files.atomic_write, which every root writer of envctl uses)."""
+    sb = sandbox
+    textdir = tmp_path / "textfile"
+    textdir.mkdir()
+    os.chown(textdir, NOBODY, NOBODY)
+    victim = tmp_path / "shadow"
+    victim.write_text("root:secret\n")
+    victim.chmod(0o600)
+    prom = textdir / "envctl.prom"
+    proc = sb.popen(sys.executable, "-m", "envctl", "monitor", "--interval", "0.2", "--listen",
+                    "none", "--csv-dir", "none", "--no-heal", "--textfile", str(prom))
+    try:
+        assert wait_until(prom.exists, 60, proc), "no first tick"
+        # nobody, who owns the directory, plants the monitor's next temporary name.
+        link = textdir / f".envctl.prom.{proc.pid}.tmp"
+        link.symlink_to(victim)
+        os.lchown(link, NOBODY, NOBODY)
+        first = os.stat(prom).st_ino
+        # Two more ticks: the textfile replaced at least twice after the link was planted.
+        seen = {first}
+        assert wait_until(lambda: seen.add(os.stat(prom).st_ino) or len(seen) >= 3, 60, proc)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except Exception:
+            proc.kill()
+            proc.wait()
+    assert victim.read_text() == "root:secret\n"
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600
+
+
+# ---------------------------------------------------------------- a spec linked from a user's
+# directory, read by the daemon's own loop
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> None:
+    if _libc.renameat2(-100, bytes(a), -100, bytes(b), RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def test_a_spec_swapped_for_a_fifo_cannot_hang_the_daemon(team):  # noqa: F811
+    """ATTACK (fixed): before a forked request, the daemon's own loop (handlers.warm) finds
+    the request's spec by reading the `name:` line of every spec file of the config directory
+    (access._spec_file): stat (is_file), then open by name, blocking. The operator's link to
+    a spec in bob's directory (the case test_attacks_daemon's
+    test_a_spec_linked_from_a_directory_a_user_owns_grants_nothing refuses to trust) let bob
+    flip the file with a FIFO between the two: the daemon's loop blocked in open() forever
+    and nobody was served again. Now the file is opened O_NONBLOCK and read only when the
+    descriptor is a regular file."""
+    ops = team.shared / "ops"
+    ops.mkdir()
+    os.chown(ops, BOB, BOB)
+    spec, fifo = ops / "a.yaml", ops / "flip"
+    spec.write_text("name: aaa\nkind: cpu\n")
+    os.mkfifo(fifo)
+    for p in (spec, fifo):
+        os.chown(p, BOB, BOB)
+    (team.sb.config_dir / "a.yaml").symlink_to(spec)
+    # bob flips his two names as fast as he can (renameat2 RENAME_EXCHANGE: the name is
+    # always there, a file or a FIFO).
+    stop = threading.Event()
+
+    def flip() -> None:
+        while not stop.is_set():
+            _exchange(spec, fifo)
+
+    racer = threading.Thread(target=flip, daemon=True)
+    racer.start()
+    try:
+        # A forked request (its env names no spec: every file is read) at a time, as bob.
+        got = raw(team, BOB, r"""
+hung = 0
+for i in range(400):
+    s = conn()
+    s.sendall(frame({"v": 1, "op": "wait", "env": "zzz", "ids": [1]}))
+    s.settimeout(5)
+    try:
+        data = s.recv(65536)
+    except socket.timeout:
+        hung += 1
+        break
+    finally:
+        s.close()
+pinged = None
+if hung:  # the loop itself, or only that request's child?
+    s = conn()
+    s.sendall(frame({"v": 1, "op": "ping"}))
+    s.settimeout(5)
+    try:
+        pinged = bool(s.recv(65536))
+    except socket.timeout:
+        pinged = False
+print(json.dumps({"hung": hung, "tries": i + 1, "ping answered": pinged}))
+""", timeout=300)
+    finally:
+        stop.set()
+        racer.join()
+        # Whatever it is blocked on gets a writer now (the one FIFO, under either name), so
+        # that the fixture can end the daemon.
+        for p in (spec, fifo):
+            if stat.S_ISFIFO(os.lstat(p).st_mode):
+                with contextlib.suppress(OSError):  # ENXIO: nobody reads it
+                    os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+    assert got["hung"] == 0, got
+    alive(team)
