@@ -162,3 +162,54 @@ print(json.dumps({"hung": hung, "tries": i + 1, "ping answered": pinged}))
                     os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
     assert got["hung"] == 0, got
     alive(team)
+
+
+# ---------------------------------------------------------------- the GPU health check
+
+
+@pytest.fixture
+def gpu_host(sandbox, tmp_path):
+    import shutil
+
+    if shutil.which("gcc") is None or shutil.which("ldconfig") is None:
+        pytest.skip("needs gcc and ldconfig (scripts/install-deps installs them)")
+    from tests.integration.test_gpu_env import fake_gpu_host
+
+    return sandbox, fake_gpu_host(tmp_path / "gpuroot")
+
+
+def test_a_host_user_cannot_quarantine_a_gpu_through_the_kernel_log(gpu_host):
+    """ATTACK (fixed): the health check took any kernel log record holding "NVRM: Xid
+    (PCI:…): 79" anywhere in its text for the driver's report of a fatal XID. Any host user
+    writes such text into the kernel's own records: in a user namespace of its own, a mount
+    with a bad option is logged by the kernel with the option quoted ("tmpfs: Unknown
+    parameter 'NVRM: Xid (PCI:0000:3b:00): 79'"). The next `up` (or monitor tick)
+    quarantined that GPU, out of every environment until an operator cleared it, as often as
+    the user liked. Now only a kernel record (facility 0) whose text starts with the driver's
+    "NVRM: Xid" counts."""
+    from tests.integration.test_gpu_env import UUIDS, gpu_spec
+    from tests.integration.test_gpu_health import pci_of
+
+    sb, env = gpu_host
+    pci = pci_of(env, 1)
+    res = sb.run("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
+                 "unshare", "-Urm", "mount", "-t", "tmpfs", "-o",
+                 f"NVRM: Xid (PCI:{pci}): 79", "none", "/tmp")
+    if res.stderr.startswith("unshare:"):
+        pytest.skip(f"no user namespace mount for nobody here: {res.stderr.strip()}")
+    # The fake driver tree reads the real kernel log.
+    kmsg = Path(env["ENVCTL_GPU_ROOT"]) / "dev" / "kmsg"
+    kmsg.unlink(missing_ok=True)
+    os.mknod(kmsg, stat.S_IFCHR | 0o600, os.makedev(1, 11))
+    report = sb.envctl_json("gpus", env=env)
+    assert [g["health"] for g in report["gpus"]] == [None, None], report["gpus"]
+    sb.write_spec("gpu-a", gpu_spec("gpu-a", "2"))
+    res = sb.envctl("up", "gpu-a", env=env)
+    try:
+        assert res.returncode == 0, res.stderr
+        assert "quarantined" not in res.stderr
+        assert not (sb.state / "gpu-quarantine.json").exists() or UUIDS[1] not in \
+            (sb.state / "gpu-quarantine.json").read_text()
+    finally:
+        sb.envctl("down", "gpu-a", env=env)
+
