@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.sandbox import stderr_of
-from tests.integration.test_attacks_daemon import alive, raw
+from tests.integration.test_attacks_daemon import RAW, alive, raw
 from tests.integration.test_daemon import BOB, team  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.root
@@ -213,3 +213,71 @@ def test_a_host_user_cannot_quarantine_a_gpu_through_the_kernel_log(gpu_host):
     finally:
         sb.envctl("down", "gpu-a", env=env)
 
+
+
+# ---------------------------------------------------------------- descriptors passed to the
+# daemon
+
+
+LINGER = r"""
+import struct
+# A TCP connection on loopback whose peer never reads (never even accepted): its send
+# buffer filled, then SO_LINGER "wait for ever". Whoever closes the last reference to it
+# waits in close(2) for the data (and the FIN) to be acknowledged: never.
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(1)
+c = socket.socket()
+c.connect(srv.getsockname())
+c.setblocking(False)
+try:
+    while True:
+        c.send(b"x" * 65536)
+except BlockingIOError:
+    pass
+c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 2**31 - 1))
+s = conn()
+extra = int(sys.argv[2])  # descriptors before it: past the 8 a request may bring, the kernel
+null = [os.open("/dev/null", os.O_RDONLY) for _ in range(extra)]  # drops it, in the daemon
+socket.send_fds(s, [frame({"v": 1, "op": "ping"})], null + [c.fileno()])
+c.close()  # the daemon's copy is the last one now
+s.settimeout(10)
+try:
+    first = bool(s.recv(65536))
+except socket.timeout:
+    first = False
+print(json.dumps({"answered": first}), flush=True)
+time.sleep(float(sys.argv[1]))  # the peer lives on (keeps acknowledging window probes)
+"""
+
+
+@pytest.mark.parametrize("extra", [0, 8], ids=["passed", "dropped"])
+def test_a_lingering_socket_passed_to_the_daemon_does_not_block_its_loop(team, extra):  # noqa: F811
+    """ATTACK (fixed): the daemon's own loop closes the descriptors a request brought (an
+    inline request's after its answer, a forked one's once the child has them, any
+    request's it refuses). bob passes a TCP socket whose peer never reads, with SO_LINGER
+    set to wait for ever, and closes his own copy: the daemon's close(2) is the last, and
+    it waits, in its loop, for data that will never be acknowledged. Nobody is served while
+    bob's process lives. The same when the socket is the ninth descriptor: the kernel drops
+    what does not fit in the daemon's recvmsg, and that last close is the daemon's too."""
+    proc = team.sb.popen("setpriv", f"--reuid={BOB}", f"--regid={BOB}", f"--groups={BOB}",
+                         "--", sys.executable, "-c", RAW + LINGER, "60", str(extra),
+                         env={"ENVCTL_SOCKET": team.socket, "HOME": "/"})
+    try:
+        line = proc.stdout.readline()
+        assert line, stderr_of(proc)
+        # While bob's process lives: another user's ping is answered.
+        got = raw(team, 0, r"""
+s = conn()
+s.sendall(frame({"v": 1, "op": "ping"}))
+s.settimeout(10)
+try:
+    print(json.dumps({"answered": bool(s.recv(65536))}))
+except socket.timeout:
+    print(json.dumps({"answered": False}))
+""")
+        assert got["answered"], f"the daemon's loop hangs (bob's ping: {line.strip()})"
+    finally:
+        proc.kill()
+        proc.wait()
+    alive(team)
