@@ -83,6 +83,27 @@ def test_the_textfile_directorys_owner_cannot_make_the_monitor_overwrite_a_root_
     assert stat.S_IMODE(victim.stat().st_mode) == 0o600
 
 
+def test_the_csv_directorys_owner_cannot_make_the_monitor_append_to_a_root_file(sandbox,
+                                                                               tmp_path):
+    """ATTACK (fixed): the same with `--csv-dir` in a directory another user owns: the
+    monitor opened `cpu-metrics.csv` there by name, following a symlink, and appended its rows
+    to whatever root file it named. Now O_NOFOLLOW, a regular file only: a warning, nothing
+    written."""
+    sb = sandbox
+    csvdir = tmp_path / "csv"
+    csvdir.mkdir()
+    os.chown(csvdir, NOBODY, NOBODY)
+    victim = tmp_path / "authorized_keys"
+    victim.write_text("ssh-ed25519 AAAA root\n")
+    link = csvdir / "cpu-metrics.csv"
+    link.symlink_to(victim)
+    os.lchown(link, NOBODY, NOBODY)
+    res = sb.envctl("monitor", "--once", "--no-heal", "--csv-dir", str(csvdir))
+    assert res.returncode == 0, res.stderr
+    assert victim.read_text() == "ssh-ed25519 AAAA root\n"
+    assert "CSV not written" in res.stderr, res.stderr
+
+
 # ---------------------------------------------------------------- a spec linked from a user's
 # directory, read by the daemon's own loop
 
