@@ -1,0 +1,21 @@
+"""An attacker's review, session 33: what needs no root (see
+tests/integration/test_attacks_s33.py for the rest)."""
+
+from __future__ import annotations
+
+import pytest
+
+from envctl.errors import UsageError
+from envctl.runtime import jobs as jb
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "runtime/jobs.py (another helper's now): parse_id takes str.isdigit(), which holds for "
+    "'²' (int() refuses it: a traceback, exit 1) and for '１２' or Arabic-Indic digits (taken "
+    "as job 12, 3); fix: `s.isascii() and s.isdigit()`"))
+@pytest.mark.parametrize("text", ["²", "１２", "٣"])
+def test_a_job_id_is_ascii_digits_or_bad_input(text):
+    """`envctl logs ²` (or the same in a daemon request's `ids`) is bad input, exit 2 with
+    the one line: not a traceback, and not another job's id spelt in other digits."""
+    with pytest.raises(UsageError):
+        jb.parse_id(text)
