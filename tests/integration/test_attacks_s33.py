@@ -302,3 +302,35 @@ except socket.timeout:
         proc.kill()
         proc.wait()
     alive(team)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "server/handlers.py (another helper's now): exec_ checks its stdio descriptors with "
+    "isatty alone; fix: fstat each, allow a regular file, FIFO, socket or a non-terminal "
+    "character device, refuse a directory, O_PATH or anything else (ProtocolError, exit 2)"))
+def test_exec_never_hands_the_partition_a_host_directory(team):  # noqa: F811
+    """ATTACK (open): `envctl exec` through the daemon gives the command the client's own
+    stdin, stdout and stderr, refusing only a terminal. A directory is passed as well (a
+    shell's `< DIR` opens it), and inside the partition the command holds a descriptor of
+    the host's tree: `cd /proc/self/fd/0` goes there and lists it, out of the mount
+    namespace the partition is (the shape of CVE-2024-21626: a host directory descriptor
+    reaching a container, where any process that can take it from the command, root inside
+    with SYS_PTRACE, a process of the same uid, walks the host's tree with its rights)."""
+    marker = team.shared / "host-only-marker"
+    marker.write_text("host\n")
+    marker.chmod(0o644)
+    got = raw(team, 60001, f"SHARED = {str(team.shared)!r}\n" + r"""
+d = os.open(SHARED, os.O_RDONLY | os.O_DIRECTORY)
+r, w = os.pipe()
+s = conn()
+code = "cd /proc/self/fd/0 && echo *"
+socket.send_fds(s, [frame({"v": 1, "op": "exec", "env": "box", "argv": ["sh", "-c", code],
+                           "stdin_fd": 0, "stdout_fd": 1, "stderr_fd": 2})], [d, w, w])
+os.close(w)
+out = b""
+while chunk := os.read(r, 65536):
+    out += chunk
+print(json.dumps({"out": out.decode(errors="replace"), "reply": reply(s)}))
+""")
+    assert marker.name not in got["out"], got
+    assert got["reply"] and got["reply"]["exit"] == 2, got
