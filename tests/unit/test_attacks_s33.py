@@ -19,3 +19,15 @@ def test_a_job_id_is_ascii_digits_or_bad_input(text):
     the one line: not a traceback, and not another job's id spelt in other digits."""
     with pytest.raises(UsageError):
         jb.parse_id(text)
+
+
+@pytest.mark.parametrize("text", ["²", "１２", "٣"])
+def test_a_cpu_or_gpu_count_in_other_digits_is_not_a_count(text):
+    """`submit-job --cpus ²` (a daemon request's `cpus` too) raised ValueError in int(): a
+    traceback, exit 1; '１２' was a count of 12. Now neither is a count (the CPU or GPU list
+    parser then refuses it, exit 2)."""
+    from envctl.runtime import supervisor as sv
+
+    assert sv._count(text, "--cpus", "0-0") == 0
+    with pytest.raises(UsageError):
+        jb.parse_cpus(text, "--cpus")
