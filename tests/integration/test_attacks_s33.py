@@ -46,13 +46,13 @@ def wait_until(cond, timeout: float, proc=None) -> bool:
 
 
 def test_the_textfile_directorys_owner_cannot_make_the_monitor_overwrite_a_root_file(
-        sandbox, tmp_path):
+        clean, tmp_path):
     """ATTACK (fixed): node_exporter's textfile directory is commonly its service user's
     (`node-exp`, 0775: the prometheus-community role). The monitor, root, wrote each tick to
     `.envctl.prom.<its pid>.tmp` beside the textfile, opened O_CREAT|O_TRUNC by name: that
     user planted the name as a symlink to any root file, and root truncated it and wrote the
     exposition there (host.files.atomic_write, which every root writer of envctl uses)."""
-    sb = sandbox
+    sb = clean
     textdir = tmp_path / "textfile"
     textdir.mkdir()
     os.chown(textdir, NOBODY, NOBODY)
@@ -83,13 +83,13 @@ def test_the_textfile_directorys_owner_cannot_make_the_monitor_overwrite_a_root_
     assert stat.S_IMODE(victim.stat().st_mode) == 0o600
 
 
-def test_the_csv_directorys_owner_cannot_make_the_monitor_append_to_a_root_file(sandbox,
+def test_the_csv_directorys_owner_cannot_make_the_monitor_append_to_a_root_file(clean,
                                                                                tmp_path):
     """ATTACK (fixed): the same with `--csv-dir` in a directory another user owns: the
     monitor opened `cpu-metrics.csv` there by name, following a symlink, and appended its rows
     to whatever root file it named. Now O_NOFOLLOW, a regular file only: a warning, nothing
     written."""
-    sb = sandbox
+    sb = clean
     csvdir = tmp_path / "csv"
     csvdir.mkdir()
     os.chown(csvdir, NOBODY, NOBODY)
@@ -199,7 +199,7 @@ def gpu_host(sandbox, tmp_path):
     return sandbox, fake_gpu_host(tmp_path / "gpuroot")
 
 
-def test_a_host_user_cannot_quarantine_a_gpu_through_the_kernel_log(gpu_host):
+def test_a_host_user_cannot_quarantine_a_gpu_through_the_kernel_log(gpu_host, clean):
     """ATTACK (fixed): the health check took any kernel log record holding "NVRM: Xid
     (PCI:…): 79" anywhere in its text for the driver's report of a fatal XID. Any host user
     writes such text into the kernel's own records: in a user namespace of its own, a mount
