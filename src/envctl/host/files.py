@@ -38,10 +38,20 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = 
     """Replace `path` with `data`: readers see the old or the new file, never half of one.
 
     `durable` also fsyncs the file and its directory, so the new content survives power loss.
+
+    The temporary file is made anew (O_EXCL, a name nobody can guess): the directory may be
+    another user's (node_exporter's textfile directory is its service user's), who could
+    otherwise plant the name as a symlink to a root file for root to truncate and write.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    while True:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, mode)
+            break
+        except FileExistsError:
+            continue  # a name taken (or planted): draw another
     try:
         try:
             write_all(fd, data)

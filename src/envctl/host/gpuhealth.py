@@ -60,8 +60,13 @@ def parse_kmsg(records: list[str]) -> list[tuple[int, str, int]]:
     for rec in records:
         prefix, _, message = rec.partition(";")
         fields = prefix.split(",")
-        found = _XID.search(message)
-        if not found or len(fields) < 2 or not fields[1].isdigit():
+        # The driver's own record: the kernel's (facility 0 of the "facility<<3|level" field;
+        # a write to /dev/kmsg is LOG_USER's) and starting with its "NVRM: " prefix. The same
+        # words inside another record are anybody's: the kernel quotes what users give it
+        # ("tmpfs: Unknown parameter '…'" for a mount in a user namespace of their own).
+        found = _XID.match(message)
+        if not found or len(fields) < 2 or not fields[1].isdigit() \
+                or not fields[0].isdigit() or int(fields[0]) >> 3 != 0:
             continue
         xid = int(found.group(4))
         if xid in FATAL_XIDS:

@@ -20,7 +20,9 @@ header.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,8 +82,14 @@ class CsvWriter:
         text = "\n".join(rows) + "\n"
         if size == 0:
             text = header + "\n" + text
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        # Never through a symlink, and only into a regular file (O_NONBLOCK: a FIFO must not
+        # hang the tick): the directory may be another user's, who could otherwise name a root
+        # file for root to append to.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+                     | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o644)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", str(path))
             os.write(fd, text.encode())
         finally:
             os.close(fd)

@@ -168,21 +168,22 @@ def load_access(env: str, config_dir: Path | None = None) -> Access | None:
 def _spec_file(directory: Path, env: str) -> Path | None:
     """The spec file whose top-level `name:` is `env` (read by that line, as a launch's error
     path does, so that only that file is parsed)."""
-    from envctl.runtime.context import _SPEC_NAME
+    from envctl.runtime.context import spec_name_of
 
     try:
         entries = sorted(directory.iterdir())
     except OSError:
         return None
     for p in entries:
-        if p.suffix not in (".yaml", ".yml") or not p.is_file():
+        if p.suffix not in (".yaml", ".yml"):
             continue
         try:
-            m = _SPEC_NAME.search(p.read_text(errors="replace"))
+            # Not by is_file() then a read by name: a FIFO swapped in between would block
+            # the daemon's loop (handlers.warm) in open() for ever.
+            if spec_name_of(p) == env:
+                return p
         except OSError:
             continue
-        if m and m.group(1) == env:
-            return p
     return None
 
 

@@ -8,6 +8,7 @@ Read from the journal, not the spec: `envctl exec` must not load pydantic, YAML 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -167,18 +168,45 @@ class EnvContext(Record, frozen=True):
                        (claims.get("jobs") or {}).get("max_staged_per_user", 10 << 30)))
 
 
+# The most of a spec file its `name:` line is looked for in (a spec is a few KiB).
+SPEC_HEAD_MAX = 1 << 20
+
+
+def spec_name_of(p: Path) -> str | None:
+    """The `name:` of spec file `p` (read without YAML), None when it has none or is not a
+    regular file. Opened O_NONBLOCK and read only once the descriptor is a regular file, at
+    most SPEC_HEAD_MAX bytes: an operator's link may lead to a directory another user owns,
+    who can swap the file for a FIFO (root, the daemon's own loop even, would block in
+    open() for ever) or for a huge one. OSError when it cannot be opened."""
+    import stat
+
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks, left = [], SPEC_HEAD_MAX
+        while left > 0 and (chunk := os.read(fd, min(left, 65536))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    m = _SPEC_NAME.search(b"".join(chunks).decode(errors="replace"))
+    return m.group(1) if m else None
+
+
 def spec_names(where: Path) -> set[str]:
     """The environments the spec files in `where` name (their `name:` line, read without
     YAML); empty when there is no such directory."""
     specs = set()
     try:
         for p in where.iterdir():
-            if p.suffix in (".yaml", ".yml") and p.is_file():
-                m = _SPEC_NAME.search(p.read_text(errors="replace"))
-                if m:
-                    specs.add(m.group(1))
+            if p.suffix in (".yaml", ".yml"):
+                with contextlib.suppress(OSError):  # (vanished meanwhile: not one of them)
+                    name = spec_name_of(p)
+                    if name:
+                        specs.add(name)
     except OSError:
-        pass  # no config directory here (or one file vanished meanwhile): what was read
+        pass  # no config directory here: none
     return specs
 
 

@@ -1981,9 +1981,9 @@ def make_request(host: Host, ctx: EnvContext, exe: str, args: list[str], *,
     return Request(
         exe=Path(exe), program=program, args=list(args), name=name or "", user=who,
         user_name=_user_name(user, who.uid, ctx, environ),
-        cpus=jobs.parse_cpus(cpus, "--cpus") if cpus is not None and not cpus.isdigit()
+        cpus=jobs.parse_cpus(cpus, "--cpus") if cpus is not None and not _digits(cpus)
         else None,
-        gpus=resolve_gpus(host, ctx, gpus) if gpus is not None and not gpus.isdigit() else None,
+        gpus=resolve_gpus(host, ctx, gpus) if gpus is not None and not _digits(gpus) else None,
         cpu_count=_count(cpus, "--cpus", "a CPU list such as 0-0 for CPU 0"),
         gpu_count=_count(gpus, "--gpus", "an index with a comma (0,) for GPU 0"),
         mem=_mem(mem),
@@ -1994,9 +1994,15 @@ def make_request(host: Host, ctx: EnvContext, exe: str, args: list[str], *,
         submitter=submitter(environ))
 
 
+def _digits(text: str) -> bool:
+    """A plain number: ASCII digits only (str.isdigit holds for '²', which int() refuses, a
+    traceback where a one-line exit 2 is due, and for other scripts' digits)."""
+    return text.isascii() and text.isdigit()
+
+
 def _count(text: str | None, opt: str, single: str) -> int:
     """A plain integer of --cpus/--gpus: a count (0 when it is a list or not given)."""
-    if text is None or not text.isdigit():
+    if text is None or not _digits(text):
         return 0
     if int(text) < 1:
         raise UsageError(f"{opt} {text}: a count is 1 or more (a plain number is a count; "

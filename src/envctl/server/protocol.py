@@ -126,17 +126,46 @@ def send_frame(sock: _socket.socket, obj: dict, fds: list[int] | tuple[int, ...]
         sock.sendall(data)
 
 
+# The most descriptors one sendmsg may carry (the kernel's SCM_MAX_FD), and so one recvmsg
+# (a stream socket's never joins two messages' descriptors).
+SCM_MAX_FD = 253
+_NO_LINGER = struct.pack("ii", 0, 0)
+
+
 def recv_fds(sock: _socket.socket, bufsize: int, maxfds: int = MAX_FDS
              ) -> tuple[bytes, list[int], int]:
     """recvmsg: (data, descriptors, msg flags), every descriptor close-on-exec. (Python's own
-    socket.recv_fds drops its `flags` argument, MSG_CMSG_CLOEXEC included.)"""
-    data, ancdata, flags, _ = sock.recvmsg(bufsize, _socket.CMSG_SPACE(maxfds * 4),
-                                           MSG_CMSG_CLOEXEC)
+    socket.recv_fds drops its `flags` argument, MSG_CMSG_CLOEXEC included.)
+
+    Room is made for every descriptor a message can carry, more than `maxfds` (the caller
+    refuses those past it): one the kernel drops for want of room is closed by it in this
+    process. And a socket received has SO_LINGER cleared: whoever makes the last close of a
+    TCP socket with it set waits, in close(2), until what it sent is acknowledged (for ever
+    when its peer never reads), and a client that closed its own copy makes that the
+    receiver's — the daemon's loop, serving nobody meanwhile (attacker review, s33)."""
+    data, ancdata, flags, _ = sock.recvmsg(bufsize, _socket.CMSG_SPACE(
+        max(maxfds, SCM_MAX_FD) * 4), MSG_CMSG_CLOEXEC)
     fds = array.array("i")
     for level, kind, payload in ancdata:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    for fd in fds:
+        _unlinger(fd)
     return data, list(fds), flags
+
+
+def _unlinger(fd: int) -> None:
+    """Clear SO_LINGER of `fd` when it is a socket (anything else: nothing to do)."""
+    try:
+        s = _socket.socket(fileno=fd)
+    except OSError:  # ENOTSOCK: not a socket
+        return
+    try:
+        s.setsockopt(_socket.SOL_SOCKET, _socket.SO_LINGER, _NO_LINGER)
+    except OSError:
+        pass  # a socket without the option (a unix one accepts it too): nothing lingers
+    finally:
+        s.detach()
 
 
 def recv_exact(sock: _socket.socket, n: int, fds: list[int]) -> bytes:
