@@ -3,6 +3,8 @@ tests/integration/test_attacks_s33.py for the rest)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from envctl.errors import UsageError
@@ -31,3 +33,29 @@ def test_a_cpu_or_gpu_count_in_other_digits_is_not_a_count(text):
     assert sv._count(text, "--cpus", "0-0") == 0
     with pytest.raises(UsageError):
         jb.parse_cpus(text, "--cpus")
+
+
+def test_the_daemon_raises_its_descriptor_limit_and_its_children_do_not_keep_it():
+    """At EMFILE the kernel drops a client's passed descriptors inside the daemon, whose last
+    close can block its loop (a lingering socket): the daemon runs at its hard limit, and
+    what it forks (workers, a request's child, a pass: the jobs' ancestors) at the limit it
+    was started with. In a forked child, so that this test process keeps its own."""
+    import resource
+
+    from envctl.server import server
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+            server._raise_nofile()
+            raised = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            server._leave_the_daemon({0, 1, 2})
+            back = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            code = 0 if raised > 256 and back == 256 else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -33,6 +33,7 @@ import errno
 import fcntl
 import json
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -639,6 +640,28 @@ def _leave_the_daemon(keep: set[int]) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
     _close_all_but({0, 1, 2, *keep})
+    if _NOFILE_SOFT is not None:  # the daemon's raised limit is not the jobs'
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (_NOFILE_SOFT, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
+# The soft RLIMIT_NOFILE the daemon started with, before _raise_nofile (None: not raised).
+_NOFILE_SOFT: int | None = None
+
+
+def _raise_nofile() -> None:
+    """The daemon's soft limit of open descriptors up to its hard limit: at EMFILE the kernel
+    drops the descriptors a client passes inside the daemon, whose last close can then block
+    its loop (a socket left to linger), and 256 connections of 9 descriptors each pass the
+    usual 1,024. Processes forked from it go back to the limit it was started with."""
+    global _NOFILE_SOFT
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            _NOFILE_SOFT = soft
 
 
 def _close_all_but(keep: set[int]) -> None:
@@ -786,6 +809,7 @@ def main(path: str | None = None) -> int:
     import envctl.runtime.supervisor  # noqa: F401
     import envctl.spec.loader  # noqa: F401 - access lists: pydantic and the models, once
 
+    _raise_nofile()
     listener, bound = listen(path)
     where = path if bound else "the socket systemd passed"
     log(f"listening on {where} (pid {os.getpid()})")
