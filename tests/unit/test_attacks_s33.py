@@ -11,10 +11,6 @@ from envctl.errors import UsageError
 from envctl.runtime import jobs as jb
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runtime/jobs.py (another helper's now): parse_id takes str.isdigit(), which holds for "
-    "'²' (int() refuses it: a traceback, exit 1) and for '１２' or Arabic-Indic digits (taken "
-    "as job 12, 3); fix: `s.isascii() and s.isdigit()`"))
 @pytest.mark.parametrize("text", ["²", "１２", "٣"])
 def test_a_job_id_is_ascii_digits_or_bad_input(text):
     """`envctl logs ²` (or the same in a daemon request's `ids`) is bad input, exit 2 with
@@ -59,3 +55,14 @@ def test_the_daemon_raises_its_descriptor_limit_and_its_children_do_not_keep_it(
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("user", ["²", "nobody:²"])
+def test_a_user_option_in_other_digits_is_refused_not_a_traceback(user):
+    """`submit-job --user ²` from a plain user: int('²') raised ValueError (a traceback in
+    the daemon's child); now it is a name the host does not know, refused in one line."""
+    from envctl.errors import AccessDenied
+    from envctl.runtime import access
+
+    with pytest.raises(AccessDenied):
+        access.check_user_option(access.Caller(uid=65534, gid=65534), user)

@@ -279,12 +279,12 @@ def check_user_option(c: Caller, user: str | None) -> None:
     if user is None or is_admin(c):
         return
     name, _, group = user.partition(":")
-    uid = int(name) if name.isdigit() else user_id(name)
+    uid = int(name) if name.isascii() and name.isdigit() else user_id(name)
     if uid != c.uid:
         raise AccessDenied(f"{c.name} may not run a job as {name}: --user may name only "
                            "yourself unless you are one of the " + _admins())
     if group:
-        gid = int(group) if group.isdigit() else group_id(group)
+        gid = int(group) if group.isascii() and group.isdigit() else group_id(group)
         if gid not in c.gids:
             raise AccessDenied(f"{c.name} may not run a job with group {group}: not one of "
                                "your groups (envctl admins may)")

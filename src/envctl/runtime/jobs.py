@@ -369,7 +369,8 @@ def get(state_dir: Path, job_id: int | str) -> Job:
 
 def parse_id(text: int | str) -> int:
     s = str(text).strip()
-    if not s.isdigit() or int(s) < 1:
+    # ASCII digits only: str.isdigit() holds for '²' (which int() refuses) and for '１２'.
+    if not (s.isascii() and s.isdigit()) or int(s) < 1:
         raise UsageError(f"'{text}' is not a job id (a positive integer, as submit-job prints)")
     return int(s)
 
