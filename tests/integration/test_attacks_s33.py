@@ -3,9 +3,9 @@ processes write to or read from (the monitor's textfile directory, a directory a
 spec link leads through), a plain user through the daemon, and root inside a partition can do.
 Each test makes one attempt on the real kernel, in the sandbox.
 
-`ATTACK (fixed)`: the test failed on the code before the commit that adds it; `ATTACK (open)`:
-xfail(strict=True), the fix is the lead's (its reason says what it is); the others record
-attempts that held.
+`ATTACK (fixed)`, `ATTACK (closed)`: the test failed on the code before the commit that adds
+it or its fix; `ATTACK (open)`: xfail(strict=True), the fix still to make (its reason says
+what it is); the others record attempts that held.
 """
 
 from __future__ import annotations
@@ -304,12 +304,8 @@ except socket.timeout:
     alive(team)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "server/handlers.py (another helper's now): exec_ checks its stdio descriptors with "
-    "isatty alone; fix: fstat each, allow a regular file, FIFO, socket or a non-terminal "
-    "character device, refuse a directory, O_PATH or anything else (ProtocolError, exit 2)"))
 def test_exec_never_hands_the_partition_a_host_directory(team):  # noqa: F811
-    """ATTACK (open): `envctl exec` through the daemon gives the command the client's own
+    """ATTACK (closed): `envctl exec` through the daemon gave the command the client's own
     stdin, stdout and stderr, refusing only a terminal. A directory is passed as well (a
     shell's `< DIR` opens it), and inside the partition the command holds a descriptor of
     the host's tree: `cd /proc/self/fd/0` goes there and lists it, out of the mount

@@ -355,9 +355,8 @@ def exec_(caller: Caller, req: dict, fds: list[int], conn: socket.socket | None 
     stdio = tuple(_fd(req, k, fds) for k in ("stdin_fd", "stdout_fd", "stderr_fd"))
     if any(fd is None for fd in stdio):
         raise ProtocolError("exec: stdin_fd, stdout_fd and stderr_fd are required")
-    for fd in stdio:
-        if os.isatty(fd):  # whoever holds a terminal may change its line discipline
-            raise ProtocolError("exec: a terminal is never passed (the client relays it)")
+    for name, fd in zip(("stdin", "stdout", "stderr"), stdio, strict=True):
+        _check_stdio(name, fd)
     workdir = _get(req, "workdir", str, "/")
     if not workdir.startswith("/"):
         raise UsageError(f"-w/--workdir '{workdir}': an absolute path inside the environment")
@@ -386,6 +385,27 @@ def exec_(caller: Caller, req: dict, fds: list[int], conn: socket.socket | None 
     finally:
         remove_cgroup(ctx, name)
     return {"exit": code}, []
+
+
+def _check_stdio(name: str, fd: int) -> None:
+    """A descriptor the client passes as the command's stdin, stdout or stderr: a regular
+    file, a pipe, a socket or a character device that is no terminal. Never a terminal
+    (whoever holds one may change its line discipline: the client relays it), nor a
+    directory or an O_PATH descriptor, with which the command inside would hold a piece of
+    the host's tree (`cd /proc/self/fd/0`: the shape of CVE-2024-21626), nor a block device.
+    ProtocolError otherwise."""
+    import fcntl
+    import stat
+
+    st = os.fstat(fd)
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_PATH", 0o10000000):
+        raise ProtocolError(f"exec: {name} is an O_PATH descriptor, not an open file")
+    if stat.S_ISCHR(st.st_mode) and os.isatty(fd):
+        raise ProtocolError("exec: a terminal is never passed (the client relays it)")
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)
+            or stat.S_ISSOCK(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        raise ProtocolError(f"exec: {name} must be a file, a pipe, a socket or a character "
+                            "device (a directory or block device is never passed in)")
 
 
 def _attend(started: Any, conn: socket.socket | None) -> int:
