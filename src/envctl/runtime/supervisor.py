@@ -1081,10 +1081,13 @@ def _spawn(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd: int,
             os._exit(code)
     os.close(w)
     try:
-        os.waitpid(pid, 0)  # the intermediate exits at once
         return read_report(r, on_pid=on_pid)
     finally:
         os.close(r)
+        # The intermediate exits at once; reaped after the report, not before it: its exit
+        # (unmapping its copy-on-write copy of this process) runs beside the supervisor's
+        # start instead of ahead of the report.
+        os.waitpid(pid, 0)
 
 
 # ---------------------------------------------------------------- bounded output
