@@ -331,6 +331,46 @@ def test_a_submit_killed_in_flight_either_happened_or_left_nothing(team):
         res.stderr
 
 
+def test_a_plain_submit_is_answered_once_the_supervisor_holds_the_job(team):
+    """The plain submit-job (it prints the id alone) is answered once the job's supervisor has
+    written its record, not after the launch: held just before it writes RUNNING, the client
+    already has its id and the record is PENDING with the supervisor in it; let go, the job
+    runs to COMPLETED. A launch that fails is then exit 0 (the id was printed) with the record
+    FAILED and why; --json still waits for the start and says it, exit 1."""
+    flag = team.shared / "go"
+    team.kill()
+    team.start({"ENVCTL_FAULT": f"until={flag}@record:RUNNING"})
+    prog = team.script(ALICE, "hi.py", "print('hi')\n")
+    try:
+        # (Before the early answer, this waited for the flag: a timeout here.)
+        res = team.as_user(ALICE, "submit-job", "box", prog, timeout=30)
+        assert res.returncode == 0, res.stderr
+        jid = int(res.stdout)
+        _wait_for(lambda: Path(f"{flag}.waiting").exists(), "the supervisor at RUNNING")
+        record = json.loads((team.sb.state / "jobs" / f"{jid}.json").read_text())
+        assert record["state"] == "PENDING" and record["start_time"] is None, record
+        assert record["supervisor"]["pid"] > 0, record
+    finally:
+        flag.touch()
+    res = team.as_user(ALICE, "wait", "--json", str(jid))
+    assert res.returncode == 0 and json.loads(res.stdout)[0]["state"] == "COMPLETED", \
+        res.stderr
+    assert team.as_user(ALICE, "logs", str(jid)).stdout == "hi\n"
+    team.kill()
+    team.start()
+    # Executable, but no program the kernel can run: the launch fails after the answer.
+    bad = team.script(ALICE, "not-a-program", "\x7fELF\x02\x01\x01" + "\0" * 57)
+    res = team.as_user(ALICE, "submit-job", "box", bad)
+    assert res.returncode == 0, res.stderr
+    res = team.as_user(ALICE, "wait", "--json", res.stdout.strip())
+    done = json.loads(res.stdout)[0]
+    assert res.returncode == 126 and (done["state"], done["start_time"]) == ("FAILED", None)
+    assert "cannot run it" in done["error"], done
+    res = team.as_user(ALICE, "submit-job", "--json", "box", bad)
+    assert res.returncode == 1 and "did not start" in res.stderr, res.stderr
+    assert json.loads(res.stdout)["state"] == "FAILED"
+
+
 def test_pending_waits_do_not_hold_a_users_submit(team):
     from envctl.server import server
 

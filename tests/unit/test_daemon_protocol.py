@@ -462,7 +462,7 @@ main()
 HEAVY_FOR_A_CLIENT = ("typer", "click", "rich", "pydantic", "yaml", "envctl.cli",
                       "envctl.spec", "envctl.app", "envctl.runtime.jobs", "envctl.runtime.launch",
                       "envctl.host", "socket", "selectors", "pathlib", "contextlib", "signal",
-                      "json", "re", "enum")
+                      "json", "re", "enum", "array", "collections")
 
 
 def test_submit_job_as_a_client_imports_nothing_heavy():

@@ -8,6 +8,10 @@ import os
 import select
 import time
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: see record.py
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 # How long a starting supervisor may take to say it runs (or why it cannot).
 START_TIMEOUT = 60.0
 # The longest single poll(): its timeout is milliseconds in a C int (~24.8 days overflow it,
@@ -55,13 +59,15 @@ def wait_fd(fd: int, timeout: float | None) -> bool:
             return False
 
 
-def read_report(r: int) -> tuple[str, str]:
+def read_report(r: int, *, on_pid: Callable[[], None] | None = None) -> tuple[str, str]:
     """What the supervisor says, as (kind, text): "R" once the job runs (its record says
     RUNNING), "E" with why it could not start it (its record is final), "dead" when it died
     before either, "timeout" when it said nothing in START_TIMEOUT seconds.
 
-    Lines: "P <pid>" first, then "R" or "E <why>". Its pid is watched through a pidfd, not
-    only the pipe, which the launch's processes may still hold open after it died."""
+    Lines: "P <pid>" first (a job's supervisor says it once its own first record is written),
+    then "R" or "E <why>"; "E" alone when it could not write that record. Its pid is watched
+    through a pidfd, not only the pipe, which the launch's processes may still hold open
+    after it died. `on_pid()` is called once, at "P", before the wait goes on."""
     buf = b""
     pidfd = None
     poller = select.poll()
@@ -78,6 +84,8 @@ def read_report(r: int) -> tuple[str, str]:
                     except ProcessLookupError:
                         return "dead", "it exited without a report"
                     poller.register(pidfd, select.POLLIN)
+                    if on_pid is not None:
+                        on_pid()
                 elif text == "R":
                     return "R", ""
                 elif text.startswith("E "):

@@ -38,7 +38,8 @@ def submit(env: str, exe: str, args: list[str], *, name: str | None = None,
     if daemon is not None:
         raw = cl.submit_record(daemon, env, exe, list(args), name=name, time_limit=time_limit,
                                cpus=cpus, gpus=gpus, env_vars=env_vars, workdir=workdir,
-                               output=output, error=error, user=user, mem=mem)
+                               output=output, error=error, user=user, mem=mem,
+                               early=not (wait or json_))
         if not (wait or json_) and (raw.get("state") != "FAILED"
                                     or raw.get("start_time") is not None):
             # The common answer, the id: from the daemon's JSON, without importing the job

@@ -53,6 +53,7 @@ from envctl.runtime.jobs import Job, State
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): see record.py
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
     from envctl.host.asuser import Creds
@@ -409,14 +410,20 @@ def _cpulist(cpus: Any) -> str:
 
 
 def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = None,
-           run_pass: bool = True) -> Job:
+           run_pass: bool = True, taken: Callable[[Job], None] | None = None) -> Job:
     """Check `req`, allocate an id, stage the executable into `<state>/jobs/<id>/`, open the
     output files and start the job's supervisor; the record once the job runs (or once it
     failed to start: FAILED with `error`). Prunes finished records beyond the retention
     first. Bad input (InputError) changes nothing. A job that queues gets a pass of the
     queue here unless `run_pass` is False: then whoever called runs it (`wants_pass`), as
     the daemon does after it answered (a pass holds the jobs lock for ~40 ms with 2,000
-    queued, and every submit's answer waited for one)."""
+    queued, and every submit's answer waited for one).
+
+    `taken(record)`, for a job that starts at once: called as soon as its supervisor has
+    written its own first record (PENDING, its pid in it), before the job's start, which
+    this call still waits for and settles (a supervisor that dies before it: FAILED). The
+    daemon answers a plain `submit-job` there (docs/runtime.md, "What submit-job's answer
+    means"): the start itself (cgroup, namespaces, pivot_root, exec) was ~40 ms of ~55."""
     submit_time = time.time() if now is None else now
     argv, staged = check_request(ctx, req)
     assert req.user is not None
@@ -501,8 +508,17 @@ def submit(host: Host, ctx: EnvContext, req: Request, *, now: float | None = Non
     finally:
         if jfd >= 0:
             os.close(jfd)
+    on_pid = None
+    if taken is not None:
+        def on_pid() -> None:
+            # The record as the supervisor wrote it ("P" follows its write), else ours.
+            try:
+                record = jobs.read(host.state_dir, jid) or job
+            except EnvctlError:
+                record = job
+            taken(record)
     try:
-        kind, text = _spawn(host, ctx, req, job, out_fd, err_fd)
+        kind, text = _spawn(host, ctx, req, job, out_fd, err_fd, on_pid=on_pid)
     finally:
         for fd in fds:
             os.close(fd)
@@ -1048,8 +1064,9 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _spawn(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd: int,
-           err_fd: int) -> tuple[str, str]:
-    """Start the supervisor (double fork) and wait for its report (see daemon.read_report)."""
+           err_fd: int, *, on_pid: Callable[[], None] | None = None) -> tuple[str, str]:
+    """Start the supervisor (double fork) and wait for its report (see daemon.read_report;
+    `on_pid` at its "P")."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the intermediate child
@@ -1064,10 +1081,13 @@ def _spawn(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd: int,
             os._exit(code)
     os.close(w)
     try:
-        os.waitpid(pid, 0)  # the intermediate exits at once
-        return read_report(r)
+        return read_report(r, on_pid=on_pid)
     finally:
         os.close(r)
+        # The intermediate exits at once; reaped after the report, not before it: its exit
+        # (unmapping its copy-on-write copy of this process) runs beside the supervisor's
+        # start instead of ahead of the report.
+        os.waitpid(pid, 0)
 
 
 # ---------------------------------------------------------------- bounded output
@@ -1280,8 +1300,8 @@ class _Supervisor:
             self.save()
         except OSError as exc:
             # No record, nothing started: `submit` says so and removes the job's directory,
-            # and no id is printed that has no record.
-            self.tell(f"P {os.getpid()}")
+            # and no id is printed that has no record. ("E" without "P": "P" says the record
+            # is this process's, and the daemon answers a plain submit-job there.)
             self.tell(f"E could not write the job's record: {exc.strerror or exc}")
             return
         self.tell(f"P {os.getpid()}")
@@ -1600,6 +1620,11 @@ class _Supervisor:
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_cancel)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        # Whoever reads its start report may be gone before its last line (the daemon answers
+        # a plain submit at "P" and its worker may be killed after; a daemon's worker runs
+        # with SIGPIPE's default): a write to that pipe is EPIPE, which `tell` shrugs off,
+        # never a death that leaves the job LOST. (The job gets SIGPIPE's default: launch.)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
     def _on_cancel(self, signum: int, frame: Any) -> None:
         self.cancel_requested = True

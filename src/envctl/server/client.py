@@ -132,11 +132,14 @@ def submit_record(client: Client, env: str, exe: str, args: list[str], *,
                   cpus: str | None = None, gpus: str | None = None,
                   env_vars: list[str] | None = None, workdir: str = "/",
                   output: str | None = None, error: str | None = None,
-                  user: str | None = None, mem: str | None = None) -> dict:
+                  user: str | None = None, mem: str | None = None,
+                  early: bool = False) -> dict:
     """Submit through the daemon; the record it answers with, as the JSON it sent (building
     a Job imports envctl.runtime.jobs: the plain `submit-job` prints the id without it). A
     user's program and output files are opened here as that user and passed; root passes
-    paths (and who is behind its sudo), which the daemon opens as in-process envctl does."""
+    paths (and who is behind its sudo), which the daemon opens as in-process envctl does.
+    `early`: a job that starts at once is answered once its supervisor holds it (its
+    record PENDING, not yet RUNNING), not once it runs (handlers.submit)."""
     here = "/" in exe or os.path.lexists(exe)
     fields: dict[str, object] = {
         "env": env, "exe": os.path.abspath(exe) if here else exe, "args": list(args),
@@ -144,6 +147,8 @@ def submit_record(client: Client, env: str, exe: str, args: list[str], *,
         "env_vars": list(env_vars or []), "workdir": workdir, "user": user, "here": here,
         "output": os.path.abspath(output) if output else None,
         "error": os.path.abspath(error) if error else None}
+    if early:
+        fields["early"] = True
     fds: list[int] = []
     try:
         if os.geteuid() == 0:

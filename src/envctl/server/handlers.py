@@ -19,6 +19,7 @@ from envctl.server.protocol import ProtocolError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 # squeue's view of somebody else's job: who, where, what state, how long; not its argv,
@@ -184,8 +185,19 @@ def list_jobs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int
 # ---------------------------------------------------------------- in a child each
 
 
-def submit(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
-    """`submit-job`: the caller's job, run as the caller unless an admin says otherwise."""
+def submit(caller: Caller, req: dict, fds: list[int],
+           answer: Callable[[dict], None] | None = None) -> tuple[dict, list[int]] | None:
+    """`submit-job`: the caller's job, run as the caller unless an admin says otherwise.
+
+    With the request's `early` (the plain `submit-job`, which prints the id alone) and
+    `answer` (the daemon's, to send the reply before this returns), a job that starts at
+    once is answered as soon as its supervisor has written its record (PENDING, about to
+    start it), as sbatch answers once the job is queued: the start itself (~40 ms: cgroup,
+    namespaces, pivot_root, exec) is not waited for, and a start that fails ends the job
+    FAILED with why in its record. This call still waits for that start and settles it
+    (a supervisor that died first: FAILED), then returns None: answered already. Without
+    `early` (--json, --wait, and any other client) the answer waits for the start, and a
+    job that did not start is answered FAILED (docs/runtime.md)."""
     from envctl.host.asuser import Creds
     from envctl.runtime import supervisor as sv
     from envctl.runtime.context import EnvContext
@@ -226,9 +238,19 @@ def submit(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int]]:
     # Test hooks (ENVCTL_FAULT=ACTION@submit:before|after): checked, nothing written yet;
     # the record written, not yet answered.
     faults.maybe_fault("submit", "before", 0)
+    taken = None
+    answered = False
+    if answer is not None and _get(req, "early", bool, False):
+        def taken(record: jb.Job) -> None:
+            nonlocal answered
+            faults.maybe_fault("submit", "after", 0)
+            answered = True
+            answer({"job": record.to_json()})
     # The pass of the queue a queued job may want: the daemon's, after the answer (a pass
     # holds the jobs lock, and one per submit was most of a submit's wait).
-    job = sv.submit(host, ctx, request.replace(**changes), run_pass=False)
+    job = sv.submit(host, ctx, request.replace(**changes), run_pass=False, taken=taken)
+    if answered:
+        return None
     faults.maybe_fault("submit", "after", 0)
     return {"job": job.to_json(), PASS_WANTED: sv.wants_pass(host, job)}, []
 

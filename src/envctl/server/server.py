@@ -750,12 +750,35 @@ def serve(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) ->
     sock.setblocking(True)
     op = request.get("op")
     handler = handlers.FORKED[op]
-    kw = {"conn": sock} if op in ("wait", "exec", "operate", "logs") else {}
+    kw: dict = {"conn": sock} if op in ("wait", "exec", "operate", "logs") else {}
+    answered = False
+    if op == "submit" and request.get("early") is True:
+        def answer(fields: dict) -> None:
+            """The answer sent before the handler returns (a plain submit-job's, once its
+            job's supervisor holds it): the handler goes on, and returns nothing more."""
+            nonlocal answered
+            answered = True
+            _send(sock, caller, op, {"v": proto.VERSION, "ok": True, **fields}, [])
+
+        kw = {"answer": answer}
     reply = run_handler(handler, caller, request, fds, **kw)
+    if answered:
+        if reply and not reply.get("ok"):  # after the answer: the job's record says it
+            log(f"uid {caller.uid} pid {caller.pid}: {op}: after its answer: "
+                f"{reply.get('error')}")
+        return 0
     if not reply:
         return 0  # the client left
     reply_fds = reply.pop("_fds", [])
     wants_pass = reply.pop(handlers.PASS_WANTED, False) is True
+    _send(sock, caller, op, reply, reply_fds)
+    # (whether or not the client took the answer: the job is queued either way)
+    return PASS_EXIT if wants_pass else 0
+
+
+def _send(sock: socket.socket, caller: Caller, op: object, reply: dict,
+          reply_fds: list[int]) -> None:
+    """Send a request's reply (a client gone is no error) and log it."""
     sock.settimeout(WRITE_DEADLINE)
     try:
         proto.send_frame(sock, reply, reply_fds)
@@ -764,8 +787,6 @@ def serve(sock: socket.socket, caller: Caller, request: dict, fds: list[int]) ->
             log(f"uid {caller.uid}: {op}: reply: {exc}")
     log(f"uid {caller.uid} pid {caller.pid}: {op}: "
         + ("ok" if reply.get("ok") else f"refused: {reply.get('error')}"))
-    # (whether or not the client took the answer: the job is queued either way)
-    return PASS_EXIT if wants_pass else 0
 
 
 def kick_child(rebuild: bool) -> int:
