@@ -263,13 +263,22 @@ def _watched(script: str, guest_out: str, after: float) -> str:
     to GUEST_OUT/stall.txt, which `_boot` adds to the result's log, so that a VM killed at
     its time-out says what it was stuck in. The watchdog goes when the script ends; the
     script's exit status is kept."""
-    # (the subshell's stderr is dropped: it would say "Terminated" when its sleep is killed)
-    return (f"(sleep {int(after)} && {{\n{STALL_DUMP}}} > {guest_out}/stall.txt 2>&1) "
+    # The long sleep is this shell's own child, so its pid is known the moment `&` returns
+    # and the kill below cannot miss it (a sleep forked by a subshell could start after a
+    # `pkill -P` looked for it, on a loaded machine, and outlive the script). A poller waits
+    # for it to end and dumps unless the script ended first (the marker). Its stderr is
+    # dropped: it would say "Terminated".
+    done = f"{guest_out}/.watchdog-done"
+    return (f"rm -f {done}\n"
+            f"sleep {int(after)} 2>/dev/null &\n"
+            "envctl_vm_sleep=$!\n"
+            '(while kill -0 "$envctl_vm_sleep" 2>/dev/null; do sleep 0.2; done\n'
+            f" [ -e {done} ] || {{\n{STALL_DUMP}}} > {guest_out}/stall.txt 2>&1) "
             "2>/dev/null &\n"
-            "envctl_vm_watchdog=$!\n"
             f"(\n{script}\n)\n"
             "envctl_vm_rc=$?\n"
-            'pkill -P "$envctl_vm_watchdog" sleep 2>/dev/null\n'
+            f": > {done}\n"
+            'kill "$envctl_vm_sleep" 2>/dev/null\n'
             'exit "$envctl_vm_rc"\n')
 
 
