@@ -526,11 +526,22 @@ def rebuild(state_dir: Path) -> dict[str, list[dict]]:
 def queued_jobs(state_dir: Path, env: str | None = None) -> list[Job]:
     """The queued jobs as their index lines show them (reasons as the last pass set them),
     without reading their records: `envctl jobs` with 10,000 queued."""
+    out: list[Job] = []
+    for _, got in queued_groups(state_dir, env):
+        out += got
+    return out
+
+
+def queued_groups(state_dir: Path, env: str | None = None) -> list[tuple[str, list[Job]]]:
+    """queued_jobs, per environment (name, its queued jobs oldest first): each list is the
+    one kept parsed (see _PARSED) for as long as its index's bytes are the same, so that the
+    daemon can keep what it derives from it (the table's rows) by the list itself. Shared:
+    read them, never change them."""
     import time
 
     from envctl.runtime.jobs import jobs_lock
 
-    out: list[Job] = []
+    out: list[tuple[str, list[Job]]] = []
     for e in sorted([env] if env else envs(state_dir)):
         # First without the jobs lock, which a pass over 10,000 queued holds for a while (a
         # listing waited seconds for it under load): the index is replaced by a rename or
@@ -546,33 +557,35 @@ def queued_jobs(state_dir: Path, env: str | None = None) -> list[Job]:
         if got is None:  # damaged (a crash's torn line): read_env rebuilds it, under the lock
             with jobs_lock(state_dir):
                 got = _parsed(state_dir, e, locked=True)
-        out += got or []
+        if got:
+            out.append((e, got))
     return out
 
 
 # The daemon answers `envctl jobs` in its own process (server.handlers.list_jobs): each
-# index's jobs are kept parsed, by the CRC of the index's bytes, until those change (an
-# append, a pass's rewrite). Parsing 10,000 lines (~4 MB of JSON, then 10,000 Jobs) cost
-# ~150 ms of a listing; reading the file and its CRC ~5 ms. The Jobs are shared by every
-# caller: read them, never change them.
-_PARSED: dict[str, tuple[tuple[int, int], list[Job]]] = {}
+# index's jobs are kept parsed, with the index's bytes they were parsed from, until those
+# change (an append, a pass's rewrite). Parsing 10,000 lines (~4 MB of JSON, then 10,000
+# Jobs) cost ~150 ms of a listing; reading the file and comparing it with the bytes kept
+# (memcmp) ~3 ms. The bytes themselves, not a checksum of them, are the key: the lines hold
+# what users chose (names, argv), and a CRC32 of them can be made to collide on purpose, which
+# would show a stale queue; equal bytes parse to equal jobs. (~4 MB kept per 10,000 queued.)
+# The Jobs are shared by every caller: read them, never change them.
+_PARSED: dict[str, tuple[bytes, list[Job]]] = {}
 
 
 def _parsed(state_dir: Path, env: str, *, locked: bool) -> list[Job] | None:
     """`env`'s queued jobs as its index says; None, when not `locked` (under the jobs lock),
     for an index that does not parse."""
-    import zlib
-
     from envctl.runtime.jobs import Job
 
     path = queue_file(state_dir, env)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
+        _PARSED.pop(str(path), None)
         return []
-    key = (len(data), zlib.crc32(data))
     hit = _PARSED.get(str(path))
-    if hit is not None and hit[0] == key:
+    if hit is not None and hit[0] == data:
         return hit[1]
     if locked:
         lines = _entries(state_dir, env, data)
@@ -583,7 +596,7 @@ def _parsed(state_dir: Path, env: str, *, locked: bool) -> list[Job] | None:
             return None
     where = queue_dir(state_dir)
     out = [Job.from_json(x, where) for x in lines]
-    _PARSED[str(path)] = (key, out)
+    _PARSED[str(path)] = (data, out)
     return out
 
 
