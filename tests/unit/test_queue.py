@@ -445,3 +445,34 @@ def test_the_kept_listing_is_never_one_of_other_bytes_of_the_same_length_and_crc
     name = json.loads(forged)["name"]
     assert name != "a" * 64
     assert [j.name for j in q.queued_jobs(tmp_path)] == [name]
+
+
+def test_only_a_claim_whose_claimer_died_goes_back_to_the_queue_once(tmp_path):
+    """requeue_orphans: a claimed PENDING record whose claimer is gone is queued again (its
+    id, no slice, one index line even when its line is still there); a claim whose claimer
+    lives, and a RUNNING job whose supervisor died (LOST: it ran), stay as they are."""
+    from envctl.runtime import jobs as jb
+
+    jb.jobs_dir(tmp_path).mkdir(mode=0o700)
+    dead = {"pid": 2**22 + 1, "start": 1}  # above pid_max's default range: no such process
+    records = {
+        1: jb.Job(id=1, env="e", argv=["x"], claimed=True, supervisor=dead, cpus=[0],
+                  cpus_exclusive=True),
+        2: jb.Job(id=2, env="e", argv=["x"], claimed=True, supervisor=jb.identity()),
+        3: jb.Job(id=3, env="e", argv=["x"], state=jb.State.RUNNING, supervisor=dead),
+        4: jb.Job(id=4, env="e", argv=["x"], claimed=True, supervisor=dead),
+    }
+    for job in records.values():
+        jb.write(tmp_path, job)
+    q.append(tmp_path, records[4].replace(queued=True, claimed=False))  # its line still there
+    assert records[1].shown("").state is jb.State.PENDING and records[1].shown("").queued
+    assert records[3].shown("").state is jb.State.LOST
+    for _ in range(2):
+        with jb.jobs_lock(tmp_path):
+            q.requeue_orphans(tmp_path, "", [1, 2, 3, 4])
+    back = {i: jb.read(tmp_path, i) for i in records}
+    assert (back[1].queued, back[1].claimed, back[1].cpus, back[1].supervisor) == (
+        True, False, [], None)
+    assert back[4].queued and not back[4].claimed
+    assert back[2] == records[2] and back[3] == records[3]
+    assert [e["id"] for e in q.read_env(tmp_path, "e")] == [1, 4]
