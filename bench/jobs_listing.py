@@ -122,7 +122,7 @@ def main() -> None:
         sb, daemon = Sandbox(root), None
         try:
             let_nobody_run_python(sb, root)
-            sb.write_spec("qbench", SPEC)
+            sb.write_spec("qbench", SPEC % (args.jobs + 10))
             check(sb.envctl("up", "qbench"), "up")
             sock = {"ENVCTL_SOCKET": str(root / "envctl.sock"), "HOME": "/"}
             daemon = start_daemon(sb, root, sock)

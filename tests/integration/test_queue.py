@@ -292,3 +292,110 @@ def test_logs_follow_of_a_pending_job_cancelled_says_why(qbox):
     assert f"job {second['id']} ended CANCELLED without starting" in err, err
     open_gate(sb, first["id"])
     assert sb.envctl("wait", str(first["id"]), timeout=120).returncode == 0
+
+
+# A pass of the queue, as the daemon's timer runs one (supervisor.kick).
+KICK = ("from envctl.host.context import Host; from envctl.runtime.supervisor import kick; "
+        "kick(Host.from_env())")
+
+
+def _kick_lock_free(sb) -> bool:
+    """No pass runs now: nobody holds `<state>/jobs/.kick` (a killed claimer let it go)."""
+    import fcntl
+    import os
+
+    fd = os.open(sb.state / "jobs" / ".kick", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _holding(flag: Path) -> list[int]:
+    """The processes whose environment names `flag` (ENVCTL_FAULT's until=): the supervisor
+    held at its takeover, once its claimer is gone."""
+    import os
+
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and d.name != str(os.getpid()):
+            try:
+                if str(flag).encode() in (d / "environ").read_bytes():
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+@pytest.mark.parametrize("step", ["listed", "record", "index", "start", "own"])
+def test_a_claim_whose_claimer_is_killed_goes_back_to_the_queue_and_runs_once(qbox, tmp_path,
+                                                                              step):
+    """kill -9 of the process that claims a queued job (the pass in the ending supervisor's
+    child), at each step of its claim: in the holders' index, its record claimed, the queue's
+    index rewritten, about to spawn the supervisor, and with the new supervisor spawned but
+    not yet its owner (held there, its claimer killed). The job is shown PENDING, never
+    LOST; the next pass puts it back in the queue and starts it; it runs exactly once (a line
+    per run in a data mount), and the held supervisor, let go, starts nothing."""
+    import os
+    import signal
+
+    sb = qbox
+    data = sb.root / "data"
+    data.mkdir(mode=0o755)
+    runs = data / "runs"
+    runs.write_text("")
+    runs.chmod(0o666)
+    sb.write_spec("qbox", SPEC.replace("LIMIT", "1")
+                  + f"mounts:\n  - {{source: \"{data}\", target: /srv}}\n")
+    res = sb.envctl("up", "qbox")
+    assert res.returncode == 0, res.stderr
+    gate = script(sb, "gate.sh", GATE)
+    counted = script(sb, "counted.sh", '#!/bin/sh\necho "$1" >> /srv/runs\n')
+    flag = tmp_path / "own"
+    fault = f"until={flag}@claim:own" if step == "own" else f"kill@claim:{step}"
+    # The first job's supervisor (and the pass its child runs when it ends) has the fault.
+    first = submit(sb, gate, env={"ENVCTL_FAULT": fault})
+    assert first["state"] == "RUNNING", first
+    second = submit(sb, counted, "second")
+    assert (second["state"], second["reason"]) == ("PENDING", "MaxRunning"), second
+    jid = second["id"]
+    open_gate(sb, first["id"])
+    if step == "own":
+        until("the new supervisor held before its takeover",
+              lambda: Path(f"{flag}.waiting").exists())
+        claimer = record(sb, jid)["supervisor"]["pid"]
+        os.kill(claimer, signal.SIGKILL)
+        until("the claimer gone", lambda: _kick_lock_free(sb))
+    elif step == "listed":
+        held = sb.state / "jobs" / ".held"
+        until("the claim listed, its claimer killed", lambda: held.exists()
+              and jid in json.loads(held.read_text() or "[]") and _kick_lock_free(sb))
+        assert record(sb, jid)["queued"] is True
+    else:
+        until("the claim recorded, its claimer killed",
+              lambda: record(sb, jid).get("claimed") and _kick_lock_free(sb))
+    assert record(sb, first["id"])["state"] == "COMPLETED"
+    assert runs.read_text() == ""
+    # Shown waiting in the queue, not LOST.
+    assert listed(sb)[jid]["state"] == "PENDING"
+    # The next pass (here as the daemon's timer runs it) puts it back and starts it.
+    res = sb.run(sys.executable, "-c", KICK)
+    assert res.returncode == 0, res.stderr
+    if step == "own":
+        held_up = _holding(flag)
+        assert held_up, "the held supervisor is gone"
+        flag.write_text("")
+        until("the held supervisor gone", lambda: not any(p in _holding(flag)
+                                                          for p in held_up))
+    res = sb.envctl("wait", "--json", str(first["id"]), str(jid), timeout=300)
+    assert res.returncode == 0, res.stderr
+    ended = json.loads(res.stdout)
+    assert [j["state"] for j in ended] == ["COMPLETED", "COMPLETED"], ended
+    assert runs.read_text() == "second\n"
+    rec = record(sb, jid)
+    assert (rec["claimed"], rec["queued"]) == (False, False), rec
+    assert not (sb.state / "jobs" / f"{jid}.req").exists()
+    assert not (sb.state / "jobs" / ".queue" / "qbox").exists()

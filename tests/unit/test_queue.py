@@ -5,6 +5,7 @@ a backfilled job, a job without a time limit never passes an earlier one, the li
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -386,3 +387,92 @@ def test_the_listing_reads_a_whole_index_without_the_jobs_lock_and_keeps_it_pars
         holder.join()
     reader.join(10)
     assert [j.id for j in got[0]] == [1, 2]
+
+
+def _same_crc(data: bytes, at: int, span: int) -> bytes:
+    """`data` with the lowest bit of its byte `at` flipped and some of the next `span` bytes'
+    lowest bits flipped too, so that its length and CRC32 are those of `data`: CRC32 is
+    affine over GF(2), so a collision is a linear system (what anyone can do to a listing
+    cache keyed by a CRC of bytes users choose)."""
+    import zlib
+
+    base = zlib.crc32(data)
+
+    def diff(flips: list[int]) -> int:
+        b = bytearray(data)
+        for i in flips:
+            b[i] ^= 1
+        return zlib.crc32(bytes(b)) ^ base
+
+    target = diff([at])
+    basis: list[tuple[int, set[int]]] = []  # (pivot vector, the flips that make it)
+    for i in range(at + 1, at + 1 + span):
+        v, used = diff([i]), {i}
+        for bv, bused in basis:
+            if v ^ bv < v:
+                v, used = v ^ bv, used ^ bused
+        if v:
+            basis.append((v, used))
+            basis.sort(reverse=True)
+    chosen: set[int] = set()
+    for bv, bused in basis:
+        if target ^ bv < target:
+            target, chosen = target ^ bv, chosen ^ bused
+    assert target == 0, "no collision in this span"
+    out = bytearray(data)
+    for i in {at} | chosen:
+        out[i] ^= 1
+    return bytes(out)
+
+
+def test_the_kept_listing_is_never_one_of_other_bytes_of_the_same_length_and_crc(tmp_path):
+    """The parsed index is kept by its bytes: a rewrite of the same length and CRC32 (here a
+    job's name, which its submitter chooses) is parsed again, never served stale."""
+    import zlib
+
+    from envctl.runtime import jobs as jb
+
+    jb.jobs_dir(tmp_path).mkdir(mode=0o700)
+    q.append(tmp_path, jb.Job(id=1, env="e", argv=["x"], name="a" * 64, queued=True))
+    index = q.queue_file(tmp_path, "e")
+    data = index.read_bytes()
+    assert [j.name for j in q.queued_jobs(tmp_path)] == ["a" * 64]
+    at = data.index(b"a" * 64)
+    forged = _same_crc(data, at, 64)
+    assert forged != data and len(forged) == len(data)
+    assert zlib.crc32(forged) == zlib.crc32(data)
+    index.write_bytes(forged)
+    name = json.loads(forged)["name"]
+    assert name != "a" * 64
+    assert [j.name for j in q.queued_jobs(tmp_path)] == [name]
+
+
+def test_only_a_claim_whose_claimer_died_goes_back_to_the_queue_once(tmp_path):
+    """requeue_orphans: a claimed PENDING record whose claimer is gone is queued again (its
+    id, no slice, one index line even when its line is still there); a claim whose claimer
+    lives, and a RUNNING job whose supervisor died (LOST: it ran), stay as they are."""
+    from envctl.runtime import jobs as jb
+
+    jb.jobs_dir(tmp_path).mkdir(mode=0o700)
+    dead = {"pid": 2**22 + 1, "start": 1}  # above pid_max's default range: no such process
+    records = {
+        1: jb.Job(id=1, env="e", argv=["x"], claimed=True, supervisor=dead, cpus=[0],
+                  cpus_exclusive=True),
+        2: jb.Job(id=2, env="e", argv=["x"], claimed=True, supervisor=jb.identity()),
+        3: jb.Job(id=3, env="e", argv=["x"], state=jb.State.RUNNING, supervisor=dead),
+        4: jb.Job(id=4, env="e", argv=["x"], claimed=True, supervisor=dead),
+    }
+    for job in records.values():
+        jb.write(tmp_path, job)
+    q.append(tmp_path, records[4].replace(queued=True, claimed=False))  # its line still there
+    assert records[1].shown("").state is jb.State.PENDING and records[1].shown("").queued
+    assert records[3].shown("").state is jb.State.LOST
+    for _ in range(2):
+        with jb.jobs_lock(tmp_path):
+            q.requeue_orphans(tmp_path, "", [1, 2, 3, 4])
+    back = {i: jb.read(tmp_path, i) for i in records}
+    assert (back[1].queued, back[1].claimed, back[1].cpus, back[1].supervisor) == (
+        True, False, [], None)
+    assert back[4].queued and not back[4].claimed
+    assert back[2] == records[2] and back[3] == records[3]
+    assert [e["id"] for e in q.read_env(tmp_path, "e")] == [1, 4]

@@ -10,7 +10,11 @@ Syntax: comma-separated `ACTION@POINT:PATTERN` where
           fold (after the N-th file operation of folding a journal or the ledger),
           record (a job's supervisor about to write the job's record),
           submit (the daemon's submit: `before` it writes anything, `after` the record,
-          before its answer)
+          before its answer),
+          claim (a pass of the job queue claiming a job, keyed by the step and `#` the job's
+          id: `listed` in the holders' index, its `record` claimed, the queue's `index`
+          rewritten, its `start` about to spawn the supervisor, `own`: the new supervisor
+          about to take the claim over; runtime.queue.claim)
   PATTERN a glob on the step key (`sysctl:net.*`, `netns:*`; for fold the file name,
           `alpha.json`, `shared.json`; for record the state written, `RUNNING`,
           `COMPLETED`), `#N` (the step's index, the fold's operation, the N-th attempt at
@@ -26,7 +30,7 @@ import time
 
 from envctl.errors import HostError
 
-POINTS = ("before", "apply", "after", "remove", "fold", "record", "submit")
+POINTS = ("before", "apply", "after", "remove", "fold", "record", "submit", "claim")
 
 
 class InjectedFault(HostError):

@@ -24,7 +24,9 @@ ids exist and open a job directory by its number.
 One writer per record at a time: the job's supervisor from its first write to its last;
 after that nobody, except that `cancel` of a LOST job (whose supervisor is gone) finalizes it.
 Read-only commands (`jobs`, `wait`, `logs`) never write a record: they *show* an active
-record whose supervisor is gone, or that is from another boot, as LOST.
+record whose supervisor is gone, or that is from another boot, as LOST (but a job claimed
+from the queue whose claimer died before a supervisor took it over as PENDING in the queue,
+where the next pass puts it back: see `Job.claimed`).
 
 Kept free of the launch code (and of anything heavy) so that `envctl jobs` starts fast.
 """
@@ -146,6 +148,11 @@ class Job(Record):
     # stopped it while the host shut down).
     queued: bool = False
     reason: str | None = None
+    # Taken from the queue by a pass (queue.claim), its `supervisor` the process that claimed
+    # it, until its own supervisor's first write takes it over (a compare-and-swap under the
+    # jobs lock). A claim whose claimer died before that never started anything: the next
+    # pass puts it back in the queue (queue.requeue_orphans), never LOST.
+    claimed: bool = False
     # The bytes of its program staged in its directory (what jobs.max_staged_per_user bounds).
     staged_bytes: int = 0
 
@@ -183,8 +190,18 @@ class Job(Record):
         """This record as `jobs`/`wait` show it: LOST when it is active but its supervisor is
         gone or it is from another boot. Never written back here (read-only commands)."""
         if self.active and not self.queued and not supervisor_alive(self, boot_id):
+            if self.claimed and self.state is State.PENDING:
+                # Claimed by a process that died before its supervisor took it: nothing of it
+                # started, and the next pass of the queue puts it back there.
+                return self.replace(queued=True)
             return self.replace(state=State.LOST)
         return self
+
+    def orphaned(self, boot_id: str) -> bool:
+        """Claimed from the queue by a process that is gone, before any supervisor took it
+        over (see `claimed`): to be requeued."""
+        return (self.claimed and self.state is State.PENDING and not self.queued
+                and not supervisor_alive(self, boot_id))
 
     def elapsed(self, now: float | None = None) -> float | None:
         if self.start_time is None:

@@ -526,11 +526,22 @@ def rebuild(state_dir: Path) -> dict[str, list[dict]]:
 def queued_jobs(state_dir: Path, env: str | None = None) -> list[Job]:
     """The queued jobs as their index lines show them (reasons as the last pass set them),
     without reading their records: `envctl jobs` with 10,000 queued."""
+    out: list[Job] = []
+    for _, got in queued_groups(state_dir, env):
+        out += got
+    return out
+
+
+def queued_groups(state_dir: Path, env: str | None = None) -> list[tuple[str, list[Job]]]:
+    """queued_jobs, per environment (name, its queued jobs oldest first): each list is the
+    one kept parsed (see _PARSED) for as long as its index's bytes are the same, so that the
+    daemon can keep what it derives from it (the table's rows) by the list itself. Shared:
+    read them, never change them."""
     import time
 
     from envctl.runtime.jobs import jobs_lock
 
-    out: list[Job] = []
+    out: list[tuple[str, list[Job]]] = []
     for e in sorted([env] if env else envs(state_dir)):
         # First without the jobs lock, which a pass over 10,000 queued holds for a while (a
         # listing waited seconds for it under load): the index is replaced by a rename or
@@ -546,33 +557,35 @@ def queued_jobs(state_dir: Path, env: str | None = None) -> list[Job]:
         if got is None:  # damaged (a crash's torn line): read_env rebuilds it, under the lock
             with jobs_lock(state_dir):
                 got = _parsed(state_dir, e, locked=True)
-        out += got or []
+        if got:
+            out.append((e, got))
     return out
 
 
 # The daemon answers `envctl jobs` in its own process (server.handlers.list_jobs): each
-# index's jobs are kept parsed, by the CRC of the index's bytes, until those change (an
-# append, a pass's rewrite). Parsing 10,000 lines (~4 MB of JSON, then 10,000 Jobs) cost
-# ~150 ms of a listing; reading the file and its CRC ~5 ms. The Jobs are shared by every
-# caller: read them, never change them.
-_PARSED: dict[str, tuple[tuple[int, int], list[Job]]] = {}
+# index's jobs are kept parsed, with the index's bytes they were parsed from, until those
+# change (an append, a pass's rewrite). Parsing 10,000 lines (~4 MB of JSON, then 10,000
+# Jobs) cost ~150 ms of a listing; reading the file and comparing it with the bytes kept
+# (memcmp) ~3 ms. The bytes themselves, not a checksum of them, are the key: the lines hold
+# what users chose (names, argv), and a CRC32 of them can be made to collide on purpose, which
+# would show a stale queue; equal bytes parse to equal jobs. (~4 MB kept per 10,000 queued.)
+# The Jobs are shared by every caller: read them, never change them.
+_PARSED: dict[str, tuple[bytes, list[Job]]] = {}
 
 
 def _parsed(state_dir: Path, env: str, *, locked: bool) -> list[Job] | None:
     """`env`'s queued jobs as its index says; None, when not `locked` (under the jobs lock),
     for an index that does not parse."""
-    import zlib
-
     from envctl.runtime.jobs import Job
 
     path = queue_file(state_dir, env)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
+        _PARSED.pop(str(path), None)
         return []
-    key = (len(data), zlib.crc32(data))
     hit = _PARSED.get(str(path))
-    if hit is not None and hit[0] == key:
+    if hit is not None and hit[0] == data:
         return hit[1]
     if locked:
         lines = _entries(state_dir, env, data)
@@ -583,7 +596,7 @@ def _parsed(state_dir: Path, env: str, *, locked: bool) -> list[Job] | None:
             return None
     where = queue_dir(state_dir)
     out = [Job.from_json(x, where) for x in lines]
-    _PARSED[str(path)] = (key, out)
+    _PARSED[str(path)] = (data, out)
     return out
 
 
@@ -609,10 +622,15 @@ def owner(job: Job) -> int:
 
 def claim(host: Host, load: object, *, now: float | None = None) -> list[tuple[EnvContext, Job]]:
     """One pass over every environment's queue under the jobs lock: the jobs that start now,
-    each claimed (its record no longer queued, with its slice and this process as its
-    supervisor until the supervisor's own first write, and in the holders' index), and
-    every other queued job's reason written to the index. `load(env)`: the environment's
-    context, or None when it is not up (its queue then waits as it is)."""
+    each claimed (its record no longer queued, `claimed`, with its slice and this process as
+    its supervisor until the supervisor's own first write, and in the holders' index), and
+    every other queued job's reason written to the index. Claims whose claimer died before
+    a supervisor took them are put back in the queue first (requeue_orphans). `load(env)`:
+    the environment's context, or None when it is not up (its queue then waits as it is).
+
+    The order of the writes makes a kill -9 at any point recoverable by the next pass: the
+    holders' index lists a job before its record is claimed (so a pass finds every claimed
+    record there), and the queue's index loses its line only after."""
     import time
 
     from envctl.runtime import jobs, slices
@@ -620,12 +638,11 @@ def claim(host: Host, load: object, *, now: float | None = None) -> list[tuple[E
     now = time.time() if now is None else now
     out: list[tuple[EnvContext, Job]] = []
     with jobs.jobs_lock(host.state_dir):
-        names = envs(host.state_dir)
-        if not names:
-            return out
         held, listed = slices.holders(host.state_dir, host.boot_id)
         keep = [j.id for j in held]
-        for env in names:
+        holding = set(keep)
+        requeue_orphans(host.state_dir, host.boot_id, [i for i in listed if i not in holding])
+        for env in envs(host.state_dir):
             lines = read_env(host.state_dir, env)
             if not lines:
                 write_env(host.state_dir, env, [])
@@ -644,6 +661,12 @@ def claim(host: Host, load: object, *, now: float | None = None) -> list[tuple[E
                             kill_grace=jobs.KILL_GRACE)
             decision = schedule(pool, running, waiting, limits, now)
             started = dict(decision.start)
+            if started:
+                # Listed as holders before their records say claimed (see above); an id whose
+                # claim then fails (cancelled meanwhile) is dropped at the end.
+                listed = sorted({*keep, *started})
+                slices.write_index(host.state_dir, listed)
+                _fault("listed", min(started))
             left = []
             changed = bool(started)
             for e in lines:
@@ -653,6 +676,7 @@ def claim(host: Host, load: object, *, now: float | None = None) -> list[tuple[E
                     if job is not None:
                         out.append((ctx, job))
                         keep.append(jid)
+                        _fault("record", jid)
                     continue
                 reason = decision.reasons.get(jid)
                 if e.get("reason") != reason:
@@ -660,9 +684,85 @@ def claim(host: Host, load: object, *, now: float | None = None) -> list[tuple[E
                 left.append(e)
             if changed:
                 write_env(host.state_dir, env, left)
+                if started:
+                    _fault("index", min(started))
         if sorted(keep) != sorted(listed):
             slices.write_index(host.state_dir, keep)
     return out
+
+
+def _fault(step: str, jid: int) -> None:
+    """Test hooks (ENVCTL_FAULT=ACTION@claim:STEP#ID, engine.faults): a pass's claim of job
+    ID at `step` (listed, record, index; start in supervisor._start_queued; own, in the
+    job's new supervisor before it takes the claim over)."""
+    import os
+
+    if "ENVCTL_FAULT" in os.environ:
+        from envctl.engine.faults import maybe_fault
+
+        maybe_fault("claim", step, jid)
+
+
+def requeue_orphans(state_dir: Path, boot_id: str, ids: list[int]) -> list[Job]:
+    """Put back in the queue each of the jobs `ids` (the holders' index lists them, and their
+    records are no longer active holders) whose claim a process took that died before the
+    job's supervisor took it over (Job.orphaned): nothing of it started (its supervisor's
+    first write would have taken it: a compare-and-swap under this same lock, which a
+    requeued record now fails). It keeps its id, so its place in the queue; its index line
+    is written first, then its record (a kill between the two: the holders' index still
+    lists it, and the next pass finishes it). The default outputs its claimer made (empty:
+    nothing ran) are removed, so that its start can make them anew. Call under the jobs
+    lock; the jobs put back."""
+    from envctl.errors import StateCorrupt
+    from envctl.runtime import jobs
+
+    back: list[Job] = []
+    for jid in ids:
+        try:
+            job = jobs.read(state_dir, jid)
+        except StateCorrupt:
+            continue
+        if job is None or not job.orphaned(boot_id):
+            continue
+        back.append(job.replace(queued=True, claimed=False, reason=None, supervisor=None,
+                                cpus=[], gpus=[], cpus_exclusive=False, gpus_exclusive=False,
+                                mem_bytes=None))
+    for job in back:
+        lines = read_env(state_dir, job.env)
+        if all(e["id"] != job.id for e in lines):
+            queue_dir(state_dir).mkdir(mode=0o700, exist_ok=True)
+            write_env(state_dir, job.env, sorted([*lines, entry(job)], key=lambda e: e["id"]))
+        _drop_default_outputs(state_dir, job)
+        jobs.write(state_dir, job, durable=True)
+    return back
+
+
+def _drop_default_outputs(state_dir: Path, job: Job) -> None:
+    """Unlink the default stdout/stderr in the job's directory (a start makes them with
+    O_EXCL), through the directory's descriptor: only root reaches the jobs directory, and a
+    job that never ran wrote nothing to them."""
+    import contextlib
+    import os
+
+    from envctl.runtime import jobs
+
+    top = os.open(jobs.jobs_dir(state_dir), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            jfd = os.open(str(job.id), os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, dir_fd=top)
+        except FileNotFoundError:
+            return
+    finally:
+        os.close(top)
+    try:
+        jdir = jobs.job_dir(state_dir, job.id)
+        for path in {job.stdout, job.stderr}:
+            if os.path.dirname(path) == str(jdir):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.basename(path), dir_fd=jfd)
+    finally:
+        os.close(jfd)
 
 
 def _expected_end(job: Job, now: float) -> float | None:
@@ -685,6 +785,6 @@ def _claim_one(host: Host, jid: int, got: Slice) -> Job | None:
         return None
     job = job.replace(queued=False, reason=None, cpus=list(got.cpus), gpus=list(got.gpus),
                       cpus_exclusive=got.cpus_exclusive, gpus_exclusive=got.gpus_exclusive,
-                      mem_bytes=got.mem or None, supervisor=jobs.identity())
+                      mem_bytes=got.mem or None, supervisor=jobs.identity(), claimed=True)
     jobs.write(host.state_dir, job)
     return job

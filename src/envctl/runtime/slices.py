@@ -272,7 +272,12 @@ def holders(state_dir: Path, boot_id: str) -> tuple[list[Job], list[int]]:
     out = []
     for jid in ids:
         job = jobs.read(state_dir, jid)
-        if job is not None and job.shown(boot_id).active:
+        if job is None:
+            continue
+        shown = job.shown(boot_id)
+        # Not a queued one: a pass lists the jobs it claims here before it writes their
+        # records (queue.claim), and an orphaned claim is shown back in the queue.
+        if shown.active and not shown.queued:
             out.append(job)
     return out, ids
 

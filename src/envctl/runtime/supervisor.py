@@ -845,13 +845,18 @@ def _start_queued(host: Host, ctx: EnvContext, job: Job) -> Job:
         if jfd >= 0:
             os.close(jfd)
     try:
+        from envctl.runtime.queue import _fault
+
+        _fault("start", job.id)
         kind, text = _spawn(host, ctx, req, job, out_fd, err_fd)
     finally:
         for fd in fds:
             os.close(fd)
+    final = jobs.read(host.state_dir, job.id)
+    if final is not None and final.queued:
+        return final  # put back in the queue meanwhile: its request is needed at its start
     with contextlib.suppress(FileNotFoundError):
         request_path(host.state_dir, job.id).unlink()
-    final = jobs.read(host.state_dir, job.id)
     unclaimed = final is not None and final.active and final.supervisor == job.supervisor
     if final is not None and final.active and (kind == "dead" or (kind == "E" and unclaimed)):
         why = (f"the supervisor died before it started the job ({text})" if kind == "dead"
@@ -1228,6 +1233,24 @@ class _Supervisor:
             maybe_fault("record", key, self.attempts[key])
         jobs.write(self.host.state_dir, self.job, durable=durable)
 
+    def _take_claim(self, claimer: dict | None) -> bool:
+        """The first write of a job claimed from the queue: a compare-and-swap under the jobs
+        lock. It takes the job over only while its record is still that claim (claimed,
+        PENDING, with `claimer` as its supervisor); False when a pass put it back in the
+        queue meanwhile (queue.requeue_orphans: its claimer had died), and then it writes
+        nothing. OSError as `save`."""
+        from envctl.runtime.queue import _fault
+
+        _fault("own", self.job.id)
+        with jobs.jobs_lock(self.host.state_dir):
+            now = jobs.read(self.host.state_dir, self.job.id)
+            if (now is None or not now.claimed or now.queued or now.state is not State.PENDING
+                    or now.supervisor != claimer):
+                return False
+            self.job.claimed = False
+            self.save()
+        return True
+
     def save_or_log(self) -> bool:
         """Write a record that is not the last one, never letting its failure touch the running
         job: it is logged (see `log`) and the next write carries everything. True if written."""
@@ -1295,9 +1318,18 @@ class _Supervisor:
             systemd_attach,
         )
 
+        claimer = self.job.supervisor
         self.job.supervisor = jobs.identity()
         try:
-            self.save()
+            if self.job.claimed:
+                if not self._take_claim(claimer):
+                    # Put back in the queue meanwhile (its claimer died first: the pass that
+                    # did so starts it anew): nothing of it is this process's to touch.
+                    self.tell(f"P {os.getpid()}")
+                    self.tell("E its claim was taken back: the job is queued again")
+                    return
+            else:
+                self.save()
         except OSError as exc:
             # No record, nothing started: `submit` says so and removes the job's directory,
             # and no id is printed that has no record. ("E" without "P": "P" says the record
@@ -1719,6 +1751,14 @@ def cancel(host: Host, job_id: int | str, *, grace: float = jobs.KILL_GRACE,
     job = jobs.get(host.state_dir, job_id)
     if not job.active:
         return job
+    if job.orphaned(host.boot_id):
+        # Claimed by a process that died before a supervisor took it: back in the queue
+        # first, then cancelled there (CANCELLED, never started), not finalized LOST.
+        from envctl.runtime import queue
+
+        with jobs.jobs_lock(host.state_dir):
+            queue.requeue_orphans(host.state_dir, host.boot_id, [job.id])
+        job = jobs.get(host.state_dir, job.id)
     if job.queued:
         done = _cancel_queued(host, job.id, reason=reason)
         if done is not None:
@@ -1887,9 +1927,10 @@ def wait(host: Host, job_ids: list[int], *, timeout: float | None = None) -> lis
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if left == 0.0:
                 break
-            if job.queued:
+            if job.queued or job.orphaned(host.boot_id):
                 # No supervisor to wait on yet: the record changes only when a pass of the
-                # queue starts it (or a cancel ends it), looked at twice a second.
+                # queue starts it (or a cancel ends it), looked at twice a second. (An
+                # orphaned claim: the next pass puts it back in the queue.)
                 time.sleep(QUEUE_POLL if left is None else min(QUEUE_POLL, left))
                 job = jobs.get(host.state_dir, jid)
                 continue
