@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from envctl.monitor.nvml import GpuSample, NvmlSession, open_session
+from envctl.monitor.nvml import GpuSample, MigSample, NvmlSession, open_session
 
 BASE_DELAY = 10.0
 MAX_DELAY = 600.0
@@ -70,7 +70,11 @@ class NvmlKeeper:
             self.say(f"{why}; NVML tried again in {delay:.0f} s, then less and less often")
         self._said = why
 
-    def sample(self) -> list[GpuSample]:
+    @property
+    def migs(self) -> list[MigSample]:
+        return self.session.migs if self.session is not None else []
+
+    def sample(self, held: frozenset[str] | set[str] = frozenset()) -> list[GpuSample]:
         if self.session is None:
             if "ENVCTL_NVML=off" in self.why or self.clock() < self.next_at:
                 return []
@@ -78,7 +82,7 @@ class NvmlKeeper:
             if self.session is None:
                 return []
         try:
-            gpus = self.session.sample()
+            gpus = self.session.sample(held)
             broken = self.session.broken
         except Exception as exc:  # noqa: BLE001 - a binding's surprise costs GPUs, not the tick
             gpus, broken = [], f"bug: {exc!r}"
