@@ -120,6 +120,7 @@ def main() -> None:
             if n == 999:
                 rss_1000 = rss_kib()
         rss_end = rss_kib()
+        migs = len(sampler.tick().migs)
         mon.close()
         ms = sorted(x * 1000 for x in totals)
         sm = statistics.median(samples) * 1000
@@ -132,7 +133,7 @@ def main() -> None:
         print(f"  of which sampling alone: median {sm:.2f} ms; export: "
               f"{statistics.median(ms) - sm:.2f} ms")
         print(f"  NVML initialised {nvml.calls['init']} time(s)"
-              + (f"; MIG instances sampled: {len(sampler.tick().migs)}" if args.mig else ""))
+              + (f"; MIG instances sampled: {migs}" if args.mig else ""))
         print(f"  RSS: {rss0} KiB after warm-up, {rss_1000} KiB after 1,000 ticks, {rss_end} "
               f"KiB after {args.ticks} (growth {rss_end - (rss_1000 or rss0)} KiB after the "
               f"first 1,000)")

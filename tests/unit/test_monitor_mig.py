@@ -89,7 +89,6 @@ def test_mig_series_carry_dcgm_exporters_mig_labels(tmp_path, fake_nvml, monkeyp
     assert {lab["mig_uuid"]: v for lab, v in m["envctl_mig_sm_utilization_ratio"]}[big] == 0.4
     assert {lab["mig_uuid"]: v for lab, v in m["envctl_mig_memory_total_bytes"]} == {
         small: 16384 * MIB, big: 69632 * MIB}
-    assert {lab["mig_uuid"]: v for lab, v in m["envctl_mig_processes"]} == {small: 0, big: 1}
     per_env = [(lab, v) for lab, v in m["envctl_environment_gpu_memory_used_bytes"]
                if lab["envctl_environment"] == "env1"]
     assert per_env == [({"envctl_environment": "env1", "gpu": "1", "UUID": gpu_uuid(1),

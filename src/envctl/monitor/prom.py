@@ -96,18 +96,18 @@ _GPU_COUNTERS = (
     ("envctl_gpu_xid_events", "XID events seen since the monitor started, every code.",
      "xid_count"),
 )
-# (name, help, MigSample attribute, scale).
+# (name, help, MigSample attribute, scale). Four series an instance, not dcgm's dozens: with
+# 56 instances on an HGX host every series costs the tick (prometheus_client escapes each
+# label of each sample); free memory is total minus used.
 _MIG_GAUGES = (
     ("envctl_mig_memory_total_bytes", "The MIG instance's memory (its GPU instance's).",
      "fb_total", 1),
     ("envctl_mig_memory_used_bytes", "The MIG instance's memory used.", "fb_used", 1),
-    ("envctl_mig_memory_free_bytes", "The MIG instance's memory free.", "fb_free", 1),
     ("envctl_mig_graphics_utilization_ratio", "Fraction of the last tick any engine of the "
      "GPU instance was active (GPM; as DCGM_FI_PROF_GR_ENGINE_ACTIVE; absent without GPM).",
      "util", 0.01),
     ("envctl_mig_sm_utilization_ratio", "Fraction of the GPU instance's SMs busy over the "
      "last tick (GPM; as DCGM_FI_PROF_SM_ACTIVE; absent without GPM).", "sm_util", 0.01),
-    ("envctl_mig_processes", "Processes on the MIG instance.", "processes", None),
 )
 # (name, help, EnvSample attribute, counter?).
 _ENV_METRICS = (
@@ -278,9 +278,7 @@ class SnapshotCollector:
             fam = GaugeMetricFamily(name, doc, labels=MIG_LABELS)
             for m, lab in zip(snap.migs, labels, strict=True):
                 value = getattr(m, attr)
-                if scale is None:
-                    fam.add_metric(lab, len(value))
-                elif value is not None:
+                if value is not None:
                     fam.add_metric(lab, value * scale if scale != 1 else value)
             yield fam
 
