@@ -581,8 +581,9 @@ def test_gpus_table_is_plain_text_off_a_terminal(monkeypatch, capsys):
     assert lines[0] == "driver 550.54.15  (GPUs from nvml)"
     assert lines[2].split() == ["0", "GPU-a", "NVIDIA", "[red]H200", "1G", "on",
                                 "0000:18:00.0", "-"]
-    assert lines[3].split()[-1] == "h[0]"
-    assert lines[4] == "  ! w [x]" and "\x1b" not in "".join(lines)
+    assert lines[3] == "       MIG mode off after the next GPU reset"
+    assert lines[4].split()[-1] == "h[0]"
+    assert lines[5] == "  ! w [x]" and "\x1b" not in "".join(lines)
 
 
 def test_gpus_table_colours_as_rich_would(monkeypatch, capsys):
