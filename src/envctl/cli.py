@@ -382,7 +382,7 @@ def gpus(
             print(f"cleared {detail.removesuffix(' released by the operator')}: it may be "
                   "assigned again")
         return
-    found = ops_gpus.survey(host, root)
+    found = ops_gpus.survey(host, root, libraries=cdi)  # the libraries: CDI's only
     report = ops_gpus.gpu_report(host, root, found=found)
     written = None
     if cdi:
