@@ -8,9 +8,12 @@ keeping its state in its JSON file). The spec asks for seven 1g.18gb instances o
 (`gpus: {mig: [{gpu: 0, profile: 1g.18gb, count: 7}]}`) and a small rootfs, as
 tests/integration/test_gpu_mig.py's: the first `up` turns MIG mode on and makes the seven GPU
 and compute instances, the second finds everything in place, `down` destroys them and turns
-MIG mode off again. Each command is a whole process (interpreter start included), timed in wall
-time and in CPU (user + system of the process and everything it waited for). Checked on every
-run: the second `up` made no NVML write, `down` left NVML's state as it was, and no residue.
+MIG mode off again. The same three commands with the whole GPU instead (`gpus: {count: 1}`)
+follow on the same sandbox, so that what MIG adds shows against what every GPU spec costs
+(the rootfs, cgroup, device nodes, CDI). Each command is a whole process (interpreter start
+included), timed in wall time and in CPU (user + system of the process and everything it
+waited for). Checked on every run: the second `up` made no NVML write, `down` left NVML's
+state as it was, and no residue.
 
 What this does not measure: the driver's own cost. A real H100/H200 takes its time in
 nvmlDeviceSetMigMode and in each instance's creation (NVIDIA documents no figure); the fake
@@ -43,6 +46,7 @@ rootfs:
   binaries: [bash, ls, cat]
 gpus: {mig: [{gpu: 0, profile: 1g.18gb, count: 7}]}
 """
+WHOLE = SPEC.replace("{mig: [{gpu: 0, profile: 1g.18gb, count: 7}]}", "{count: 1}")
 STEPS = ("up", "up again (no-op)", "down")
 
 
@@ -63,9 +67,9 @@ def timed(sb: Sandbox, env: dict[str, str], *argv: str) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def one_run() -> tuple[list[tuple[float, float]], int]:
-    """The (wall, CPU) of each of STEPS on a fresh sandbox and fake host, and how many NVML
-    writes the first `up` made."""
+def one_run() -> tuple[list[tuple[float, float]], list[tuple[float, float]], int]:
+    """The (wall, CPU) of each of STEPS on a fresh sandbox and fake host, with the MIG layout
+    and then with the whole GPU, and how many NVML writes the first `up` made."""
     with tempfile.TemporaryDirectory(prefix="envctl-bench-mig-", dir="/var/tmp") as tmp:
         sb = Sandbox(Path(tmp) / "sb")
         try:
@@ -87,7 +91,13 @@ def one_run() -> tuple[list[tuple[float, float]], int]:
                 raise SystemExit("down did not leave NVML as it was before the first up")
             if sb.residue():
                 raise SystemExit(f"residue after down: {sb.residue()}")
-            return out, made
+            sb.write_spec("mig-bench", WHOLE)
+            whole = [timed(sb, env, "up", "mig-bench", "--json"),
+                     timed(sb, env, "up", "mig-bench", "--json"),
+                     timed(sb, env, "down", "mig-bench", "--json")]
+            if len(nvml(env).get("writes", [])) != 2 * made or sb.residue():
+                raise SystemExit("the whole GPU's up/down wrote to NVML or left residue")
+            return out, whole, made
         finally:
             sb.close()
 
@@ -104,17 +114,21 @@ def main() -> None:
                          "libraries (scripts/install-deps installs them)")
     exit_on_signals()
     precompile()
-    runs, writes = [], 0
+    runs, wholes, writes = [], [], 0
     for _ in range(args.runs):
-        steps, writes = one_run()
+        steps, whole, writes = one_run()
         runs.append(steps)
+        wholes.append(whole)
     print(f"one H200, seven 1g.18gb MIG instances from the spec; {args.runs} run(s), "
           f"medians; the first up made {writes} NVML writes (MIG mode, 7 GPU + 7 compute "
           "instances), the second none")
     for i, label in enumerate(STEPS):
         wall = statistics.median(r[i][0] for r in runs) * 1000
         cpu = statistics.median(r[i][1] for r in runs) * 1000
-        print(f"envctl {label}: wall {wall:.0f} ms, CPU {cpu:.0f} ms")
+        wall1 = statistics.median(r[i][0] for r in wholes) * 1000
+        cpu1 = statistics.median(r[i][1] for r in wholes) * 1000
+        print(f"envctl {label}: wall {wall:.0f} ms, CPU {cpu:.0f} ms; whole GPU: wall "
+              f"{wall1:.0f} ms, CPU {cpu1:.0f} ms")
 
 
 if __name__ == "__main__":
