@@ -199,3 +199,18 @@ def test_instances_made_outside_envctl_appear_within_the_rediscovery_period(
     counts = [len(s.tick().migs) for _ in range(REDISCOVER_TICKS)]
     assert counts[0] == 1 and counts[-1] == 2
     s.close()
+
+
+def test_instances_of_a_gpu_after_one_that_could_not_be_identified(tmp_path, fake_nvml,
+                                                                   monkeypatch):
+    fh, (small, big), gis = _mig_host(tmp_path, monkeypatch)
+    doc = json.loads(fh.nvml_json.read_text())
+    doc["gpus"][0]["fail"] = ["nvmlDeviceGetName"]  # GPU 0 is not sampled: GPU 1 comes first
+    fh.nvml_json.write_text(json.dumps(doc))
+    s = fh.sampler(nvml=NvmlSession(fake_nvml), host_stats=False)
+    s.tick()
+    snap = s.tick()
+    assert [g.index for g in snap.gpus] == [1]
+    assert {m.uuid: (m.parent, m.fb_used, m.util) for m in snap.migs} == {
+        big: (1, 3 * GIB, 62.5), small: (1, 0, 0.0)}
+    s.close()

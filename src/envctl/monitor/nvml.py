@@ -166,11 +166,14 @@ class NvmlSession:
             self._by_key = {_key(h): i for i, h in enumerate(self._handles)}
             self._events = self._register_events()
             self.migs: list[MigSample] = []
-            self._mig_handles: list[Any] = []
+            # (position of the parent in self.gpus, MIG device handle) of each of self.migs:
+            # a GPU that could not say who it is is not in self.gpus, so its index is not a
+            # position there.
+            self._mig_handles: list[tuple[int, Any]] = []
             self._mig_stale = True  # listed at the first sample
             self._mig_held: frozenset[str] = frozenset()
             self._mig_ticks = 0
-            # (parent index, GPU instance id) -> [older sample, newer sample, older filled]
+            # (parent's position, GPU instance id) -> [older sample, newer sample, older filled]
             self._gpm: dict[tuple[int, int], list[Any]] = {}
             self._gpm_get: Any = None  # one nvmlGpmMetricsGet_t, reused
         except BaseException:
@@ -283,7 +286,7 @@ class NvmlSession:
         self._free_gpm()
         self._mig_stale, self._mig_ticks = False, 0
         migs: list[MigSample] = []
-        handles: list[Any] = []
+        handles: list[tuple[int, Any]] = []
         for i, g in enumerate(self.gpus):
             mode = None if g.lost else self._ask(i, "mig_mode",
                                                  getattr(nv, "nvmlDeviceGetMigMode", None))
@@ -306,7 +309,7 @@ class NvmlSession:
                         parent=g.index, parent_uuid=g.uuid, uuid=_text(nv.nvmlDeviceGetUUID(m)),
                         gi=gi, ci=int(nv.nvmlDeviceGetComputeInstanceId(m)),
                         profile=names.get(int(info.profileId), "")))
-                    handles.append(m)
+                    handles.append((i, m))
             except nv.NVMLError as exc:
                 if exc.value in SESSION_ERRORS:
                     self.broken = self.broken or str(exc)
@@ -316,7 +319,8 @@ class NvmlSession:
                     self.problems.append(problem)
                 continue
             if self._gpm_supported(i):
-                for gi in {m.gi for m in migs if m.parent == g.index}:
+                for gi in {m.gi for m, (pos, _) in zip(migs, handles, strict=True)
+                           if pos == i}:
                     self._gpm[(i, gi)] = [None, None, False]
         self.migs, self._mig_handles = migs, handles
 
@@ -331,25 +335,25 @@ class NvmlSession:
     def _sample_migs(self) -> None:
         nv = self.nv
         util: dict[tuple[int, int], tuple[float | None, float | None]] = {}
-        for m, h in zip(self.migs, self._mig_handles, strict=True):
+        for m, (i, h) in zip(self.migs, self._mig_handles, strict=True):
             m.fb_total = m.fb_used = m.fb_free = None
             m.util = m.sm_util = None
             m.processes = []
-            if self.gpus[m.parent].lost:
+            if self.gpus[i].lost:
                 continue
-            mem = self._ask_mig(m, h, "memory", nv.nvmlDeviceGetMemoryInfo)
+            mem = self._ask_mig(i, m, h, "memory", nv.nvmlDeviceGetMemoryInfo)
             if mem is not None:
                 m.fb_total, m.fb_used, m.fb_free = int(mem.total), int(mem.used), int(mem.free)
-            procs = self._ask_mig(m, h, "procs", nv.nvmlDeviceGetComputeRunningProcesses)
+            procs = self._ask_mig(i, m, h, "procs", nv.nvmlDeviceGetComputeRunningProcesses)
             m.processes = [(int(p.pid), None if p.usedGpuMemory is None else int(
                 p.usedGpuMemory)) for p in procs or ()]
-            key = (m.parent, m.gi)
+            key = (i, m.gi)
             if key in self._gpm:
                 if key not in util:  # one GPM sample a GPU instance (its CIs share it)
                     util[key] = self._gpm_sample(key)
                 m.util, m.sm_util = util[key]
 
-    def _ask_mig(self, m: MigSample, handle: Any, what: str, call: Any) -> Any:
+    def _ask_mig(self, i: int, m: MigSample, handle: Any, what: str, call: Any) -> Any:
         """`call(MIG handle)`, None when NVML does not say; a stale handle (the instance was
         destroyed) has the instances listed again at the next tick."""
         if (m.uuid, what) in self._unsupported:
@@ -364,7 +368,11 @@ class NvmlSession:
             elif exc.value in SESSION_ERRORS:
                 self.broken = self.broken or str(exc)
             elif exc.value == getattr(nv, "NVML_ERROR_GPU_IS_LOST", 15):
-                self.gpus[m.parent].lost = True  # said by the parent's next sample
+                if not self.gpus[i].lost:
+                    self.problems.append(f"GPU {self.gpus[i].index} ({self.gpus[i].uuid}) is "
+                                         "lost: it fell off the bus or its driver state is "
+                                         "broken")
+                self.gpus[i].lost = True
             else:  # INVALID_ARGUMENT, NOT_FOUND: gone since it was listed
                 self._mig_stale = True
             return None
