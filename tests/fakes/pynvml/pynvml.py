@@ -602,7 +602,8 @@ def nvmlDeviceGetTotalEnergyConsumption(handle: int) -> int:  # noqa: N802
 # its activity, read by nvmlGpmMigSampleGet into a sample. nvmlGpmMetricsGet answers, per
 # metric, the newer sample's activity (NVML computes it from the two samples' counters; the
 # fake has no clock): NOT_SUPPORTED in the metric for an id it does not know, and
-# INVALID_ARGUMENT for a sample never filled or two samples of different GPU instances.
+# INVALID_ARGUMENT for a sample never filled, two samples of different GPU instances, or a
+# sample2 not taken after sample1 (NVML computes the activity over sample1 -> sample2).
 
 NVML_GPM_METRIC_GRAPHICS_UTIL = 1
 NVML_GPM_METRIC_SM_UTIL = 2
@@ -619,6 +620,7 @@ class _GpmSample:
     def __init__(self):
         self.source: tuple[int, int] | None = None  # (GPU index, GPU instance id)
         self.values: dict = {}
+        self.taken = 0  # the order samples were taken in (NVML's timestamps)
         self.freed = False
 
 
@@ -665,6 +667,7 @@ def nvmlGpmMigSampleGet(device: int, gpuInstanceId: int, gpmSample):  # noqa: N8
         if gi["id"] == gpuInstanceId:
             gpm["samples"] += 1
             gpmSample.source, gpmSample.values = (device, gpuInstanceId), dict(gi.get("gpm") or {})
+            gpmSample.taken = gpm["samples"]
             return gpmSample
     raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
 
@@ -675,7 +678,7 @@ def nvmlGpmMetricsGet(metricsGet):  # noqa: N802, N803
     if metricsGet.version != NVML_GPM_METRICS_GET_VERSION:
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     if not all(isinstance(x, _GpmSample) and x.source and not x.freed for x in (one, two)) \
-            or one.source != two.source or one is two:
+            or one.source != two.source or one.taken >= two.taken:
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     for metric in metricsGet.metrics[:metricsGet.numMetrics]:
         key = _GPM_KEYS.get(metric.metricId)
