@@ -214,3 +214,29 @@ def test_instances_of_a_gpu_after_one_that_could_not_be_identified(tmp_path, fak
     assert {m.uuid: (m.parent, m.fb_used, m.util) for m in snap.migs} == {
         big: (1, 3 * GIB, 62.5), small: (1, 0, 0.0)}
     s.close()
+
+
+def test_the_profile_comes_from_the_instance_s_info_when_its_name_lacks_it(
+        tmp_path, fake_nvml, monkeypatch):
+    fh, (small, big), gis = _mig_host(tmp_path, monkeypatch)
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetName", lambda h: "NVIDIA H200")
+    s = fh.sampler(nvml=NvmlSession(fake_nvml), host_stats=False)
+    snap = s.tick()
+    assert {m.uuid: m.profile for m in snap.migs} == {small: "1g.18gb", big: "3g.71gb"}
+    s.close()
+
+
+def test_listing_needs_no_privileged_call(tmp_path, fake_nvml, monkeypatch):
+    """A plain user's `envctl top`: nvmlDeviceGetGpuInstanceById wants root; the MIG device's
+    name says its profile."""
+    fh, (small, big), gis = _mig_host(tmp_path, monkeypatch)
+
+    def refused(*args):
+        raise fake_nvml.NVMLError(fake_nvml.NVML_ERROR_NO_PERMISSION)
+
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetGpuInstanceById", refused)
+    s = fh.sampler(nvml=NvmlSession(fake_nvml), host_stats=False)
+    snap = s.tick()
+    assert {m.uuid: m.profile for m in snap.migs} == {small: "1g.18gb", big: "3g.71gb"}
+    assert snap.problems == []
+    s.close()

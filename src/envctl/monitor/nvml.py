@@ -295,7 +295,7 @@ class NvmlSession:
                 continue
             h = self._handles[i]
             try:
-                names = {int(info.id): name for name, info in profile_infos(nv, h).items()}
+                names: dict[int, str] | None = None  # profile id -> name, when needed
                 for n in range(int(nv.nvmlDeviceGetMaxMigDeviceCount(h))):
                     try:
                         m = nv.nvmlDeviceGetMigDeviceHandleByIndex(h, n)
@@ -304,11 +304,19 @@ class NvmlSession:
                             continue
                         raise
                     gi = int(nv.nvmlDeviceGetGpuInstanceId(m))
-                    info = nv.nvmlGpuInstanceGetInfo(nv.nvmlDeviceGetGpuInstanceById(h, gi))
+                    # A MIG device's name ends with its profile ("NVIDIA H200 MIG 1g.18gb"):
+                    # no privileged call. Else the GPU instance's profile, as discovery
+                    # reads it (nvmlDeviceGetGpuInstanceById wants root).
+                    _, said, profile = _text(nv.nvmlDeviceGetName(m)).rpartition(" MIG ")
+                    if not said or not profile:
+                        if names is None:
+                            names = {int(info.id): name
+                                     for name, info in profile_infos(nv, h).items()}
+                        info = nv.nvmlGpuInstanceGetInfo(nv.nvmlDeviceGetGpuInstanceById(h, gi))
+                        profile = names.get(int(info.profileId), "")
                     migs.append(MigSample(
                         parent=g.index, parent_uuid=g.uuid, uuid=_text(nv.nvmlDeviceGetUUID(m)),
-                        gi=gi, ci=int(nv.nvmlDeviceGetComputeInstanceId(m)),
-                        profile=names.get(int(info.profileId), "")))
+                        gi=gi, ci=int(nv.nvmlDeviceGetComputeInstanceId(m)), profile=profile))
                     handles.append((i, m))
             except nv.NVMLError as exc:
                 if exc.value in SESSION_ERRORS:
