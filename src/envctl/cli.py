@@ -1015,10 +1015,15 @@ def monitor(
 
 @app.command()
 def maintenance(
-    env: Annotated[str, typer.Argument(help="The environment.", show_default=False,
-                                       autocompletion=_complete_envs)],
-    mode: Annotated[str, typer.Argument(help="on: the monitor stops healing it; off: heals "
-                                        "again.", show_default=False)],
+    env: Annotated[str, typer.Argument(help="The environment (with --gpus: on or off).",
+                                       show_default=False, autocompletion=_complete_envs)],
+    mode: Annotated[str | None, typer.Argument(help="on: the monitor stops healing it; off: "
+                                               "heals again.", show_default=False)] = None,
+    gpus: Annotated[bool, typer.Option("--gpus", help="Pause (on) or resume (off) the "
+                                       "monitor's GPU sampling instead: it shuts NVML down and "
+                                       "holds no GPU node, for nvidia-smi -r, a MIG mode "
+                                       "change or a driver reload. `on` waits until the "
+                                       "running monitor has let go.")] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Pause (on) or resume (off) the monitor's healing of one environment, while you work on
@@ -1026,9 +1031,20 @@ def maintenance(
     `envctl status`; independent of up and down; lasts until turned off or the next boot.
 
     Example: sudo envctl maintenance gpu-compute on
+
+    Example: sudo envctl maintenance --gpus on && sudo nvidia-smi -r
     """
     from envctl import commands
 
+    if gpus:
+        if mode is not None:
+            raise commands.BadArgs("maintenance", "with --gpus give only on or off (no "
+                                   "environment)")
+        _exit(commands.maintenance_gpus(env.strip().lower(), _opts(), json_=json_))
+        return
+    if mode is None:
+        raise commands.BadArgs("maintenance", "give an environment and on or off (or --gpus "
+                               "on|off)")
     _exit(commands.maintenance(env, mode.strip().lower(), _opts(), json_=json_))
 
 

@@ -227,32 +227,35 @@ def up(names: list[str] | None, opts: Options, *, all_: bool = False,
                 for p in plans}
 
     carving = [p for p in plans if p.resolved.get(PENDING_KEY)]
-    mig_failed: dict[str, str] = {}
-    rolled_back: dict[str, str] = {}
-    first: list = []
-    fresh = set()
-    if carving:
-        # MIG instances first: their UUIDs and access nodes exist only once made, then the
-        # environments are planned again with them (as if named by MIG UUID).
-        fresh = {p.env for p in carving if not engine.journal(p.env).entries}
-        first, rolled_back = ops.make_mig(carving, engine, claims())
-        mig_failed = dict(rolled_back)
-        ws = ws.with_host_facts()
-        again = [ws.get(p.env) for p in plans if p.env not in mig_failed]
-        plans, more = ws.plan_each(again) if all_ or each else (ws.plan_all(again), {})
-        skipped.update(more)
-        for p in plans:
-            if p.resolved.get(PENDING_KEY):  # made, yet discovery does not show them
-                mig_failed[p.env] = (f"the MIG instances made for it are not among those NVML "
-                                     f"lists ({p.resolved['mig']}); `envctl gpus` shows them")
-        plans = [p for p in plans if p.env not in mig_failed]
-    result = ops.up(plans, engine, claims())
-    if carving:
-        result.outcomes = ops.with_made(result.outcomes, first)
-    result.failed = {**mig_failed, **result.failed}
-    for env in fresh & set(result.failed) - set(rolled_back):
-        # It held nothing before this `up`: its MIG instances go too, as a rollback would.
-        ops.down(engine, [env])
+    # One hold of the global lock for both halves of a MIG `up` (the instances, then the
+    # environments planned again with them): no other envctl runs between them.
+    with engine.locked():
+        mig_failed: dict[str, str] = {}
+        rolled_back: dict[str, str] = {}
+        first: list = []
+        fresh = set()
+        if carving:
+            # MIG instances first: their UUIDs and access nodes exist only once made, then the
+            # environments are planned again with them (as if named by MIG UUID).
+            fresh = {p.env for p in carving if not engine.journal(p.env).entries}
+            first, rolled_back = ops.make_mig(carving, engine, claims())
+            mig_failed = dict(rolled_back)
+            ws = ws.with_host_facts()
+            again = [ws.get(p.env) for p in plans if p.env not in mig_failed]
+            plans, more = ws.plan_each(again) if all_ or each else (ws.plan_all(again), {})
+            skipped.update(more)
+            for p in plans:
+                if p.resolved.get(PENDING_KEY):  # made, yet discovery does not show them
+                    mig_failed[p.env] = (f"the MIG instances made for it are not among those NVML "
+                                         f"lists ({p.resolved['mig']}); `envctl gpus` shows them")
+            plans = [p for p in plans if p.env not in mig_failed]
+        result = ops.up(plans, engine, claims())
+        if carving:
+            result.outcomes = ops.with_made(result.outcomes, first)
+        result.failed = {**mig_failed, **result.failed}
+        for env in fresh & set(result.failed) - set(rolled_back):
+            # It held nothing before this `up`: its MIG instances go too, as a rollback would.
+            ops.down(engine, [env])
     for env, err in result.failed.items():
         stderr(f"error: {env}: {err}")
     if result.cdi_error:
@@ -481,7 +484,12 @@ def status(names: list[str] | None, opts: Options, *, json_: bool = False,
     else:
         render_status(console(), rows, warnings, cgroups=cgroups, isolation=isolation,
                       descriptions=descriptions, states=states, limits=limits)
-        render_maintenance(console(), marks)
+        from envctl.monitor.maintenance import GPUS, read
+        from envctl.monitor.nvmlkeep import holders
+
+        gpus = read(host.run_dir, GPUS)
+        render_maintenance(console(), marks, gpus,
+                           holders(host.run_dir) if gpus is not None else [])
         render_events(console(), events)
     if check and any(s.op != "=" for steps in rows.values() for s in steps
                      if s.note != "not applied"):
@@ -512,11 +520,63 @@ def maintenance(env: str, mode: str, opts: Options, *, json_: bool = False) -> i
     return 0
 
 
-def render_maintenance(out: Any, marks: dict[str, dict[str, Any]]) -> None:
+GPU_RELEASE_WAIT = 60.0  # seconds `maintenance --gpus on` waits for the monitor to let go
+
+
+def maintenance_gpus(mode: str, opts: Options, *, json_: bool = False,
+                     wait: float = GPU_RELEASE_WAIT) -> int:
+    """`envctl maintenance --gpus on|off`: pause or resume the monitor's GPU sampling. `on`
+    then waits (at most `wait` s) until the running monitor has shut NVML down, so that the
+    next command (`nvidia-smi -r`) finds no handle of envctl's; exit 1 if it has not by then."""
+    import time
+
+    from envctl import app as ops
+    from envctl.host.context import Host
+    from envctl.monitor import maintenance as mt
+    from envctl.monitor.nvmlkeep import PAUSE_POLL, holders
+
+    if mode not in ("on", "off"):
+        raise BadArgs("maintenance", f"--gpus '{mode}': give on or off")
+    ops.require_root(f"maintenance --gpus {mode} (the monitor runs as root)")
+    host = Host.from_env()
+    changed = mt.set_mode(host.run_dir, mt.GPUS, mode == "on")
+    held = holders(host.run_dir) if mode == "on" else []
+    if held and not json_:
+        console().print(f"waiting for pid {', '.join(map(str, held))} (the monitor, top) to "
+                        "shut NVML down …")
+    deadline = time.monotonic() + wait
+    while held and time.monotonic() < deadline:
+        time.sleep(min(0.1, PAUSE_POLL))
+        held = holders(host.run_dir)
+    pids = ", ".join(map(str, held))
+    if json_:
+        emit_json({"gpus": "paused" if mode == "on" else "sampled", "changed": changed,
+                   "nvml_held_by": held})
+    elif mode == "on":
+        console().print("GPU sampling paused: no envctl process holds NVML" if not held
+                        else f"GPU sampling paused, but pid {pids} still holds NVML after "
+                        f"{wait:.0f} s (a heal in progress?)")
+    else:
+        console().print("GPU sampling resumed: the monitor opens NVML at its next tick"
+                        if changed else "GPU sampling was not paused: nothing changed")
+    if held:
+        stderr(f"maintenance --gpus on: pid {pids} still holds NVML")
+        return 1
+    return 0
+
+
+def render_maintenance(out: Any, marks: dict[str, dict[str, Any]],
+                       gpus: dict[str, Any] | None = None,
+                       held: list[int] | None = None) -> None:
     from envctl.monitor.maintenance import describe
 
     for env, mark in marks.items():
         out.print(f"[bold]{env}[/]  [yellow]{describe(mark)}[/]")
+    if gpus is not None:
+        text = describe(gpus).replace("healing paused", "GPU sampling paused")
+        who = ("NVML released" if not held else
+               f"pid {', '.join(map(str, held))} still holds NVML")
+        out.print(f"[bold]GPUs[/]  [yellow]{text}: {who}[/]")
 
 
 def list_(names: list[str] | None, opts: Options, *, json_: bool = False) -> int:

@@ -5,11 +5,16 @@ The list is what `up --all` (boot, `systemctl reload envctl`) left down, skipped
 missing, a data source not mounted yet) or failed; `up NAME` and `down NAME` take NAME off
 it (it came up, or the operator decided), so a retry never brings back an environment an
 operator took down. It records the boot id: a list from another boot is nobody's.
+
+Each change is a read-modify-write under an flock of the run directory itself (no lock file
+to leave behind), so an `up` and a `down` that end together both count.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,17 +44,41 @@ def read_not_up(run_dir: Path, boot_id: str) -> list[str]:
     return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
+@contextlib.contextmanager
+def _locked(run_dir: Path, *, make: bool) -> Iterator[bool]:
+    """Hold an exclusive flock of `run_dir` (made first when `make`); yields whether it exists.
+    Not the global lock: `up` and `down` record after releasing it, and a retry list must not
+    wait behind another environment's long `up`."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not make:
+            yield False
+            return
+        run_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)
+
+
 def record_attempt(run_dir: Path, boot_id: str, tried: list[str], not_up: list[str]) -> None:
     """After `up` (or `down`) of `tried`: those of them in `not_up` wait for a retry, the
     others no longer do; the rest of the list is kept. The file goes when the list is empty."""
-    keep = [n for n in read_not_up(run_dir, boot_id) if n not in tried]
-    names = list(dict.fromkeys([*keep, *not_up]))
-    path = not_up_path(run_dir)
-    if not names:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        return
-    write_json(path, {"boot_id": boot_id, "envs": names, "time": time.time()}, durable=False)
+    with _locked(run_dir, make=bool(not_up)) as exists:
+        if not exists:
+            return  # no run directory: no list to take anything off
+        keep = [n for n in read_not_up(run_dir, boot_id) if n not in tried]
+        names = list(dict.fromkeys([*keep, *not_up]))
+        path = not_up_path(run_dir)
+        if not names:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            return
+        write_json(path, {"boot_id": boot_id, "envs": names, "time": time.time()},
+                   durable=False)
 
 
 def delays(first: float = FIRST_DELAY, cap: float = MAX_DELAY) -> Iterator[float]:

@@ -91,19 +91,33 @@ def code_paths(command: Sequence[str], *, executable: str = sys.executable,
     what .pth files add); trees checked file by file as well: the venv when this is one, and
     the envctl package, which in an editable install is the checkout's src/envctl)."""
     first = Path(command[0])
-    files = [first, *_shebang(first), Path(executable),
-             *(Path(p) for p in search_path if p.startswith("/") and os.path.isdir(p))]
+    imported = [Path(p) for p in search_path if p.startswith("/") and os.path.isdir(p)]
+    files = [first, *_shebang(first), Path(executable), *imported]
     trees = [Path(prefix)] if Path(prefix) != Path(base_prefix) else []
-    return list(dict.fromkeys(files)), list(dict.fromkeys([*trees, package]))
+    # Every import directory file by file too (the stdlib, a site-packages outside the venv):
+    # a module in a root-owned directory that a user owns is root code at the next boot.
+    return list(dict.fromkeys(files)), list(dict.fromkeys([*trees, package, *imported]))
 
 
-def _tree_problem(tree: Path, trusted: frozenset[int]) -> tuple[Path, str] | None:
+def _tree_problem(tree: Path, trusted: frozenset[int], *,
+                  walked: set[tuple[int, int]] | None = None) -> tuple[Path, str] | None:
     """The first entry under `tree` that someone not in `trusted` could change (owned by
     them, or writable by group or others: no sticky exception inside code), with why; a
-    symlink is judged by where it leads (changeable_by_others)."""
+    symlink is judged by where it leads (changeable_by_others), and one that leads to a
+    directory has that directory walked as well, as Python's imports would go into it
+    (`walked`: the directories' (device, inode) seen, so a loop of links ends)."""
     from envctl.spec.loader import changeable_by_others
 
+    walked = set() if walked is None else walked
     for here, dirs, names in os.walk(tree):
+        try:
+            st = os.stat(here)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in walked:
+            dirs.clear()  # walked already (through a link, or the tree itself)
+            continue
+        walked.add((st.st_dev, st.st_ino))
         dirs.sort()
         for name in [*dirs, *sorted(names)]:
             path = Path(here) / name
@@ -115,6 +129,10 @@ def _tree_problem(tree: Path, trusted: frozenset[int]) -> tuple[Path, str] | Non
                 bad = changeable_by_others([path], trusted=trusted)
                 if bad:
                     return bad[0][1], bad[0][2]
+                if os.path.isdir(path):
+                    inner = _tree_problem(path.resolve(), trusted, walked=walked)
+                    if inner:
+                        return inner
                 continue
             if st.st_uid not in trusted:
                 return path, f"is owned by uid {st.st_uid}, not root"
@@ -140,9 +158,10 @@ def refuse_writable_code(command: Sequence[str], *, trusted: frozenset[int] | No
         trusted = frozenset({0})
     files, trees = code_paths(command, **where)
     found = [(q, why) for _, q, why in changeable_by_others([*files, *trees], trusted=trusted)]
+    walked: set[tuple[int, int]] = set()
     for tree in trees:
         if not found:
-            bad = _tree_problem(tree, trusted)
+            bad = _tree_problem(tree, trusted, walked=walked)
             found += [bad] if bad else []
     if found:
         q, why = found[0]

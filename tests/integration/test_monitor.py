@@ -388,3 +388,59 @@ def test_healing_respects_restart_no_and_maintenance(box, tmp_path):
     residue = sb.residue()
     assert residue.pop("state_dir", None) == ["events.jsonl", "lock"], residue
     assert residue == {}, residue
+
+
+def test_maintenance_gpus_lets_the_running_monitor_release_nvml(box, tmp_path):
+    """`envctl maintenance --gpus on` with a monitor running (the fake NVML, two GPUs): the
+    monitor shuts NVML down, `on` returns once it has (nvml-held.d/PID gone), /metrics says
+    paused and has no GPU series, status says so; `off` and the next tick sample the GPUs
+    again. SIGTERM leaves no nvml-held.d; down leaves what it always does."""
+    sb = box
+    held_dir = sb.run_dir / "nvml-held.d"
+    held = held_dir / str(os.getpid())  # replaced below by the monitor's pid
+    proc = sb.popen(sys.executable, "-m", "envctl", "monitor", "--interval", "1", "--listen",
+                    "127.0.0.1:9465", "--csv-dir", "none", "--no-heal", env=sb.gpu_env)
+    fetch = ("import urllib.request as u; print(u.urlopen('http://127.0.0.1:9465/metrics', "
+             "timeout=5).read().decode())")
+
+    def metrics() -> dict:
+        res = sb.run(sys.executable, "-c", fetch)
+        assert proc.poll() is None, proc.stderr.read()
+        return parse_exposition(res.stdout) if res.returncode == 0 else {}
+
+    def gpus_sampled() -> bool:
+        m = metrics()
+        return bool(m.get("envctl_gpu_memory_free_bytes")) and m[
+            "envctl_monitor_gpu_sampling_paused"][0][1] == 0
+
+    try:
+        assert wait_until(gpus_sampled, 60)
+        held = held_dir / str(proc.pid)
+        assert json.loads(held.read_text())["pid"] == proc.pid
+        res = sb.envctl("maintenance", "--gpus", "on")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "no envctl process holds NVML" in res.stdout and not held.exists()
+        assert wait_until(lambda: metrics().get("envctl_monitor_gpu_sampling_paused",
+                                                [(0, 0)])[0][1] == 1, 30)
+        assert "envctl_gpu_memory_free_bytes" not in metrics()
+        assert not held.exists()  # ticks while paused open nothing
+        assert "GPU sampling paused" in sb.envctl("status").stdout
+        assert sb.envctl("maintenance", "--gpus", "maybe").returncode == 2
+        assert sb.envctl("maintenance", "--gpus", "on", "box").returncode == 2
+        res = sb.envctl("maintenance", "--gpus", "off")
+        assert res.returncode == 0 and "resumed" in res.stdout, res.stderr
+        assert wait_until(gpus_sampled, 30)
+        assert json.loads(held.read_text())["pid"] == proc.pid
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "GPU sampling paused" in err and "GPU sampling resumed" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not held_dir.exists()
+    assert sb.envctl("down", "box").returncode == 0
+    residue = sb.residue()
+    assert residue.pop("state_dir", None) in (None, ["lock"]), residue
+    assert residue == {}, residue

@@ -144,3 +144,28 @@ def test_down_purge_of_an_environment_that_is_not_up_deletes_its_data(host):
     assert (host.state_dir / "data" / "other" / "results").is_dir()
     # Again: nothing left to delete, nothing said.
     assert [o.steps for o in app.down(engine, ["demo"])] == [[]]
+
+
+def test_a_host_directory_that_was_there_first_keeps_its_mode(host, tmp_path):
+    """An operator's shared 1777 scratch directory named as a data source: `up` neither
+    tightens it to 0755 nor reports it as drifted; one envctl makes gets `mode`."""
+    import os
+    import stat
+
+    engine = Engine(host)
+    there = tmp_path / "scratch"
+    there.mkdir()
+    os.chmod(there, 0o1777)
+    src = SharedDirectory("host", str(there).lstrip("/"), 0o755, keep=True)
+    engine.up("demo", [src])
+    assert stat.S_IMODE(there.stat().st_mode) == 0o1777
+    assert src.check(host).ok
+    engine.down("demo")
+    assert stat.S_IMODE(there.stat().st_mode) == 0o1777
+    made = tmp_path / "made"
+    old = os.umask(0o077)
+    try:
+        engine.up("demo", [SharedDirectory("host", str(made).lstrip("/"), 0o755, keep=True)])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o755

@@ -499,6 +499,30 @@ def test_cdi_one_device_per_mig_instance_with_its_access_nodes_only():
         "mig-x", MIG_A]
 
 
+def test_cdi_mig_instance_device_has_its_holders_mode_and_group():
+    """podman showed it: a container given only the instance's device got its nodes and the
+    shared ones (common edits) as root's group, where the holder's /dev gives the spec's group.
+    The instance's device lists them as the holder's device does."""
+    own = [("nvidia0", 195, 0, 0o660, 44), ("nvidiactl", 195, 255, 0o660, 44),
+           ("nvidia-uvm", "nvidia-uvm", 0, 0o660, 44),
+           ("nvidia-uvm-tools", "nvidia-uvm", 1, 0o660, 44),
+           ("nvidia-caps/nvidia-cap12", "nvidia-caps", 12, 0o660, 44),
+           ("nvidia-caps/nvidia-cap13", "nvidia-caps", 13, 0o660, 44)]
+    spec = cdi_spec({"mig-x": [MIG_A]}, MIG_FACTS, nodes={"mig-x": own})
+    assert check_cdi(spec) == []
+    by = {d["name"]: d["containerEdits"]["deviceNodes"] for d in spec["devices"]}
+    key = {n["path"]: (n["major"], n["minor"], n["fileMode"], n.get("gid")) for n in by["mig-x"]}
+    assert {n["path"]: (n["major"], n["minor"], n["fileMode"], n.get("gid"))
+            for n in by[MIG_A]} == key == {
+        "/dev/nvidia0": (195, 0, 0o660, 44), "/dev/nvidiactl": (195, 255, 0o660, 44),
+        "/dev/nvidia-uvm": (511, 0, 0o660, 44), "/dev/nvidia-uvm-tools": (511, 1, 0o660, 44),
+        "/dev/nvidia-caps/nvidia-cap12": (237, 12, 0o660, 44),
+        "/dev/nvidia-caps/nvidia-cap13": (237, 13, 0o660, 44)}
+    # Its own nodes first (parent, then GI and CI access), as without the holder's list.
+    assert [n["path"] for n in by[MIG_A]][:3] == [
+        "/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap12", "/dev/nvidia-caps/nvidia-cap13"]
+
+
 def test_cdi_hooks_as_nvidia_ctk_when_the_host_has_its_hook():
     spec = cdi_spec({"g": [A.uuid]}, FACTS, hook="/usr/bin/nvidia-cdi-hook")
     assert check_cdi(spec) == []

@@ -29,10 +29,18 @@ def test_timeout_names_the_holder(tmp_path):
     state = tmp_path / "state"
     with global_lock(state):
         (state / "keep").write_text("x")
-        waited = []
-        with pytest.raises(LockTimeout, match="held by pid"), global_lock(
-                state, timeout=0.2, on_wait=waited.append):
-            pass
+        waited, raised = [], []
+
+        def other() -> None:  # another thread: this one's own hold would be re-entered
+            with pytest.raises(LockTimeout, match="held by pid") as exc, global_lock(
+                    state, timeout=0.2, on_wait=waited.append):
+                pass
+            raised.append(exc.value)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert raised, "the second holder did not time out"
         assert waited and "waiting for another envctl" in waited[0]
 
 
@@ -95,3 +103,42 @@ def test_a_state_directory_tidied_away_under_a_starting_envctl_is_made_again(tmp
     with global_lock(state):
         assert (state / "lock").exists()
     assert raced
+
+
+def test_a_hold_inside_a_hold_of_the_same_thread_is_the_same_hold(tmp_path):
+    """`up` of environments with MIG instances holds the lock across both halves, each of
+    which takes it again: no deadlock, one release (the inner exit tidies nothing), and
+    another thread or a forked child still waits for the outer hold."""
+    import os
+
+    state = tmp_path / "state"
+    with global_lock(state):
+        with global_lock(state, timeout=0.2):
+            pass
+        assert (state / "lock").exists()  # still held: the inner exit did not tidy it away
+        failed = []
+
+        def other() -> None:
+            try:
+                with global_lock(state, timeout=0.2):
+                    pass
+            except LockTimeout:
+                failed.append("thread")
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert failed == ["thread"]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                with global_lock(state, timeout=0.2):
+                    os._exit(0)
+            except LockTimeout:
+                os._exit(7)
+            os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 7
+    assert not state.exists()
+    with global_lock(state, timeout=0.2):  # released: free for anyone
+        pass

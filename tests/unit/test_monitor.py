@@ -602,17 +602,40 @@ def test_compat_names_are_only_there_when_asked(tmp_path, fake_nvml, monkeypatch
         n for n in only_dcgm if n.startswith("container_")]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian: prometheus) "
-                    "not installed")
-@pytest.mark.parametrize("version", [1, 2])
+def promtool() -> str | None:
+    """promtool on PATH, else beside this interpreter (scripts/install-deps puts it in
+    .venv/bin, unpacked from Debian's prometheus package without installing the server)."""
+    beside = Path(sys.executable).parent / "promtool"
+    return shutil.which("promtool") or (str(beside) if os.access(beside, os.X_OK) else None)
+
+
+@pytest.mark.skipif(promtool() is None, reason="promtool not found (scripts/install-deps puts "
+                    "it in .venv/bin)")
+@pytest.mark.parametrize("version, mig", [(1, False), (2, False), (2, True)])
 def test_promtool_finds_nothing_but_the_dcgm_label_case(tmp_path, fake_nvml, monkeypatch,
-                                                        version):
+                                                        version, mig):
     """`promtool check metrics` (its naming lint: _total, base units, no percents) passes but
-    for dcgm-exporter's camelCase labels (UUID, modelName, Hostname), kept to join with it."""
-    snap = _gpu_snapshot(tmp_path, fake_nvml, monkeypatch, version=version)
+    for dcgm-exporter's camelCase labels (UUID, modelName, Hostname), kept to join with it: on
+    cgroup v1 and v2, with the compat names, with MIG on (seven instances a GPU, the
+    environments holding instances), a degraded environment and GPU sampling paused."""
+    if mig:
+        import bench.monitor_tick as bench
+
+        fh = fake_host(tmp_path, 2, gpus=2, version=version)
+        bench.with_mig(fh)
+        monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))
+        s = fh.sampler(nvml=NvmlSession(fake_nvml))
+        snap = s.tick()
+        s.close()
+        snap.health = {"env0": {"state": "up"}, "env1": {"state": "degraded", "drift": 1,
+                                                          "heals": 3, "heal_failures": 2,
+                                                          "retry_in": 40.0}}
+        snap.gpus_paused = True
+    else:
+        snap = _gpu_snapshot(tmp_path, fake_nvml, monkeypatch, version=version)
     col = prom.SnapshotCollector(compat={"dcgm", "cadvisor"})
     col.update(snap)
-    res = subprocess.run(["promtool", "check", "metrics"], capture_output=True, text=True,
+    res = subprocess.run([promtool(), "check", "metrics"], capture_output=True, text=True,
                          input=prom.exposition(prom.registry_for(col)).decode(), timeout=60)
     lines = (res.stdout + res.stderr).splitlines()
     assert lines and not [x for x in lines if "not 'camelCase'" not in x], lines

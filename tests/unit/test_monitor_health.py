@@ -4,6 +4,7 @@ the global lock, leave environments that were taken down alone, and log what it 
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -199,11 +200,24 @@ SPEC = "name: box\nkind: cpu\n"
 
 def test_heal_never_waits_for_the_global_lock(tmp_path):
     host = Host(state_dir=tmp_path / "state", run_dir=tmp_path / "run")
-    with global_lock(host.state_dir, timeout=1):  # a user's `up` in progress
+    held, done = threading.Event(), threading.Event()
+
+    def users_up() -> None:  # a user's `up` in progress (another thread: not this one's hold)
+        with global_lock(host.state_dir, timeout=1):
+            held.set()
+            done.wait(30)
+
+    t = threading.Thread(target=users_up)
+    t.start()
+    try:
+        assert held.wait(30)
         began = time.monotonic()
         with pytest.raises(LockBusy, match="held by pid"):
             heal_env(host, "box")
         assert time.monotonic() - began < 1.0
+    finally:
+        done.set()
+        t.join()
     # Not up (no journal): the check under the lock finds nothing to heal, and changes nothing.
     assert heal_env(host, "box") is None
     assert not Path(host.state_dir / "journal").exists()

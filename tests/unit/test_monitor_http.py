@@ -270,7 +270,8 @@ def test_client_certificates_are_verified(pki):
 
 def test_bcrypt_time_is_budgeted_and_a_good_password_remembered():
     clock = iter(x * 0.15 for x in range(1000))
-    auth = mhttp.Auth({"p": bcrypt.hashpw(b"pw", bcrypt.gensalt(4))}, clock=lambda: next(clock))
+    auth = mhttp.Auth({"p": bcrypt.hashpw(b"pw", bcrypt.gensalt(4))}, clock=lambda: next(clock),
+                      per_source=1.0)  # the budget of all sources together
     header = "Basic " + base64.b64encode(b"p:bad").decode()
     assert [auth.check(header) for _ in range(3)] == [401, 401, 429]  # 0.3 s spent > 0.2
     for _ in range(10):  # a new second: the budget is back
@@ -279,6 +280,124 @@ def test_bcrypt_time_is_budgeted_and_a_good_password_remembered():
     assert auth.check(good) == 200
     assert auth.check(good) == 200 and auth.spent < 0.2 + 0.15  # remembered: no bcrypt again
     assert auth.check("Bearer x") == 401 and auth.check("Basic !!") == 401
+
+
+def _raw_get(sock: socket.socket, auth: bytes | None = None) -> bytes:
+    """Send a GET /metrics on `sock` (Authorization: Basic `auth`) and read the answer whole."""
+    head = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
+    if auth is not None:
+        head += b"Authorization: Basic " + base64.b64encode(auth) + b"\r\n"
+    sock.sendall(head + b"\r\n")
+    sock.settimeout(10)
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def _from(addr: str, port: int) -> socket.socket:
+    """A connection to 127.0.0.1:`port` from source address `addr` (all of 127/8 is loopback)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind((addr, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def test_a_flood_from_one_source_never_evicts_another_sources_scrape():
+    """One peer opening connections as fast as it can closes only its own (MAX_PER_SOURCE);
+    a scraper on another address, connected before the flood and sending its request after
+    it, is answered. (Before: the oldest connection of all made room, the scraper's.)"""
+    server = mhttp.MetricsServer(("127.0.0.1", 0), max_connections=8, max_per_source=2)
+    server.publish(BODY)
+    port = server.address[1]
+    stop = threading.Event()
+    t = _serve_in_thread(server, stop)
+    scraper = _from("127.0.0.1", port)
+    flood = []
+    try:
+        for _ in range(20):
+            flood.append(_from("127.0.0.2", port))
+        for s in flood[:18]:  # all but its newest two were closed, by the server
+            s.settimeout(10)
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(10) == b""
+        answer = _raw_get(scraper)
+        assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(BODY), answer[:200]
+    finally:
+        for s in [scraper, *flood]:
+            s.close()
+        stop.set()
+        t.join(10)
+        server.close()
+
+
+def test_a_full_table_closes_the_biggest_sources_oldest():
+    server = mhttp.MetricsServer(("127.0.0.1", 0), max_connections=4, max_per_source=3)
+    server.publish(BODY)
+    port = server.address[1]
+    stop = threading.Event()
+    t = _serve_in_thread(server, stop)
+    first = _from("127.0.0.1", port)
+    hog = [_from("127.0.0.2", port) for _ in range(3)]
+    late = _from("127.0.0.3", port)  # the table is full: 127.0.0.2's oldest goes, not `first`
+    try:
+        hog[0].settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            assert hog[0].recv(10) == b""
+        assert _raw_get(first).endswith(BODY) and _raw_get(late).endswith(BODY)
+    finally:
+        for s in [first, *hog, late]:
+            s.close()
+        stop.set()
+        t.join(10)
+        server.close()
+
+
+def test_one_source_spending_the_bcrypt_budget_leaves_the_others_theirs():
+    """Wrong passwords from 127.0.0.2 are refused (429) once that source has spent its share
+    of this second's bcrypt; the scraper on 127.0.0.1 still gets its password checked. Each
+    check costs 0.1 s of a fake clock. (Before: one budget for all, spent by the flood.)"""
+    ticks = iter(x * 0.1 for x in range(1000))
+    auth = mhttp.Auth({"prom": bcrypt.hashpw(b"pw", bcrypt.gensalt(4))},
+                      clock=lambda: next(ticks))
+    server = mhttp.MetricsServer(("127.0.0.1", 0), auth=auth)
+    server.publish(BODY)
+    port = server.address[1]
+    stop = threading.Event()
+    t = _serve_in_thread(server, stop)
+    try:
+        codes = []
+        for _ in range(5):
+            with _from("127.0.0.2", port) as s:
+                codes.append(_raw_get(s, b"prom:wrong").split(b" ", 2)[1])
+        assert codes == [b"401", b"429", b"429", b"429", b"429"]
+        with _from("127.0.0.1", port) as s:
+            assert _raw_get(s, b"prom:pw").startswith(b"HTTP/1.1 200 OK")
+    finally:
+        stop.set()
+        t.join(10)
+        server.close()
+
+
+def test_an_unknown_user_costs_a_bcrypt_check_of_the_same_cost(monkeypatch):
+    """A 401 for a user that does not exist takes a bcrypt check, against a dummy hash of the
+    users' cost, so the time of a 401 does not tell which user names exist."""
+    auth = mhttp.Auth({"prom": bcrypt.hashpw(b"pw", bcrypt.gensalt(5))}, per_source=10.0)
+    assert auth.dummy.startswith(b"$2b$05$") and not bcrypt.checkpw(b"", auth.dummy)
+    checked = []
+    real = bcrypt.checkpw
+    monkeypatch.setattr(bcrypt, "checkpw", lambda pw, h: checked.append(h) or real(pw, h))
+    for user in (b"prom", b"nobody"):
+        assert auth.check("Basic " + base64.b64encode(user + b":guess").decode()) == 401
+    assert len(checked) == 2 and checked[1] == auth.dummy
+    assert auth.check("Basic " + base64.b64encode(b"nobody:pw").decode()) == 401
+
+
+@pytest.mark.parametrize("addr, want", [
+    (("127.0.0.1", 5), "127.0.0.1"), (("::ffff:10.0.0.9", 5, 0, 0), "10.0.0.9"),
+    (("2001:db8::1:2:3:4", 5, 0, 0), "2001:db8::/64"), (("fe80::1%eth0", 5, 0, 2), "fe80::/64")])
+def test_source_of(addr, want):
+    assert mhttp.source_of(addr) == want
 
 
 @pytest.mark.parametrize("text, where", [

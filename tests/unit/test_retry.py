@@ -4,6 +4,7 @@ and another `up --all` do to it) and the backoff loop of `up --retry`, with a fa
 from __future__ import annotations
 
 import json
+import os
 
 from envctl import retry as rt
 
@@ -134,3 +135,38 @@ _RETRY = rt.retry
 
 def _retry(attempt, pending, clock, **kw):
     return _RETRY(attempt, pending, sleep=clock.sleep, clock=clock, **kw)
+
+
+
+def test_an_up_and_a_down_that_end_together_both_count(tmp_path, monkeypatch):
+    """record_attempt is a read-modify-write: the `down a` below has read the list and is
+    about to write it when an `up c` records its failure. Under the lock the `up` waits for
+    the `down`'s write and adds to it; without it the `down` writes over the `up`'s entry."""
+    import threading
+
+    run = tmp_path / "run"
+    rt.record_attempt(run, "b1", ["a", "b"], ["a", "b"])  # boot: a and b not up
+    down_in, up_done = threading.Event(), threading.Event()
+    real_write = rt.write_json
+
+    def slow_write(path, obj, **kw):
+        if threading.current_thread().name == "down":
+            down_in.set()
+            up_done.wait(2.0)  # the up's turn: unlocked, it finishes first
+        real_write(path, obj, **kw)
+
+    monkeypatch.setattr(rt, "write_json", slow_write)
+
+    def up():
+        rt.record_attempt(run, "b1", ["c"], ["c"])  # `up c` failed: c waits for a retry
+        up_done.set()
+
+    down = threading.Thread(target=rt.record_attempt, args=(run, "b1", ["a"], []), name="down")
+    down.start()
+    assert down_in.wait(10)
+    t_up = threading.Thread(target=up, name="up")
+    t_up.start()
+    down.join(10)
+    t_up.join(10)
+    assert rt.read_not_up(run, "b1") == ["b", "c"]
+    assert os.listdir(run) == ["not-up.json"]  # no lock file left behind

@@ -483,11 +483,11 @@ def test_code_only_root_can_change_is_accepted(tmp_path):
     un.refuse_writable_code(args.pop("command"), trusted=TRUSTED, **args)
     files, trees = un.code_paths(where["command"], **{k: v for k, v in where.items()
                                                       if k != "command"})
-    # The script, the interpreter its #! names, the import path, and the venv and package
-    # trees.
+    # The script, the interpreter its #! names, the import path, and the venv, package and
+    # import path trees.
     assert [str(f) for f in files] == [where["command"][0], where["executable"],
                                        where["search_path"][0]]
-    assert trees == [Path(where["prefix"]), where["package"]]
+    assert trees == [Path(where["prefix"]), where["package"], Path(where["search_path"][0])]
 
 
 @pytest.mark.parametrize("what", ["venv", "bin", "script", "package file", "above"])
@@ -535,6 +535,39 @@ def test_a_symlink_into_a_users_directory_is_refused(tmp_path):
     os.chown(home, 1000, 1000)
     (where["package"] / "evil.py").symlink_to(home / "evil.py")
     assert f"install units: {home} is owned by uid 1000" in refused(where)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_users_module_in_an_import_directory_outside_the_venv_is_refused(tmp_path):
+    """A site-packages a .pth file adds, root's own directory, holding one module a user
+    owns: the directory alone was judged, so the module became root code at boot."""
+    where = fake_venv(tmp_path)
+    deps = tmp_path / "deps"
+    (deps / "dep").mkdir(parents=True)
+    (deps / "dep" / "__init__.py").write_text("")
+    os.chown(deps / "dep" / "__init__.py", 1000, 1000)
+    where["search_path"] = [str(deps)]
+    msg = refused(where)
+    assert msg.startswith(f"install units: {deps / 'dep' / '__init__.py'} is owned by uid "
+                          "1000"), msg
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_symlinked_directory_in_the_venv_is_walked_too(tmp_path):
+    """A root-owned link in the venv to a root-owned directory elsewhere, holding a file a
+    user owns: the link and the directory pass, the file must not (os.walk does not follow
+    links: the directory's contents went unchecked). A loop of links ends."""
+    where = fake_venv(tmp_path)
+    shared = tmp_path / "shared"
+    (shared / "mod").mkdir(parents=True)
+    (shared / "mod" / "x.py").write_text("")
+    (shared / "loop").symlink_to(shared)
+    (Path(where["prefix"]) / "lib" / "shared").symlink_to(shared)
+    args = dict(where)
+    un.refuse_writable_code(args.pop("command"), trusted=TRUSTED, **args)  # all root's: fine
+    os.chown(shared / "mod" / "x.py", 1000, 1000)
+    msg = refused(where)
+    assert f"{shared / 'mod' / 'x.py'} is owned by uid 1000" in msg, msg
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="checked only as root, as spec files are")

@@ -4,6 +4,7 @@ for failure messages."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -16,11 +17,13 @@ def _sh(script: str) -> subprocess.CompletedProcess:
 
 
 def test_a_command_that_ends_in_time_keeps_its_status_and_leaves_no_dump(tmp_path):
-    res = _sh(harness._watched("echo out; exit 7", str(tmp_path), 6007))  # an unusual sleep
+    # A sleep length of this run's own: two suites at once each look for theirs alone.
+    secs = 10_000_000 + int.from_bytes(os.urandom(3), "big")
+    res = _sh(harness._watched("echo out; exit 7", str(tmp_path), secs))
     assert (res.returncode, res.stdout, res.stderr) == (7, "out\n", "")  # no "Terminated"
     assert not (tmp_path / "stall.txt").exists()
     # The watchdog's sleep went with the command: nothing of it is left running.
-    left = subprocess.run(["pgrep", "-f", "^sleep 6007$"], capture_output=True, text=True)
+    left = subprocess.run(["pgrep", "-f", f"^sleep {secs}$"], capture_output=True, text=True)
     assert left.stdout == "", left.stdout
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -59,18 +60,33 @@ def global_lock(state_dir: Path, *, timeout: float = 120.0,
     When the body leaves no state behind (every environment is down), the state directory is
     removed before the lock is released, so `down` leaves the host as it found it.
     """
+    key = os.path.abspath(state_dir)
+    me = (os.getpid(), threading.get_ident())
+    if _HELD.get(key) == me:
+        # This process holds it already (an outer hold spanning several steps, as `up` of
+        # environments with MIG instances to make: both halves under one hold). The pid makes
+        # a forked child, which inherits the dict, and the thread another thread, take the
+        # lock for itself.
+        yield
+        return
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / "lock"
     fd = _acquire(path, time.monotonic() + timeout, on_wait)
+    _HELD[key] = me
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
+        del _HELD[key]
         try:
             _tidy(state_dir, path)  # also after a failed, fully rolled back `up`
         finally:
             os.close(fd)
+
+
+# state directory -> the (pid, thread) holding its lock through global_lock (see there).
+_HELD: dict[str, tuple[int, int]] = {}
 
 
 def _tidy(state_dir: Path, lock: Path) -> None:

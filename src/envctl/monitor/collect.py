@@ -99,6 +99,7 @@ class Snapshot:
     health: dict[str, dict[str, Any]] = field(default_factory=dict)
     # GPU UUID -> why it is quarantined (the ledger, envctl.engine.quarantine), read each tick.
     quarantined: dict[str, str] = field(default_factory=dict)
+    gpus_paused: bool = False  # GPU sampling paused by the operator: no GPU sampled, NVML shut
 
 
 # ---------------------------------------------------------------- reading files
@@ -375,13 +376,26 @@ class Sampler:
         kwargs.setdefault("sys_class_net", host.sys / "class" / "net")
 
         return cls(state_dir=host.state_dir, run_dir=host.run_dir, boot_id=host.boot_id,
-                   cgroups=host.cgroups, nvml=NvmlKeeper(host.gpu_root, say=say),
+                   cgroups=host.cgroups,
+                   nvml=NvmlKeeper(host.gpu_root, say=say, run_dir=host.run_dir),
                    proc=host.proc, **kwargs)
 
     def close(self) -> None:
         if self.nvml is not None:
             self.nvml.close()
             self.nvml = None
+
+    @property
+    def pausable(self) -> bool:
+        """Whether GPU sampling can be paused by the operator (monitor/nvmlkeep.py): the
+        monitor then looks for the mark between ticks too."""
+        return bool(getattr(self.nvml, "pausable", False))
+
+    def poll_pause(self) -> None:
+        """Between ticks: let NVML go at once when the operator paused GPU sampling."""
+        poll = getattr(self.nvml, "poll_pause", None)
+        if poll is not None:
+            poll()
 
     # -- environments that are up
     def _journals(self) -> dict[str, tuple]:
@@ -578,15 +592,17 @@ class Sampler:
         gpus: list[GpuSample] = []
         migs: list[MigSample] = []
         gpu_env = {u: s.env for s in envs for u in s.gpus}
+        paused = False
         if self.nvml is not None:
             gpus = self.nvml.sample(frozenset(gpu_env))
             migs = getattr(self.nvml, "migs", None) or []
             problems += self.nvml.problems
+            paused = getattr(self.nvml, "paused", None) is not None
             self._attribute(envs, gpus, migs)
         elif self.nvml_problem:
             problems.append(self.nvml_problem)
         snap = Snapshot(time=time.time(), envs=envs, gpus=gpus, gpu_env=gpu_env, migs=migs,
-                        problems=problems, configured=self.configured())
+                        problems=problems, configured=self.configured(), gpus_paused=paused)
         if self.host_stats:
             snap.host_cpu_percent = self._psutil.cpu_percent(None)
             vm = self._psutil.virtual_memory()

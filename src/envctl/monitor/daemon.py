@@ -179,6 +179,12 @@ class Monitor:
         notifier = self.notifier or Notifier()
         ready = False
         pinged = 0.0
+        polled = time.monotonic()
+        # GPU sampling paused by the operator (`envctl maintenance --gpus on`) lets NVML go
+        # within PAUSE_POLL between ticks, not only at the next tick (30 s by default).
+        from envctl.monitor.nvmlkeep import PAUSE_POLL
+
+        pausable = self.sampler.pausable
         try:
             next_at = time.monotonic()
             while not self.stopping:
@@ -203,6 +209,14 @@ class Monitor:
                         notifier.send("WATCHDOG=1")
                         pinged = now
                     wake_at = min(wake_at, pinged + notifier.watchdog / 2)
+                if pausable:
+                    if now - polled >= PAUSE_POLL:
+                        try:
+                            self.sampler.poll_pause()
+                        except Exception as exc:  # noqa: BLE001 - as a tick's: the loop goes on
+                            self.say(f"monitor: GPU pause check failed: bug: {exc!r}")
+                        polled = now
+                    wake_at = min(wake_at, polled + PAUSE_POLL)
                 if self.server is not None:
                     wake_at = min(wake_at, self.server.next_deadline() or wake_at)
                 for key, events in sel.select(max(0.0, wake_at - now)):

@@ -9,9 +9,14 @@ socket is non-blocking, a TLS handshake is stepped through its WANT_READ/WANT_WR
 request is read up to MAX_REQUEST bytes, the answer is written as the socket accepts it.
 
 What a connection may cost: DEADLINE seconds from accept to its last byte, whatever it sends
-(a byte every few seconds included); at most MAX_CONNECTIONS at a time (a new one closes the
-oldest); at most AUTH_BUDGET of the loop's time each second in bcrypt (a flood of wrong
-passwords gets 429 instead of the loop's time; a credential that passed once is remembered).
+(a byte every few seconds included); at most MAX_CONNECTIONS at a time and MAX_PER_SOURCE from
+one source (an IPv4 address, an IPv6 /64): a source over its share closes its own oldest, a
+full table closes the oldest of the source holding most, so one peer's flood never evicts a
+scraper on another address. bcrypt: at most AUTH_BUDGET of the loop's time each second, and
+AUTH_BUDGET_PER_SOURCE of it for one source (a flood of wrong passwords gets 429 instead of
+the loop's time, and other sources keep their share); a credential that passed once is
+remembered; an unknown user costs the same bcrypt as a known one (a dummy hash of the same
+cost), so user names cannot be told apart by the time a 401 takes.
 
 The body is the exposition the loop built at its last tick (`publish`), served as one whole
 snapshot: a scrape never sees half of one tick and half of the next.
@@ -37,28 +42,48 @@ from envctl.errors import HostError, InputError
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEADLINE = 10.0
 MAX_CONNECTIONS = 64
+MAX_PER_SOURCE = 8  # connections of one source (address, IPv6 /64)
 MAX_REQUEST = 8192
 AUTH_BUDGET = 0.2  # seconds of bcrypt per second of wall time
+AUTH_BUDGET_PER_SOURCE = 0.05  # of it, for one source
 PATHS = ("/metrics", "/")
 
 
 @dataclass
 class Auth:
     """Basic-auth users (name -> bcrypt hash) with a memory of credentials that passed, and a
-    budget on the time spent checking those that did not."""
+    budget on the time spent checking those that did not, in all and per source."""
 
     users: dict[str, bytes]
     budget: float = AUTH_BUDGET
     clock: Callable[[], float] = time.monotonic
+    per_source: float = AUTH_BUDGET_PER_SOURCE
     passed: set[tuple[str, bytes]] = field(default_factory=set)
     window: float = 0.0
     spent: float = 0.0
+    by_source: dict[str, float] = field(default_factory=dict)  # this second's bcrypt time
+    dummy: bytes = b""
 
-    def check(self, header: str | None) -> int:
+    def __post_init__(self) -> None:
+        """The dummy: a hash no password matches, of the highest cost among the users'
+        (`$2b$12$…`: the cost is the number after the second `$`), so that checking it takes
+        as long as checking theirs. Made here, once, not at the first unknown user (whose 401
+        would then take twice as long)."""
+        if self.dummy:
+            return
+        import bcrypt
+
+        costs = [int(p[2]) for h in self.users.values()
+                 if len(p := h.split(b"$")) > 2 and p[2].isdigit()]
+        rounds = min(max(costs or [12]), 31)
+        self.dummy = bcrypt.hashpw(b"envctl: no such user", bcrypt.gensalt(max(4, rounds)))
+
+    def check(self, header: str | None, source: str = "") -> int:
         """200 when `header` (an Authorization value) names a user with its password, 401 when
-        it does not, 429 when this second's bcrypt budget is spent."""
+        it does not, 429 when this second's bcrypt budget (all of it, or `source`'s share) is
+        spent."""
         user, password = _basic(header)
-        if user is None or user not in self.users:
+        if user is None:
             return 401
         key = (user, hashlib.sha256(password).digest())
         if key in self.passed:
@@ -66,18 +91,40 @@ class Auth:
         now = self.clock()
         if now - self.window >= 1.0:
             self.window, self.spent = now, 0.0
-        if self.spent >= self.budget:
+            self.by_source.clear()
+        if self.spent >= self.budget or self.by_source.get(source, 0.0) >= self.per_source:
             return 429
         import bcrypt
 
+        known = user in self.users
         try:
-            ok = bcrypt.checkpw(password, self.users[user])
+            # An unknown user is checked against the dummy: its 401 takes a known one's time.
+            ok = bcrypt.checkpw(password, self.users[user] if known else self.dummy)
         except ValueError:  # a hash the config check let through but bcrypt cannot read
             ok = False
-        self.spent += self.clock() - now
-        if ok:
+        spent = self.clock() - now
+        self.spent += spent
+        self.by_source[source] = self.by_source.get(source, 0.0) + spent
+        if ok and known:
             self.passed.add(key)
-        return 200 if ok else 401
+            return 200
+        return 401
+
+
+def source_of(addr: tuple) -> str:
+    """Whose connection this is, for the per-source limits: the IPv4 address, an IPv6
+    address's /64 (one host holds a whole /64), an IPv4-mapped IPv6 address as IPv4."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(str(addr[0]).split("%", 1)[0])
+    except (ValueError, IndexError):
+        return str(addr)
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def _basic(header: str | None) -> tuple[str | None, bytes]:
@@ -97,9 +144,10 @@ def _basic(header: str | None) -> tuple[str | None, bytes]:
 class _Conn:
     """One client: handshake (TLS) -> read the request -> write the answer -> closed."""
 
-    def __init__(self, sock: socket.socket, deadline: float, tls: bool):
+    def __init__(self, sock: socket.socket, deadline: float, tls: bool, source: str = ""):
         self.sock = sock
         self.deadline = deadline
+        self.source = source
         self.state = "handshake" if tls else "read"
         self.inbuf = b""
         self.out = memoryview(b"")
@@ -125,12 +173,14 @@ class MetricsServer:
     def __init__(self, addr: tuple[str, int], *, tls: ssl.SSLContext | None = None,
                  auth: Auth | None = None, deadline: float = DEADLINE,
                  max_connections: int = MAX_CONNECTIONS,
+                 max_per_source: int = MAX_PER_SOURCE,
                  clock: Callable[[], float] = time.monotonic):
         family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         self.tls = tls
         self.auth = auth
         self.deadline = deadline
         self.max_connections = max_connections
+        self.max_per_source = max_per_source
         self.clock = clock
         self.body = b""
         self._gzipped: bytes | None = None
@@ -185,15 +235,17 @@ class MetricsServer:
     def _accept(self, events: int) -> None:
         for _ in range(self.max_connections):  # then back to the loop: a flood waits its turn
             try:
-                sock, _ = self.sock.accept()
+                sock, addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # EMFILE, ECONNABORTED: this client, not the monitor
                 if exc.errno in (errno.EMFILE, errno.ENFILE) and self.conns:
-                    self._close(next(iter(self.conns.values())))
+                    self._close(self._victim(None))
                 return
-            if len(self.conns) >= self.max_connections:
-                self._close(next(iter(self.conns.values())))  # the oldest makes room
+            source = source_of(addr)
+            if len(self.conns) >= self.max_connections or sum(
+                    c.source == source for c in self.conns.values()) >= self.max_per_source:
+                self._close(self._victim(source))
             sock.setblocking(False)
             if self.tls is not None:
                 try:
@@ -202,12 +254,23 @@ class MetricsServer:
                 except (OSError, ssl.SSLError):
                     sock.close()
                     continue
-            conn = _Conn(sock, self.clock() + self.deadline, self.tls is not None)
+            conn = _Conn(sock, self.clock() + self.deadline, self.tls is not None, source)
             self.conns[sock.fileno()] = conn
             assert self.selector is not None
             self.selector.register(sock, selectors.EVENT_READ,
                                    lambda ev, c=conn: self._step(c))
             self._step(conn)
+
+    def _victim(self, source: str | None) -> _Conn:
+        """The connection to close for a new one from `source`: `source`'s own oldest when it
+        holds its share already, else the oldest of the source holding the most (a flood
+        evicts itself, never a scraper on another address)."""
+        held: dict[str, int] = {}
+        for c in self.conns.values():
+            held[c.source] = held.get(c.source, 0) + 1
+        if source is None or held.get(source, 0) < self.max_per_source:
+            source = max(held, key=lambda s: held[s])  # dicts keep order: ties go to the first
+        return next(c for c in self.conns.values() if c.source == source)  # its oldest
 
     def _step(self, conn: _Conn) -> None:
         try:
@@ -246,9 +309,9 @@ class MetricsServer:
             if len(conn.inbuf) > MAX_REQUEST:
                 self._answer(conn, 431, b"request header too large\n")
                 return
-        self._answer(conn, *self._respond(conn.inbuf.split(b"\r\n\r\n", 1)[0]))
+        self._answer(conn, *self._respond(conn.inbuf.split(b"\r\n\r\n", 1)[0], conn.source))
 
-    def _respond(self, head: bytes) -> tuple[int, bytes, dict[str, str], bool]:
+    def _respond(self, head: bytes, source: str = "") -> tuple[int, bytes, dict[str, str], bool]:
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -262,7 +325,7 @@ class MetricsServer:
         if method not in ("GET", "HEAD"):
             return 405, b"only GET and HEAD\n", {"Allow": "GET, HEAD"}, False
         if self.auth is not None:
-            code = self.auth.check(headers.get("authorization"))
+            code = self.auth.check(headers.get("authorization"), source)
             if code == 401:
                 return 401, b"unauthorized\n", {"WWW-Authenticate": 'Basic realm="envctl"'}, \
                     method == "HEAD"

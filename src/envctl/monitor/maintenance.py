@@ -5,6 +5,10 @@ The monitor still checks and reports an environment in maintenance (its drift is
 metrics exported); it only does not heal it. The mark is independent of `up` and `down` (an
 operator takes the environment down, fixes it, brings it up, then turns maintenance off) and,
 in the run directory, lasts until the next boot: after a reboot, healing is back on.
+
+`<run>/maintenance.d/@gpus` (`envctl maintenance --gpus on|off`, the same JSON) pauses the
+monitor's GPU sampling instead: it shuts NVML down and holds no GPU node until the mark goes
+(monitor/nvmlkeep.py), for `nvidia-smi -r`, a MIG mode change or a driver reload.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 from envctl.errors import HostError
 
 DIR = "maintenance.d"  # a dot: never the name of an environment (whose run dirs are beside it)
+GPUS = "@gpus"  # the GPU sampling pause: `@` is in no environment's name
 
 
 def path(run_dir: Path, env: str) -> Path:

@@ -371,6 +371,9 @@ class SnapshotCollector:
                                 "took (sampling and export).", value=self.tick_cpu_seconds)
         yield GaugeMetricFamily("envctl_monitor_last_tick_timestamp_seconds", "When the last "
                                 "tick sampled the host (Unix time).", value=snap.time)
+        yield GaugeMetricFamily("envctl_monitor_gpu_sampling_paused", "1 while the operator "
+                                "paused GPU sampling (envctl maintenance --gpus on): NVML shut "
+                                "down, no GPU series.", value=1 if snap.gpus_paused else 0)
 
 
 # ---------------------------------------------------------------- --compat

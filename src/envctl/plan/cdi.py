@@ -11,7 +11,8 @@ device node), as the reference library's MinimumRequiredVersion picks: Debian 12
 
 Devices: one per environment holding GPUs (named after it: everything it holds), and one per
 MIG instance it holds (named by its MIG UUID: the parent's nvidiaN plus the instance's GPU and
-compute instance access nodes, never the MIG config or monitor capability). Only what an
+compute instance access nodes, never the MIG config or monitor capability; with the mode and
+group its holder's /dev gives them, as the environment's device has them). Only what an
 environment holds is listed: a device no environment holds is not handed out.
 
 As `nvidia-ctk cdi generate` does: NVIDIA_VISIBLE_DEVICES=void (the NVIDIA runtime hook must
@@ -48,6 +49,8 @@ KIND_NAME = re.compile(r"[A-Za-z](?:[A-Za-z0-9_.-]*[A-Za-z0-9])?/[A-Za-z](?:[A-Z
                        r"[A-Za-z0-9])?")
 _SYMLINK_DEPTH = 40  # as the kernel's limit on nested symlinks (ELOOP)
 HOOK_NAME = "nvidia-cdi-hook"  # argv[0] of nvidia-ctk's hooks
+# The nodes every GPU needs, in the common edits (and in each device with its holder's group).
+SHARED_PATHS = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 
 def cdi_spec(envs: Mapping[str, Sequence[str]], gpu: GpuHostFacts,
@@ -97,12 +100,18 @@ def cdi_spec(envs: Mapping[str, Sequence[str]], gpu: GpuHostFacts,
             "env": [f"CUDA_VISIBLE_DEVICES={visible}"],
             "deviceNodes": listed,
         }})
+        held = {n["path"]: n for n in listed} if own else {}
         for u in uuids:
             if u in migs and migs[u][1].gi_minor is not None and migs[u][1].ci_minor is not None:
+                # As its holder's /dev has them (mode and group), with the shared nodes too:
+                # the common edits' (root's group) would leave a container of the instance
+                # alone unable to open what the environment's group opens.
+                inst = [held.get(n["path"], n)
+                        for n in _nodes_of(u, by_uuid, migs, gpu, major, dev_root)]
+                inst += [held[p] for p in SHARED_PATHS if p in held]
                 # CUDA_VISIBLE_DEVICES is left to the container: with two instances' devices
                 # the runtime would have to pick one value of it.
-                instances.append({"name": u, "containerEdits": {
-                    "deviceNodes": _nodes_of(u, by_uuid, migs, gpu, major, dev_root)}})
+                instances.append({"name": u, "containerEdits": {"deviceNodes": inst}})
     devices += sorted(instances, key=lambda d: d["name"])
     common: dict[str, Any] = {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}
     shared = [_node("nvidiactl", major, CTL_MINOR, dev_root)]

@@ -54,6 +54,10 @@ class Directory(Resource):
         found = _directory(self._path(host))
         if isinstance(found, Check):
             return found
+        if self.base == "host":
+            # An operator's data path: its mode is the operator's (a shared 1777 scratch
+            # directory stays 1777); envctl sets `mode` only on a directory it makes.
+            return Check.present()
         want, have = {"mode": oct(self.mode)}, {"mode": oct(found)}
         if self.owner >= 0:
             st = os.stat(self._path(host), follow_symlinks=False)
@@ -187,8 +191,11 @@ class Directory(Resource):
                 st = os.fstat(fd)
                 if not stat.S_ISDIR(st.st_mode):
                     raise FileExistsError(errno.EEXIST, "exists", str(p))
-                if stat.S_IMODE(st.st_mode) != self.mode:
-                    os.chmod(fd_path(fd), self.mode)  # mkdir's mode is filtered by the umask
+                if missing and stat.S_IMODE(st.st_mode) != self.mode:
+                    # Made now: mkdir's mode is filtered by the umask. One that was there is
+                    # left as it is (an operator's 1777 scratch directory is not envctl's to
+                    # tighten, even for the time it is up).
+                    os.chmod(fd_path(fd), self.mode)
             finally:
                 os.close(fd)
         except NotRootControlled as exc:
