@@ -112,8 +112,8 @@ def fit(head: list[str], blocks: list[tuple[str, list[str]]], height: int, *,
 
 def view(snap: Snapshot, jobs: list[Any] | None = None, *, events: dict[str, Any] | None = None,
          height: int | None = None, states: dict[str, str] | None = None) -> Group:
-    """The renderable of one sample: a row per environment, then the GPUs, their MIG
-    instances, the active jobs and problems for as many lines as `height` (the terminal's;
+    """The renderable of one sample: a row per environment, then the GPUs, the active jobs,
+    the GPUs' MIG instances and problems for as many lines as `height` (the terminal's;
     None: no limit) leaves."""
     room = [height - 1 if height else 1 << 30]  # lines left below the head line
 
@@ -176,6 +176,17 @@ def view(snap: Snapshot, jobs: list[Any] | None = None, *, events: dict[str, Any
         parts.append(gpus)
     if gpus_left:
         parts.append(Text(f"… {gpus_left} more GPUs (envctl gpus)", style="dim"))
+    job_rows, jobs_left = take(jobs[1:]) if jobs else ([], 0)
+    if job_rows:
+        table = Table(title="jobs", title_justify="left", box=None, header_style="bold")
+        for col in jobs[0]:
+            table.add_column(col, no_wrap=True)
+        for r in job_rows:
+            table.add_row(*(escape(c) for c in r))
+        parts.append(table)
+    if jobs_left:
+        parts.append(Text(f"… {jobs_left} more active jobs (envctl jobs)", style="dim"))
+    # After the jobs: 56 instances on an HGX host must not crowd the active jobs out.
     mig_rows, migs_left = take(snap.migs) if snap.migs else ([], 0)
     if mig_rows:
         migs = Table(title="MIG instances", title_justify="left", box=None,
@@ -192,16 +203,6 @@ def view(snap: Snapshot, jobs: list[Any] | None = None, *, events: dict[str, Any
         parts.append(migs)
     if migs_left:
         parts.append(Text(f"… {migs_left} more MIG instances (envctl gpus)", style="dim"))
-    job_rows, jobs_left = take(jobs[1:]) if jobs else ([], 0)
-    if job_rows:
-        table = Table(title="jobs", title_justify="left", box=None, header_style="bold")
-        for col in jobs[0]:
-            table.add_column(col, no_wrap=True)
-        for r in job_rows:
-            table.add_row(*(escape(c) for c in r))
-        parts.append(table)
-    if jobs_left:
-        parts.append(Text(f"… {jobs_left} more active jobs (envctl jobs)", style="dim"))
     problems, problems_left = take(snap.problems, table=False)
     for line in problems:
         parts.append(Text(f"! {line}", style="yellow"))
