@@ -240,3 +240,25 @@ def test_listing_needs_no_privileged_call(tmp_path, fake_nvml, monkeypatch):
     assert {m.uuid: m.profile for m in snap.migs} == {small: "1g.18gb", big: "3g.71gb"}
     assert snap.problems == []
     s.close()
+
+
+def test_compat_dcgm_gives_the_instances_dcgm_exporters_names_and_labels(tmp_path, fake_nvml,
+                                                                         monkeypatch):
+    fh, (small, big), gis = _mig_host(tmp_path, monkeypatch)
+    s = fh.sampler(nvml=NvmlSession(fake_nvml), host_stats=False)
+    s.tick()
+    snap = s.tick()
+    s.close()
+    m = _exposition(snap, compat={"dcgm"})
+    used = m["DCGM_FI_DEV_FB_USED"]
+    # The whole GPUs' samples and the instances' in one family, as dcgm-exporter writes them.
+    assert sorted(lab["gpu"] for lab, _ in used if "GPU_I_ID" not in lab) == ["0", "1"]
+    mine = {lab["GPU_I_ID"]: (lab, v) for lab, v in used if "GPU_I_ID" in lab}
+    lab, value = mine[str(gis[1]["id"])]
+    assert value == 3 * 1024 and (lab["gpu"], lab["UUID"], lab["GPU_I_PROFILE"],
+                                  lab["environment"]) == ("1", gpu_uuid(1), "3g.71gb", "env1")
+    active = {lab["GPU_I_ID"]: v for lab, v in m["DCGM_FI_PROF_GR_ENGINE_ACTIVE"]}
+    assert active == {str(gis[1]["id"]): 0.625, str(gis[0]["id"]): 0.0}
+    assert {lab["GPU_I_ID"]: v for lab, v in m["DCGM_FI_PROF_SM_ACTIVE"]}[
+        str(gis[1]["id"])] == 0.4
+    assert "DCGM_FI_PROF_GR_ENGINE_ACTIVE" not in _exposition(snap)  # only when asked

@@ -440,6 +440,8 @@ def _dcgm(snap: Snapshot, hostname: str) -> Iterator[Metric]:
             value = getattr(g, attr)
             if value is not None:
                 fam.add_metric(labels[g.uuid], value / scale if scale != 1 else value)
+        if name in _DCGM_MIG:
+            _add_migs(fam, snap, hostname, *_DCGM_MIG[name])
         yield fam
     for name, doc, key in _DCGM_ECC:
         fam = GaugeMetricFamily(name, doc, labels=DCGM_LABELS)
@@ -447,6 +449,45 @@ def _dcgm(snap: Snapshot, hostname: str) -> Iterator[Metric]:
             if key in g.ecc:
                 fam.add_metric(labels[g.uuid], g.ecc[key])
         yield fam
+    yield from _dcgm_prof(snap, hostname)
+
+
+# A MIG instance's series under dcgm-exporter's names: name -> (MigSample attribute,
+# divisor). Memory in MiB, as its whole GPUs'; GR_ENGINE_ACTIVE and SM_ACTIVE are ratios.
+_DCGM_MIG = {"DCGM_FI_DEV_FB_TOTAL": ("fb_total", MIB), "DCGM_FI_DEV_FB_USED": ("fb_used", MIB),
+             "DCGM_FI_DEV_FB_FREE": ("fb_free", MIB)}
+_DCGM_PROF = (("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "Ratio of time the graphics engine is active.",
+               "util", 100),
+              ("DCGM_FI_PROF_SM_ACTIVE", "The ratio of cycles an SM has at least 1 warp "
+               "assigned.", "sm_util", 100))
+
+
+def _add_migs(fam: Metric, snap: Snapshot, hostname: str, attr: str, scale: int) -> None:
+    """The MIG instances' samples into `fam`, labelled as dcgm-exporter labels an instance:
+    its parent's `gpu`, `UUID`, `pci_bus_id`, `device`, `modelName`, plus GPU_I_PROFILE and
+    GPU_I_ID (a family may hold samples of both label sets, as dcgm-exporter's do)."""
+    from prometheus_client.samples import Sample
+
+    parents = {g.index: g for g in snap.gpus}
+    for m in snap.migs:
+        value, g = getattr(m, attr), parents.get(m.parent)
+        if value is None or g is None:
+            continue
+        lab = dict(zip(DCGM_LABELS, [str(g.index), g.uuid, g.pci_bus_id, f"nvidia{g.minor}",
+                                     g.name, hostname, snap.gpu_env.get(m.uuid, "")],
+                       strict=True))
+        lab.update(GPU_I_PROFILE=m.profile, GPU_I_ID=str(m.gi))
+        fam.samples.append(Sample(fam.name, lab, value / scale))
+
+
+def _dcgm_prof(snap: Snapshot, hostname: str) -> Iterator[Metric]:
+    """GPM's activity of the MIG instances under dcgm-exporter's profiling names (envctl
+    has no such value of a whole GPU)."""
+    for name, doc, attr, scale in _DCGM_PROF:
+        fam = GaugeMetricFamily(name, doc)
+        _add_migs(fam, snap, hostname, attr, scale)
+        if fam.samples:
+            yield fam
 
 
 def _cadvisor(snap: Snapshot) -> Iterator[Metric]:
