@@ -262,3 +262,13 @@ def test_compat_dcgm_gives_the_instances_dcgm_exporters_names_and_labels(tmp_pat
     assert {lab["GPU_I_ID"]: v for lab, v in m["DCGM_FI_PROF_SM_ACTIVE"]}[
         str(gis[1]["id"])] == 0.4
     assert "DCGM_FI_PROF_GR_ENGINE_ACTIVE" not in _exposition(snap)  # only when asked
+
+
+def test_listing_again_leaves_no_gap_in_utilisation(tmp_path, fake_nvml, monkeypatch):
+    fh, (small, big), gis = _mig_host(tmp_path, monkeypatch)
+    s = fh.sampler(nvml=NvmlSession(fake_nvml), host_stats=False)
+    s.tick()
+    utils = [{m.uuid: m.util for m in s.tick().migs}[big] for _ in range(REDISCOVER_TICKS + 2)]
+    assert utils == [62.5] * (REDISCOVER_TICKS + 2)
+    s.close()
+    assert fake_nvml.gpm["alloc"] == fake_nvml.gpm["free"] == 4

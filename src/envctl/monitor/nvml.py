@@ -283,8 +283,8 @@ class NvmlSession:
         from envctl.host.gpus import profile_infos
 
         nv = self.nv
-        self._free_gpm()
         self._mig_stale, self._mig_ticks = False, 0
+        gpm: dict[tuple[int, int], list[Any]] = {}
         migs: list[MigSample] = []
         handles: list[tuple[int, Any]] = []
         for i, g in enumerate(self.gpus):
@@ -321,15 +321,20 @@ class NvmlSession:
             except nv.NVMLError as exc:
                 if exc.value in SESSION_ERRORS:
                     self.broken = self.broken or str(exc)
+                    self._gpm.update(gpm)  # freed by close(), as the keeper closes it now
                     return
-                problem = f"GPU {i}: MIG instances not sampled: NVML: {exc}"
+                problem = f"GPU {g.index}: MIG instances not sampled: NVML: {exc}"
                 if problem not in self.problems:
                     self.problems.append(problem)
                 continue
             if self._gpm_supported(i):
                 for gi in {m.gi for m, (pos, _) in zip(migs, handles, strict=True)
                            if pos == i}:
-                    self._gpm[(i, gi)] = [None, None, False]
+                    # A GPU instance listed again keeps its last sample: no gap in its
+                    # utilisation at each listing.
+                    gpm[(i, gi)] = self._gpm.pop((i, gi), None) or [None, None, False]
+        self._free_gpm()  # those of GPU instances that are gone
+        self._gpm = gpm
         self.migs, self._mig_handles = migs, handles
 
     def _gpm_supported(self, i: int) -> bool:
