@@ -11,7 +11,9 @@ rows, the textfile (exposition, temporary file, rename) and the /metrics snapsho
 
 `--mig` makes it the HGX H200 host of bench/gpus.py: MIG on for every GPU with seven 1g.18gb
 instances each (56, as tests/fakes/gpuhost.py lays them out), the environments holding
-instances rather than whole GPUs (environment i the instances of GPU i mod GPUs).
+instances rather than whole GPUs (environment i the instances of GPU i mod GPUs), each instance
+sampled through its MIG handle (memory, processes) and GPM (utilisation), the GPUs' processes
+running in their instances.
 
 Prints the CPU time of a tick (process time: median, p95, max) and split into sampling and
 export, and RSS at the start, after 1,000 ticks and at the end (the cyclic GC on, as in the
@@ -54,11 +56,16 @@ def with_mig(fh: object) -> int:
     count = 0
     for g, gpu in enumerate(doc["gpus"]):
         gis = gpuhost.layout("H200", ["1g.18gb"] * 7)
-        for gi in gis:
+        for n, gi in enumerate(gis):
             gi["cis"] = [{**ci, "uuid": gpuhost.mig_uuid(g, gi["id"], ci["id"])}
                          for ci in gi["cis"]]
+            # The GPU's processes run in its instances (one each, from the first), which
+            # say their memory and GPM activity.
+            procs = gpu["processes"][n:n + 1]
+            gi.update(used=sum(p[1] or 0 for p in procs), processes=procs,
+                      gpm={"graphics": 10.0 * n, "sm": 5.0 * n})
         gpu.update(mig=True, mig_pending=True, mig_profiles=gpuhost.profiles("H200"),
-                   gpu_instances=gis)
+                   gpu_instances=gis, gpm=True)
         count += len(gis)
     fh.nvml_json.write_text(json.dumps(doc))  # type: ignore[attr-defined]
     migs = {gpu["uuid"]: [ci["uuid"] for gi in gpu["gpu_instances"] for ci in gi["cis"]]
@@ -113,6 +120,7 @@ def main() -> None:
             if n == 999:
                 rss_1000 = rss_kib()
         rss_end = rss_kib()
+        migs = len(sampler.tick().migs)
         mon.close()
         ms = sorted(x * 1000 for x in totals)
         sm = statistics.median(samples) * 1000
@@ -124,7 +132,8 @@ def main() -> None:
               f"max {ms[-1]:.2f} ms (target <= 20 ms)")
         print(f"  of which sampling alone: median {sm:.2f} ms; export: "
               f"{statistics.median(ms) - sm:.2f} ms")
-        print(f"  NVML initialised {nvml.calls['init']} time(s)")
+        print(f"  NVML initialised {nvml.calls['init']} time(s)"
+              + (f"; MIG instances sampled: {migs}" if args.mig else ""))
         print(f"  RSS: {rss0} KiB after warm-up, {rss_1000} KiB after 1,000 ticks, {rss_end} "
               f"KiB after {args.ticks} (growth {rss_end - (rss_1000 or rss0)} KiB after the "
               f"first 1,000)")

@@ -382,7 +382,7 @@ def gpus(
             print(f"cleared {detail.removesuffix(' released by the operator')}: it may be "
                   "assigned again")
         return
-    found = ops_gpus.survey(host, root)
+    found = ops_gpus.survey(host, root, libraries=cdi)  # the libraries: CDI's only
     report = ops_gpus.gpu_report(host, root, found=found)
     written = None
     if cdi:
@@ -390,46 +390,67 @@ def gpus(
     if json_:
         _emit_json({**report, "cdi": str(written) if written else None})
         return
-    _render_gpus(_console(), report)
+    _render_gpus(report)
     if written:
         print(f"wrote {written}")
 
 
-def _render_gpus(console: Any, report: dict[str, Any]) -> None:
-    from rich.markup import escape
-
+def _render_gpus(report: dict[str, Any]) -> None:
+    """The table, written without rich: `gpus` is run often, and rich's console is ~20 ms of
+    its start. Colours (dim, red, yellow) only on a terminal, as rich decides (NO_COLOR,
+    FORCE_COLOR, TERM=dumb); a value is printed as it is (no markup to escape)."""
     from envctl.spec.units import format_size
 
+    colour = _colour(sys.stdout)
+
+    def paint(text: str, code: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if colour else text
+
+    out: list[str] = []
     driver = report["driver"]
     if not report["gpus"]:
         state = (f"driver {driver} is loaded but shows no GPU" if driver
                  else "no NVIDIA driver is loaded")
-        console.print(f"no NVIDIA GPU found ({state})")
+        out.append(f"no NVIDIA GPU found ({state})")
     else:
-        console.print(f"driver {driver or 'unknown'}  [dim](GPUs from {report['source']})[/]")
-        console.print(f"  {'GPU':<4} {'UUID':<41} {'NAME':<26} {'MEMORY':>7} {'MIG':<4} "
-                      f"{'PCI':<13} ENVIRONMENT")
+        out.append(f"driver {driver or 'unknown'}  " + paint(f"(GPUs from {report['source']})",
+                                                             "2"))
+        out.append(f"  {'GPU':<4} {'UUID':<41} {'NAME':<26} {'MEMORY':>7} {'MIG':<4} "
+                   f"{'PCI':<13} ENVIRONMENT")
         for g in report["gpus"]:
             memory = format_size(g["memory"]) if g["memory"] else "-"
-            console.print(f"  {g['index']:<4} {escape(g['uuid'] or '?'):<41} "
-                          f"{escape(g['name']):<26} {memory:>7} {'on' if g['mig'] else 'off':<4} "
-                          f"{g['pci']:<13} {escape(g['env'] or '-')}")
+            out.append(f"  {g['index']:<4} {g['uuid'] or '?':<41} {g['name']:<26} {memory:>7} "
+                       f"{'on' if g['mig'] else 'off':<4} {g['pci']:<13} {g['env'] or '-'}")
             if h := g.get("health"):
                 state = "QUARANTINED" if h["quarantined"] else "unfit (recorded at the next up)"
                 why = "; ".join(h["evidence"] + h["found_now"])
-                console.print(f"  {'':<4} [red]{state}: {escape(why)}[/]")
+                out.append(f"  {'':<4} " + paint(f"{state}: {why}", "31"))
             if g["mig"] != g["mig_pending"]:
-                console.print(f"  {'':<4} [yellow]MIG mode {'on' if g['mig_pending'] else 'off'}"
-                              " after the next GPU reset[/]")
+                out.append(f"  {'':<4} " + paint(f"MIG mode {'on' if g['mig_pending'] else 'off'}"
+                                                 " after the next GPU reset", "33"))
             for m in g["instances"]:
                 size = format_size(m["memory"]) if m["memory"] else "-"
                 start, count = m["placement"]["start"], m["placement"]["size"]
-                console.print(f"  {'':<4} └ {escape(m['uuid']):<41} "
-                              f"{escape(m['profile'] or '?'):<11} GI {m['gi']:<2} CI {m['ci']} "
-                              f"slots {start}-{start + count - 1:<3} {size:>7} "
-                              f"{escape(m['env'] or '-')}")
+                out.append(f"  {'':<4} └ {m['uuid']:<41} {m['profile'] or '?':<11} GI "
+                           f"{m['gi']:<2} CI {m['ci']} slots {start}-{start + count - 1:<3} "
+                           f"{size:>7} {m['env'] or '-'}")
     for line in report["problems"] + report["warnings"]:
-        console.print(f"  [yellow]! {escape(line)}[/]")
+        out.append("  " + paint(f"! {line}", "33"))
+    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.flush()
+
+
+def _colour(stream: Any) -> bool:
+    """Whether rich would colour `stream`: FORCE_COLOR set (non-empty) forces it, NO_COLOR
+    (non-empty) or TERM=dumb/unknown turn it off, else a terminal gets colours."""
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM", "") in ("dumb", "unknown"):
+        return False
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 @app.command("exec")

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from envctl.engine.journal import Journal
 from envctl.errors import ForeignObject, HostError, StateCorrupt, UsageError
 from envctl.facts import GpuHostFacts
 from envctl.host.facts import read_gpus
@@ -57,22 +56,28 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def survey(host: Host, root: Path) -> GpuSurvey:
+def survey(host: Host, root: Path, *, libraries: bool = True) -> GpuSurvey:
     """Discover the GPUs under `root` (NVML as ENVCTL_NVML says) and read every journal's GPU
     claim. An environment holds the GPUs of its claim while its journal has entries: claims
-    go with the last entry, and entries of another boot are dropped when it is opened."""
-    facts = read_gpus(root)
+    go with the last entry, and entries of another boot are dropped when it is opened.
+    `libraries`: also find the driver's libraries (ld.so.cache, ELF headers), which only the
+    CDI spec needs."""
+    facts = read_gpus(root, libraries=libraries)
     out = GpuSurvey(facts)
     by_index = {g.index: g.uuid for g in facts.gpus}
     known = set(by_index.values()) | set(facts.migs())
-    for env in Journal.environments(host.state_dir):
+    # The journals as the monitor reads them (runtime.context), not through Journal.open:
+    # rebuilding every entry imports the engine and each resource kind (~12 ms of `gpus`).
+    from envctl.runtime.context import journal_names, read_journal_meta
+
+    for env in journal_names(host.state_dir):
         try:
-            journal = Journal.open(host.state_dir, env, boot=host.boot_id)
+            found, meta = read_journal_meta(host.state_dir, env, host.boot_id)
         except (StateCorrupt, UsageError) as exc:
             out.warnings.append(f"journal of '{env}' not read: {exc}")
             continue
-        claim = journal.claims.get("gpus")
-        if not journal.entries or not isinstance(claim, dict):
+        claim = (meta.get("claims") or {}).get("gpus")
+        if not found or not isinstance(claim, dict):  # no entry left in this boot
             continue
         uuids = [u for u in claim.get("uuids") or [] if isinstance(u, str)]
         if not uuids:
@@ -87,10 +92,9 @@ def survey(host: Host, root: Path) -> GpuSurvey:
         held = [u for u in uuids if u in known and u]
         if held:
             out.holders[env] = held
-            if journal.meta.get("down"):
+            if meta.get("down"):
                 out.leaving.add(env)
-            dev = next((e.resource for e in journal.entries
-                        if e.resource.get("kind") == "env-dev"), None)
+            dev = found.get("env-dev")
             if dev is not None:
                 out.nodes[env] = [tuple(n) for n in dev.get("nodes", [])]
     return out
@@ -148,6 +152,8 @@ def gpu_report(host: Host, root: Path, *, found: GpuSurvey | None = None) -> dic
 
 def holds_gpus(host: Host) -> bool:
     """Whether any journal claims GPUs (without looking at the GPUs: NVML is slow to load)."""
+    from envctl.engine.journal import Journal
+
     for env in Journal.environments(host.state_dir):
         try:
             journal = Journal.open(host.state_dir, env, boot=host.boot_id)

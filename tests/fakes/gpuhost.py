@@ -233,6 +233,7 @@ def make_host(root: Path, *, gpus: int = 8, model: str = "H200", numa: int = 2,
                        "memory": spec["memory"], "mig": mig, "mig_pending": mig,
                        "pci": f"{int(domain, 16):08X}:{rest.upper()}",
                        "mig_profiles": profiles(model), "gpu_instances": gis,
+                       "gpm": True,  # Hopper: GPM, per MIG instance too
                        # NVML's view of where it sits: the same as sysfs's, as on a sound BIOS.
                        "cpu_affinity": list(range(node * per_node, (node + 1) * per_node)),
                        "memory_affinity": [node]})

@@ -205,6 +205,16 @@ def test_gpus_bench_smoke():
     assert out.count("(target <= 150 ms)") == 2 and "above --version" in out, out
 
 
+@pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("ldconfig") is None,
+                    reason="the fake GPU host's driver libraries need gcc and ldconfig")
+def test_mig_up_smoke():
+    out = smoke("mig_up")
+    assert "seven 1g.18gb MIG instances" in out and "the first up made 15 NVML writes" in out, out
+    for label in ("envctl up:", "envctl up again (no-op):", "envctl down:"):
+        line = next((x for x in out.splitlines() if x.startswith(label)), None)
+        assert line is not None and re.search(r"wall \d+ ms, CPU \d+ ms$", line), out
+
+
 def test_monitor_tick_with_mig_smoke():
     res = subprocess.run([sys.executable, str(REPO / "bench" / "monitor_tick.py"), "--mig",
                           "--ticks", "20"], capture_output=True, text=True, timeout=600,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -327,5 +328,52 @@ def test_an_instance_made_by_someone_else_between_plan_and_apply_is_refused_not_
     assert gpus_of(env) == before  # not adopted, not destroyed; MIG mode on, as found
     assert sb.envctl("down", "mig-a", env=env).returncode == 0
     assert gpus_of(env) == before
+    (sb.config_dir / "mig-a.yaml").unlink()
+    assert sb.residue() == {}
+
+
+def test_the_monitor_samples_each_instance_and_gives_its_processes_to_the_holder(h200,
+                                                                                 tmp_path):
+    """`monitor --once` on the fake host: one series set per MIG instance, labelled as
+    dcgm-exporter labels it (parent `gpu`/`UUID`, GPU_I_ID, GPU_I_PROFILE) and with its
+    holder; a process of the environment's cgroup on an instance counts as the environment's
+    GPU memory under the instance; one CSV row per instance."""
+    from envctl.monitor.prom import parse_exposition
+    from tests.integration.test_gpu_env import env_cgroup
+
+    sb, env = h200
+    sb.write_spec("mig-a", gpu_spec("mig-a", LAYOUT))
+    assert sb.envctl("up", "mig-a", env=env).returncode == 0
+    sleeper = subprocess.Popen(["sleep", "1000"])
+    try:
+        (env_cgroup(sb, "mig-a") / "cgroup.procs").write_text(str(sleeper.pid))
+        state = nvml_state(env)
+        gis = sorted(state["gpus"][0]["gpu_instances"], key=lambda g: g["id"])
+        big = next(gi for gi in gis if gi["size"] == 4)  # the 3g.71gb one
+        big.update(used=5 << 30, processes=[[sleeper.pid, 5 << 30]])
+        Path(env["FAKE_NVML_JSON"]).write_text(json.dumps(state))
+        res = sb.envctl("monitor", "--once", "--csv-dir", str(tmp_path / "csv"), env=env)
+        assert res.returncode == 0, res.stderr
+        m = parse_exposition(res.stdout)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    used = {lab["mig_uuid"]: (lab, v) for lab, v in m["envctl_mig_memory_used_bytes"]}
+    assert sorted(used) == sorted(gi["cis"][0]["uuid"] for gi in gis)
+    lab, value = used[big["cis"][0]["uuid"]]
+    assert value == 5 << 30
+    assert (lab["gpu"], lab["UUID"], lab["GPU_I_ID"], lab["GPU_I_PROFILE"],
+            lab["envctl_environment"]) == ("0", state["gpus"][0]["uuid"], str(big["id"]),
+                                           "3g.71gb", "mig-a")
+    # One tick: GPM has one sample, no activity between two yet.
+    assert "envctl_mig_graphics_utilization_ratio" not in m
+    mine = [(lab["mig_uuid"], v) for lab, v in m["envctl_environment_gpu_memory_used_bytes"]
+            if lab["envctl_environment"] == "mig-a"]
+    assert mine == [(big["cis"][0]["uuid"], 5 << 30)]
+    rows = (tmp_path / "csv" / "gpu-metrics.csv").read_text().splitlines()
+    mig_rows = [r.split(",") for r in rows if "/GI" in r]
+    assert sorted(r[1] for r in mig_rows) == sorted(f"GPU0/GI{gi['id']}/CI0" for gi in gis)
+    assert all(r[-1] == "mig-a" for r in mig_rows)
+    assert sb.envctl("down", "mig-a", env=env).returncode == 0
     (sb.config_dir / "mig-a.yaml").unlink()
     assert sb.residue() == {}

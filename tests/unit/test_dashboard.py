@@ -17,6 +17,7 @@ import pytest
 from envctl.monitor import prom
 from envctl.monitor.nvml import NvmlSession
 from envctl.runtime import jobs as jb
+from tests.fakes import gpuhost
 from tests.unit.test_monitor import BOOT, fake_host, fake_nvml  # noqa: F401 - a fixture
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "monitoring" / "grafana" / "envctl.json"
@@ -163,6 +164,12 @@ def exported(tmp_path, fake_nvml, monkeypatch) -> dict[str, set[str]]:  # noqa: 
     monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))
     cfg = json.loads(fh.nvml_json.read_text())
     cfg["gpus"][0]["xids"] = [79]
+    # GPU 1 in MIG mode with one instance, with GPM: the MIG panels' series.
+    gis = gpuhost.layout("H200", ["3g.71gb"])
+    gis[0]["cis"][0]["uuid"] = gpuhost.mig_uuid(1, gis[0]["id"], 0)
+    gis[0].update(used=1 << 30, gpm={"graphics": 50.0, "sm": 25.0})
+    cfg["gpus"][1].update(mig=True, mig_profiles=gpuhost.profiles("H200"), gpu_instances=gis,
+                          gpm=True)
     fh.nvml_json.write_text(json.dumps(cfg))
     net = tmp_path / "net"
     (net / "ve-env0" / "statistics").mkdir(parents=True)
@@ -184,6 +191,7 @@ def exported(tmp_path, fake_nvml, monkeypatch) -> dict[str, set[str]]:  # noqa: 
     s.prime()
     for t in s.targets.values():
         t.last_cpu = (t.last_cpu[0] - 1, t.last_cpu[1]) if t.last_cpu else None
+    s.tick()  # GPM: utilisation between two samples
     snap = s.tick()
     s.close()
     snap.health = {"env0": {"state": "up", "drift": 0, "heals": 1, "heal_failures": 0,
@@ -217,7 +225,8 @@ def test_every_query_names_metrics_envctl_exports(exported):
                  "envctl_environment_pressure_stalled_seconds_total",
                  "envctl_gpu_utilization_ratio", "envctl_gpu_memory_used_bytes",
                  "envctl_gpu_power_watts", "envctl_gpu_temperature_celsius",
-                 "envctl_gpu_quarantined", "envctl_gpu_xid_errors_total", "envctl_jobs"):
+                 "envctl_gpu_quarantined", "envctl_gpu_xid_errors_total", "envctl_jobs",
+                 "envctl_mig_memory_used_bytes", "envctl_mig_graphics_utilization_ratio"):
         assert name in used, name
     assert not [n for n in used if not n.startswith("envctl_")]  # no --compat names
 

@@ -121,3 +121,78 @@ def test_h200_profiles_and_placements_as_nvidia_smi_lists_them(nvml):
                     "MIG 2g.35gb": [(0, 2), (2, 2), (4, 2)],
                     "MIG 3g.71gb": [(0, 4), (4, 4)], "MIG 4g.71gb": [(0, 4)],
                     "MIG 7g.141gb": [(0, 8)]}
+
+
+def _with_instances(pynvml, root, gpm=True):
+    cfg = _state(root)
+    gis = gpuhost.layout("H200", ["3g.71gb", "1g.18gb"])
+    for gi in gis:
+        gi["cis"][0]["uuid"] = gpuhost.mig_uuid(0, gi["id"], 0)
+    gis[0].update(used=1 << 30, processes=[[4242, 1 << 30]], gpm={"graphics": 80.0, "sm": 60.0})
+    cfg["gpus"][0].update(mig=True, gpu_instances=gis, gpm=gpm)
+    (root / "nvml.json").write_text(json.dumps(cfg))
+    pynvml.nvmlInit()  # read the file again
+    return gis
+
+
+def test_a_mig_handle_reads_its_instance_and_goes_stale_with_it(nvml):
+    pynvml, root = nvml
+    gis = _with_instances(pynvml, root)
+    h = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(0, 0)
+    mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+    assert (mem.total, mem.used) == (69632 << 20, 1 << 30)
+    assert [(p.pid, p.usedGpuMemory) for p in
+            pynvml.nvmlDeviceGetComputeRunningProcesses(h)] == [(4242, 1 << 30)]
+    # The 3g.71gb instance is destroyed: the 1g.18gb one is MIG device 0 now, and the old
+    # handle names nothing (NVML's handles are the instance's, not the index's).
+    cfg = _state(root)
+    cfg["gpus"][0]["gpu_instances"] = [g for g in cfg["gpus"][0]["gpu_instances"]
+                                       if g["id"] != gis[0]["id"]]
+    (root / "nvml.json").write_text(json.dumps(cfg))
+    pynvml.nvmlInit()
+    with pytest.raises(pynvml.NVMLError) as exc:
+        pynvml.nvmlDeviceGetMemoryInfo(h)
+    assert exc.value.value == pynvml.NVML_ERROR_INVALID_ARGUMENT
+    assert pynvml.nvmlDeviceGetGpuInstanceId(
+        pynvml.nvmlDeviceGetMigDeviceHandleByIndex(0, 0)) == gis[1]["id"]
+
+
+def test_gpm_of_a_gpu_instance_between_two_samples(nvml):
+    pynvml, root = nvml
+    gis = _with_instances(pynvml, root)
+    assert pynvml.nvmlGpmQueryDeviceSupport(0).isSupportedDevice == 1
+    one, two = pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()
+    get = pynvml.c_nvmlGpmMetricsGet_t()
+    get.version, get.numMetrics = pynvml.NVML_GPM_METRICS_GET_VERSION, 3
+    get.metrics[0].metricId = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
+    get.metrics[1].metricId = pynvml.NVML_GPM_METRIC_SM_UTIL
+    get.metrics[2].metricId = pynvml.NVML_GPM_METRIC_SM_OCCUPANCY
+    pynvml.nvmlGpmMigSampleGet(0, gis[0]["id"], one)
+    get.sample1, get.sample2 = one, two
+    with pytest.raises(pynvml.NVMLError):  # sample2 never taken
+        pynvml.nvmlGpmMetricsGet(get)
+    pynvml.nvmlGpmMigSampleGet(0, gis[0]["id"], two)
+    pynvml.nvmlGpmMetricsGet(get)
+    assert [(m.nvmlReturn, m.value) for m in get.metrics[:3]] == [
+        (0, 80.0), (0, 60.0), (pynvml.NVML_ERROR_NOT_SUPPORTED, 0.0)]
+    get.sample1, get.sample2 = two, one  # the wrong way round
+    with pytest.raises(pynvml.NVMLError):
+        pynvml.nvmlGpmMetricsGet(get)
+    pynvml.nvmlGpmMigSampleGet(0, gis[1]["id"], one)  # another GPU instance's
+    get.sample1, get.sample2 = two, one
+    with pytest.raises(pynvml.NVMLError):
+        pynvml.nvmlGpmMetricsGet(get)
+    with pytest.raises(pynvml.NVMLError) as exc:  # no such GPU instance
+        pynvml.nvmlGpmMigSampleGet(0, 99, one)
+    assert exc.value.value == pynvml.NVML_ERROR_INVALID_ARGUMENT
+    pynvml.nvmlGpmSampleFree(one)
+    pynvml.nvmlGpmSampleFree(two)
+
+
+def test_no_gpm_where_the_gpu_does_not_offer_it(nvml):
+    pynvml, root = nvml
+    gis = _with_instances(pynvml, root, gpm=False)
+    assert pynvml.nvmlGpmQueryDeviceSupport(0).isSupportedDevice == 0
+    with pytest.raises(pynvml.NVMLError) as exc:
+        pynvml.nvmlGpmMigSampleGet(0, gis[0]["id"], pynvml.nvmlGpmSampleAlloc())
+    assert exc.value.value == pynvml.NVML_ERROR_NOT_SUPPORTED

@@ -583,3 +583,43 @@ def test_sync_cdi_never_rewrites_a_file_envctl_did_not_write(host_with_gpus, tmp
     with pytest.raises(ForeignObject, match="symlink"):
         sync_cdi(host, root, target)
     assert not (tmp_path / "elsewhere").exists()
+
+
+def _table_report() -> dict:
+    return {"driver": "550.54.15", "source": "nvml", "problems": [], "warnings": ["w [x]"],
+            "gpus": [{"index": 0, "uuid": "GPU-a", "name": "NVIDIA [red]H200", "memory": 1 << 30,
+                      "mig": True, "mig_pending": False, "pci": "0000:18:00.0", "env": None,
+                      "health": None,
+                      "instances": [{"uuid": "MIG-b", "profile": "1g.18gb", "gi": 7, "ci": 0,
+                                     "placement": {"start": 0, "size": 1}, "memory": 1 << 30,
+                                     "env": "h[0]"}]}]}
+
+
+def test_gpus_table_is_plain_text_off_a_terminal(monkeypatch, capsys):
+    from envctl.cli import _render_gpus
+
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    _render_gpus(_table_report())
+    lines = capsys.readouterr().out.splitlines()
+    # Values print as they are: no markup is read in a GPU's name or an environment's.
+    assert lines[0] == "driver 550.54.15  (GPUs from nvml)"
+    assert lines[2].split() == ["0", "GPU-a", "NVIDIA", "[red]H200", "1G", "on",
+                                "0000:18:00.0", "-"]
+    assert lines[3] == "       MIG mode off after the next GPU reset"
+    assert lines[4].split()[-1] == "h[0]"
+    assert lines[5] == "  ! w [x]" and "\x1b" not in "".join(lines)
+
+
+def test_gpus_table_colours_as_rich_would(monkeypatch, capsys):
+    from envctl.cli import _render_gpus
+
+    report = _table_report()
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    _render_gpus(report)
+    out = capsys.readouterr().out
+    assert "\x1b[2m(GPUs from nvml)\x1b[0m" in out
+    assert "\x1b[33mMIG mode off after the next GPU reset\x1b[0m" in out
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.delenv("FORCE_COLOR")
+    _render_gpus(report)
+    assert "\x1b" not in capsys.readouterr().out

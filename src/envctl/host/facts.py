@@ -10,9 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from envctl.facts import GpuHostFacts, HostFacts, ModuleFact, RootfsFacts, RunscFacts
-from envctl.host.cgroups import read_cgroup_facts
-from envctl.host.procfs import sysctl_path
-from envctl.spec.sysctls import canonical
 from envctl.spec.units import parse_cpu_list
 
 if TYPE_CHECKING:
@@ -106,15 +103,16 @@ def read_rootfs(wants: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]]
     return out
 
 
-def read_gpus(root: Path) -> GpuHostFacts:
-    """The NVIDIA driver, its GPUs and its libraries, read under `root` (ENVCTL_GPU_ROOT in
-    tests: a fake /proc, /dev and ld.so.cache)."""
-    from envctl.host.elf import driver_libraries
+def read_gpus(root: Path, *, libraries: bool = True) -> GpuHostFacts:
+    """The NVIDIA driver, its GPUs and (`libraries`) its libraries, read under `root`
+    (ENVCTL_GPU_ROOT in tests: a fake /proc, /dev and ld.so.cache)."""
     from envctl.host.gpus import discover_gpus, nvml_mode
 
     found = discover_gpus(root, nvml=nvml_mode())
-    if not found.driver:
+    if not found.driver or not libraries:
         return found
+    from envctl.host.elf import driver_libraries
+
     return dataclasses.replace(found, libraries=tuple(driver_libraries(found.driver, root)))
 
 
@@ -169,6 +167,12 @@ def gather(*, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
     """Read the facts once; cheap enough (a handful of small files) for every command.
     Modules (through `kmod`), cpufreq, rootfs closures (`rootfs`: env -> binaries, libraries,
     python) and GPUs (under `gpu_root`) are read only when a spec asks about them."""
+    # Here, not at the top: `envctl gpus` reads this module's read_gpus only, and the cgroup
+    # adapter's import (~4 ms) is not its to pay.
+    from envctl.host.cgroups import read_cgroup_facts
+    from envctl.host.procfs import sysctl_path
+    from envctl.spec.sysctls import canonical
+
     cpus = read_cpus(sys_root)
     freq = read_cpufreq(sys_root, cpus) if cpufreq else {}
     return HostFacts(

@@ -24,7 +24,7 @@ from envctl.runtime.context import parse_cpus, read_journal, spec_names
 
 if TYPE_CHECKING:
     from envctl.host.cgroups import Cgroups
-    from envctl.monitor.nvml import GpuSample, NvmlSession
+    from envctl.monitor.nvml import GpuSample, MigSample, NvmlSession
     from envctl.monitor.nvmlkeep import NvmlKeeper
 
 # Kinds whose presence in this boot's journal means the environment is up (their objects die
@@ -91,6 +91,7 @@ class Snapshot:
     host_mem_total: int | None = None
     host_mem_used: int | None = None
     gpu_env: dict[str, str] = field(default_factory=dict)  # UUID -> environment holding it
+    migs: list[MigSample] = field(default_factory=list)  # MIG instances of MIG-enabled GPUs
     configured: list[str] = field(default_factory=list)  # specs in the config directory
     problems: list[str] = field(default_factory=list)
     # Filled by the health loop (envctl.monitor.health.Health.view): env -> {"state", "drift",
@@ -589,16 +590,18 @@ class Sampler:
         for s in envs:
             s.jobs = jobs.get(s.env, {})
         gpus: list[GpuSample] = []
+        migs: list[MigSample] = []
         gpu_env = {u: s.env for s in envs for u in s.gpus}
         paused = False
         if self.nvml is not None:
-            gpus = self.nvml.sample()
+            gpus = self.nvml.sample(frozenset(gpu_env))
+            migs = getattr(self.nvml, "migs", None) or []
             problems += self.nvml.problems
             paused = getattr(self.nvml, "paused", None) is not None
-            self._attribute(envs, gpus)
+            self._attribute(envs, gpus, migs)
         elif self.nvml_problem:
             problems.append(self.nvml_problem)
-        snap = Snapshot(time=time.time(), envs=envs, gpus=gpus, gpu_env=gpu_env,
+        snap = Snapshot(time=time.time(), envs=envs, gpus=gpus, gpu_env=gpu_env, migs=migs,
                         problems=problems, configured=self.configured(), gpus_paused=paused)
         if self.host_stats:
             snap.host_cpu_percent = self._psutil.cpu_percent(None)
@@ -619,20 +622,25 @@ class Sampler:
                 new.jobs, new.gpu_memory = s.jobs, s.gpu_memory
                 snap.envs[i] = new
 
-    def _attribute(self, envs: list[EnvSample], gpus: list[GpuSample]) -> None:
+    def _attribute(self, envs: list[EnvSample], gpus: list[GpuSample],
+                   migs: list[MigSample] | None = None) -> None:
         """Each GPU process's memory to the environment whose cgroup holds it
-        (/proc/PID/cgroup, any hierarchy)."""
+        (/proc/PID/cgroup, any hierarchy), under the GPU's UUID, or the MIG instance's for a
+        process of a MIG instance (a MIG-enabled GPU's own list repeats its instances'
+        processes: it is not counted again)."""
         rels = [(s.cgroup, s) for s in envs if s.cgroup]
         if not rels:
             return
         owner: dict[int, EnvSample | None] = {}
-        for g in gpus:
-            for pid, used in g.processes:
+        holders = [(g.uuid, g.processes) for g in gpus if not g.mig]
+        holders += [(m.uuid, m.processes) for m in migs or ()]
+        for uuid, processes in holders:
+            for pid, used in processes:
                 if pid not in owner:
                     owner[pid] = _owner(self.proc, pid, rels)
                 s = owner[pid]
                 if s is not None and used:
-                    s.gpu_memory[g.uuid] = s.gpu_memory.get(g.uuid, 0) + used
+                    s.gpu_memory[uuid] = s.gpu_memory.get(uuid, 0) + used
 
 
 def _veth_name(found: dict[str, dict[str, Any]]) -> str:

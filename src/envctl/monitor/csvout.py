@@ -3,7 +3,11 @@ their original columns plus `Environment`, appended each tick and rotated by siz
 
     gpu-metrics.csv  Timestamp,Type,Utilization,Memory,Temperature,Environment
                      one row per GPU: Type GPU<index>, utilisation %, memory used MiB, C,
-                     the environment that holds the GPU ("" when none)
+                     the environment that holds the GPU ("" when none); then one row per
+                     MIG instance: Type GPU<index>/GI<id>/CI<id> (its parent, GPU and
+                     compute instance ids, as nvidia-smi lists MIG devices), utilisation %
+                     from GPM ("" without it), its memory used MiB, no temperature (an
+                     instance has none of its own), the environment that holds it
     cpu-metrics.csv  Timestamp,Type,CPU_Utilization,Memory_Utilization,Environment
                      one row `host` (all CPUs %, memory used % of RAM, Environment ""), then
                      one row `environment` per environment that is up (% of its CPUs, memory
@@ -58,6 +62,9 @@ class CsvWriter:
         gpu_rows = [f"{stamp},GPU{g.index},{_num(g.util)},"
                     f"{_num(None if g.fb_used is None else g.fb_used // MIB)},{_num(g.temp)},"
                     f"{snap.gpu_env.get(g.uuid, '')}" for g in snap.gpus]
+        gpu_rows += [f"{stamp},GPU{m.parent}/GI{m.gi}/CI{m.ci},{_num(m.util)},"
+                     f"{_num(None if m.fb_used is None else m.fb_used // MIB)},,"
+                     f"{snap.gpu_env.get(m.uuid, '')}" for m in snap.migs]
         cpu_rows = [f"{stamp},host,{_num(snap.host_cpu_percent)},"
                     f"{_num(snap.host_mem_percent)},"]
         for s in snap.envs:

@@ -1,7 +1,18 @@
 """One NVML session for the monitor's life: initialised once, device handles kept, sampled each
 tick (utilisation, memory, temperature, power and its limit, the energy counter, SM/memory
 clocks and the reasons they are held down, ECC counts, remapped rows, PCIe replays, XID events,
-per-process memory).
+per-process memory), and each MIG instance of a MIG-enabled GPU (MigSample).
+
+MIG instances are sampled through their MIG device handles: memory (nvmlDeviceGetMemoryInfo on
+the MIG handle: the GPU instance's own memory) and processes (nvmlDeviceGetComputeRunningProcesses
+on it). NVML's utilisation rates are the whole GPU's and answer NOT_SUPPORTED in MIG mode; an
+instance's utilisation comes from GPM (GPU performance monitoring, Hopper and newer):
+nvmlGpmMigSampleGet(parent, GPU instance id) each tick, and nvmlGpmMetricsGet between this
+tick's sample and the last one (graphics engine activity and SM activity, as dcgm-exporter's
+DCGM_FI_PROF_GR_ENGINE_ACTIVE and DCGM_FI_PROF_SM_ACTIVE). Where GPM is not offered (Ampere,
+a driver or pynvml without it), an instance's utilisation stays None. Instances are listed
+again when the MIG UUIDs environments hold change (an `up` or `down` made or destroyed some),
+when a MIG handle fails, and every REDISCOVER_TICKS ticks (a change made outside envctl).
 
 The rule that decides whether NVML may be asked at all is discovery's (envctl.host.gpus): the
 driver is loaded and every node libnvidia-ml would otherwise create exists, and ENVCTL_NVML is
@@ -16,6 +27,7 @@ for an exception it already knows. A GPU that falls off the bus (GPU_IS_LOST) is
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +40,12 @@ SESSION_ERRORS = (1, 9, 12, 18)  # UNINITIALIZED, DRIVER_NOT_LOADED, LIBRARY_NOT
 # At most this many XID events are drained per tick (a GPU in an error storm must not hold
 # the tick up).
 MAX_EVENTS = 64
+# MIG instances are listed again at least this often (in ticks): nvidia-smi may have made or
+# destroyed some that no environment holds.
+REDISCOVER_TICKS = 60
+# nvml.h's GPM metric ids (nvmlGpmMetricId_t), for a pynvml that lacks the names.
+GPM_GRAPHICS_UTIL = 1  # NVML_GPM_METRIC_GRAPHICS_UTIL: % of time any engine was active
+GPM_SM_UTIL = 2  # NVML_GPM_METRIC_SM_UTIL: % of SMs busy
 
 
 @dataclass(slots=True)
@@ -60,10 +78,36 @@ class GpuSample:
     fatal_xids: list[int] = field(default_factory=list)  # those of them that quarantine it
     processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes)
     lost: bool = False
+    mig: bool = False  # MIG mode on: its processes are counted through its MIG instances
+
+
+@dataclass(slots=True)
+class MigSample:
+    """One MIG device (a compute instance of a GPU instance) at one tick; None where NVML does
+    not say. Memory is the GPU instance's, in bytes; utilisation in percent (GPM)."""
+
+    parent: int  # the parent GPU's index (dcgm-exporter's `gpu`)
+    parent_uuid: str  # dcgm-exporter's `UUID` of a MIG series is the parent's
+    uuid: str  # MIG-…: what environments hold
+    gi: int  # GPU instance id (dcgm-exporter's GPU_I_ID)
+    ci: int  # compute instance id
+    profile: str  # 1g.18gb (dcgm-exporter's GPU_I_PROFILE)
+    fb_total: int | None = None
+    fb_used: int | None = None
+    fb_free: int | None = None
+    util: float | None = None  # GPM graphics engine activity since the last tick, percent
+    sm_util: float | None = None  # GPM SM activity, percent
+    processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes)
 
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _metric(metric: Any) -> float | None:
+    """A GPM metric's value (percent), None when NVML did not compute it."""
+    value = float(metric.value)
+    return value if metric.nvmlReturn == 0 and math.isfinite(value) else None
 
 
 def _bus_id(nvml: ModuleType, handle: Any) -> str:
@@ -121,6 +165,17 @@ class NvmlSession:
                 self.gpus.append(gpu)
             self._by_key = {_key(h): i for i, h in enumerate(self._handles)}
             self._events = self._register_events()
+            self.migs: list[MigSample] = []
+            # (position of the parent in self.gpus, MIG device handle) of each of self.migs:
+            # a GPU that could not say who it is is not in self.gpus, so its index is not a
+            # position there.
+            self._mig_handles: list[tuple[int, Any]] = []
+            self._mig_stale = True  # listed at the first sample
+            self._mig_held: frozenset[str] = frozenset()
+            self._mig_ticks = 0
+            # (parent's position, GPU instance id) -> [older sample, newer sample, older filled]
+            self._gpm: dict[tuple[int, int], list[Any]] = {}
+            self._gpm_get: Any = None  # one nvmlGpmMetricsGet_t, reused
         except BaseException:
             self.close()
             raise
@@ -171,8 +226,10 @@ class NvmlSession:
                 self.gpus[i].lost = True
             return None
 
-    def sample(self) -> list[GpuSample]:
-        """Every GPU's values now (the same GpuSample objects, updated in place)."""
+    def sample(self, held: frozenset[str] | set[str] = frozenset()) -> list[GpuSample]:
+        """Every GPU's values now (the same GpuSample objects, updated in place), and every
+        MIG instance's into `migs`. `held`: the GPU and MIG UUIDs environments hold now (when
+        its MIG UUIDs change, the instances are listed again)."""
         nv = self.nv
         for i, g in enumerate(self.gpus):
             if g.lost:
@@ -210,7 +267,174 @@ class NvmlSession:
                 g.ecc.clear()
                 g.processes = []
         self._drain_events()
+        held_migs = frozenset(u for u in held if u.startswith("MIG-"))
+        self._mig_ticks += 1
+        if self._mig_stale or held_migs != self._mig_held or \
+                self._mig_ticks >= REDISCOVER_TICKS:
+            self._list_migs()
+            self._mig_held = held_migs
+        self._sample_migs()
         return self.gpus
+
+    # -- MIG instances
+    def _list_migs(self) -> None:
+        """Find every MIG device of every MIG-enabled GPU (read calls only), and whether its
+        parent offers GPM."""
+        from envctl.host.gpus import profile_infos
+
+        nv = self.nv
+        self._mig_stale, self._mig_ticks = False, 0
+        gpm: dict[tuple[int, int], list[Any]] = {}
+        migs: list[MigSample] = []
+        handles: list[tuple[int, Any]] = []
+        for i, g in enumerate(self.gpus):
+            mode = None if g.lost else self._ask(i, "mig_mode",
+                                                 getattr(nv, "nvmlDeviceGetMigMode", None))
+            g.mig = bool(mode and mode[0])
+            if not g.mig:
+                continue
+            h = self._handles[i]
+            try:
+                names: dict[int, str] | None = None  # profile id -> name, when needed
+                for n in range(int(nv.nvmlDeviceGetMaxMigDeviceCount(h))):
+                    try:
+                        m = nv.nvmlDeviceGetMigDeviceHandleByIndex(h, n)
+                    except nv.NVMLError as exc:
+                        if exc.value == nv.NVML_ERROR_NOT_FOUND:  # an index with no device
+                            continue
+                        raise
+                    gi = int(nv.nvmlDeviceGetGpuInstanceId(m))
+                    # A MIG device's name ends with its profile ("NVIDIA H200 MIG 1g.18gb"):
+                    # no privileged call. Else the GPU instance's profile, as discovery
+                    # reads it (nvmlDeviceGetGpuInstanceById wants root).
+                    _, said, profile = _text(nv.nvmlDeviceGetName(m)).rpartition(" MIG ")
+                    if not said or not profile:
+                        if names is None:
+                            names = {int(info.id): name
+                                     for name, info in profile_infos(nv, h).items()}
+                        info = nv.nvmlGpuInstanceGetInfo(nv.nvmlDeviceGetGpuInstanceById(h, gi))
+                        profile = names.get(int(info.profileId), "")
+                    migs.append(MigSample(
+                        parent=g.index, parent_uuid=g.uuid, uuid=_text(nv.nvmlDeviceGetUUID(m)),
+                        gi=gi, ci=int(nv.nvmlDeviceGetComputeInstanceId(m)), profile=profile))
+                    handles.append((i, m))
+            except nv.NVMLError as exc:
+                if exc.value in SESSION_ERRORS:
+                    self.broken = self.broken or str(exc)
+                    self._gpm.update(gpm)  # freed by close(), as the keeper closes it now
+                    return
+                problem = f"GPU {g.index}: MIG instances not sampled: NVML: {exc}"
+                if problem not in self.problems:
+                    self.problems.append(problem)
+                continue
+            if self._gpm_supported(i):
+                for gi in {m.gi for m, (pos, _) in zip(migs, handles, strict=True)
+                           if pos == i}:
+                    # A GPU instance listed again keeps its last sample: no gap in its
+                    # utilisation at each listing.
+                    gpm[(i, gi)] = self._gpm.pop((i, gi), None) or [None, None, False]
+        self._free_gpm()  # those of GPU instances that are gone
+        self._gpm = gpm
+        self.migs, self._mig_handles = migs, handles
+
+    def _gpm_supported(self, i: int) -> bool:
+        """Whether GPU `i` offers GPM (Hopper and newer, through this pynvml)."""
+        nv = self.nv
+        if getattr(nv, "nvmlGpmMigSampleGet", None) is None:
+            return False
+        support = self._ask(i, "gpm", getattr(nv, "nvmlGpmQueryDeviceSupport", None))
+        return bool(support is not None and support.isSupportedDevice)
+
+    def _sample_migs(self) -> None:
+        nv = self.nv
+        util: dict[tuple[int, int], tuple[float | None, float | None]] = {}
+        for m, (i, h) in zip(self.migs, self._mig_handles, strict=True):
+            m.fb_total = m.fb_used = m.fb_free = None
+            m.util = m.sm_util = None
+            m.processes = []
+            if self.gpus[i].lost:
+                continue
+            mem = self._ask_mig(i, m, h, "memory", nv.nvmlDeviceGetMemoryInfo)
+            if mem is not None:
+                m.fb_total, m.fb_used, m.fb_free = int(mem.total), int(mem.used), int(mem.free)
+            procs = self._ask_mig(i, m, h, "procs", nv.nvmlDeviceGetComputeRunningProcesses)
+            m.processes = [(int(p.pid), None if p.usedGpuMemory is None else int(
+                p.usedGpuMemory)) for p in procs or ()]
+            key = (i, m.gi)
+            if key in self._gpm:
+                if key not in util:  # one GPM sample a GPU instance (its CIs share it)
+                    util[key] = self._gpm_sample(key)
+                m.util, m.sm_util = util[key]
+
+    def _ask_mig(self, i: int, m: MigSample, handle: Any, what: str, call: Any) -> Any:
+        """`call(MIG handle)`, None when NVML does not say; a stale handle (the instance was
+        destroyed) has the instances listed again at the next tick."""
+        if (m.uuid, what) in self._unsupported:
+            return None
+        nv = self.nv
+        try:
+            return call(handle)
+        except nv.NVMLError as exc:
+            if exc.value in (nv.NVML_ERROR_NOT_SUPPORTED,
+                             getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", 13)):
+                self._unsupported.add((m.uuid, what))
+            elif exc.value in SESSION_ERRORS:
+                self.broken = self.broken or str(exc)
+            elif exc.value == getattr(nv, "NVML_ERROR_GPU_IS_LOST", 15):
+                if not self.gpus[i].lost:
+                    self.problems.append(f"GPU {self.gpus[i].index} ({self.gpus[i].uuid}) is "
+                                         "lost: it fell off the bus or its driver state is "
+                                         "broken")
+                self.gpus[i].lost = True
+            else:  # INVALID_ARGUMENT, NOT_FOUND: gone since it was listed
+                self._mig_stale = True
+            return None
+
+    def _gpm_sample(self, key: tuple[int, int]) -> tuple[float | None, float | None]:
+        """Take this tick's GPM sample of a GPU instance; the graphics and SM activity
+        (percent) between it and the last tick's, None at the first or where NVML refuses."""
+        nv = self.nv
+        pair = self._gpm[key]
+        try:
+            if pair[0] is None:
+                pair[0], pair[1] = nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc()
+            nv.nvmlGpmMigSampleGet(self._handles[key[0]], key[1], pair[1])
+            out: tuple[float | None, float | None] = (None, None)
+            if pair[2]:
+                get = self._gpm_get
+                if get is None:
+                    get = self._gpm_get = nv.c_nvmlGpmMetricsGet_t()
+                    get.version = getattr(nv, "NVML_GPM_METRICS_GET_VERSION", 1)
+                    get.numMetrics = 2
+                    get.metrics[0].metricId = getattr(nv, "NVML_GPM_METRIC_GRAPHICS_UTIL",
+                                                      GPM_GRAPHICS_UTIL)
+                    get.metrics[1].metricId = getattr(nv, "NVML_GPM_METRIC_SM_UTIL",
+                                                      GPM_SM_UTIL)
+                get.sample1, get.sample2 = pair[0], pair[1]
+                nv.nvmlGpmMetricsGet(get)
+                out = (_metric(get.metrics[0]), _metric(get.metrics[1]))
+        except nv.NVMLError as exc:
+            if exc.value in SESSION_ERRORS:
+                self.broken = self.broken or str(exc)
+            elif exc.value in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_NO_PERMISSION,
+                               getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", 13)):
+                self._drop_gpm(key)  # not offered here: not asked again
+            else:
+                self._mig_stale = True  # the GPU instance went away
+            return None, None
+        pair[0], pair[1], pair[2] = pair[1], pair[0], True
+        return out
+
+    def _drop_gpm(self, key: tuple[int, int]) -> None:
+        pair = self._gpm.pop(key, None)
+        for sample in (pair or [])[:2]:
+            if sample is not None:
+                with contextlib.suppress(self.nv.NVMLError):
+                    self.nv.nvmlGpmSampleFree(sample)
+
+    def _free_gpm(self) -> None:
+        for key in list(self._gpm):
+            self._drop_gpm(key)
 
     def _sample_more(self, i: int, g: GpuSample) -> None:
         """Clocks and their event reasons, the power limit, the energy counter, remapped rows
@@ -270,6 +494,8 @@ class NvmlSession:
             return
         self._closed = True
         nv = self.nv
+        if getattr(self, "_gpm", None):
+            self._free_gpm()
         if getattr(self, "_events", None) is not None:
             with contextlib.suppress(nv.NVMLError):
                 nv.nvmlEventSetFree(self._events)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from envctl.monitor.nvml import GpuSample, NvmlSession, open_session
+from envctl.monitor.nvml import GpuSample, MigSample, NvmlSession, open_session
 
 BASE_DELAY = 10.0
 MAX_DELAY = 600.0
@@ -159,7 +159,11 @@ class NvmlKeeper:
             self.say(f"{why}; NVML tried again in {delay:.0f} s, then less and less often")
         self._said = why
 
-    def sample(self) -> list[GpuSample]:
+    @property
+    def migs(self) -> list[MigSample]:
+        return self.session.migs if self.session is not None else []
+
+    def sample(self, held: frozenset[str] | set[str] = frozenset()) -> list[GpuSample]:
         if self.poll_pause():
             return []
         if self.session is not None and not self._held_said and self.run_dir is not None:
@@ -171,7 +175,7 @@ class NvmlKeeper:
             if self.session is None:
                 return []
         try:
-            gpus = self.session.sample()
+            gpus = self.session.sample(held)
             broken = self.session.broken
         except Exception as exc:  # noqa: BLE001 - a binding's surprise costs GPUs, not the tick
             gpus, broken = [], f"bug: {exc!r}"

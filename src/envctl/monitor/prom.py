@@ -6,7 +6,10 @@ exposition the loop built at each tick.
 Every metric is envctl's own, `envctl_*`, in base units (seconds, bytes, watts, joules, hertz,
 celsius; ratios 0-1, never percents; counters end in `_total`). Labels join with the exporters
 a host may also run: per GPU dcgm-exporter's `gpu`, `UUID`, `pci_bus_id`, `device`,
-`modelName`, `Hostname`; per environment cAdvisor's `id` (its cgroup). The environment is
+`modelName`, `Hostname`; per MIG instance (`envctl_mig_*`) those of its parent GPU (dcgm-exporter
+puts the parent's UUID in `UUID`) plus dcgm-exporter's `GPU_I_ID` (NVML's GPU instance id) and
+`GPU_I_PROFILE` (1g.18gb), and `mig_uuid` (the MIG-… UUID environments hold); per environment
+cAdvisor's `id` (its cgroup). The environment is
 `envctl_environment`, a name no scrape target carries, so neither `honor_labels` setting
 renames or drops it. `compat` (`envctl monitor --compat dcgm,cadvisor`) adds dcgm-exporter's
 `DCGM_FI_DEV_*` and cAdvisor's `container_*` names for dashboards built on them: off by
@@ -40,6 +43,8 @@ DEFAULT_LISTEN = "127.0.0.1:9464"
 ENV = "envctl_environment"
 GPU_LABELS = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", ENV]
 ENV_LABELS = [ENV, "id"]
+MIG_LABELS = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "GPU_I_ID",
+              "GPU_I_PROFILE", "mig_uuid", ENV]
 JOB_STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
               "OUT_OF_MEMORY", "LOST")
 COMPAT = ("dcgm", "cadvisor")
@@ -90,6 +95,19 @@ _GPU_COUNTERS = (
     ("envctl_gpu_pcie_replays", "PCIe replays (link errors the GPU retried).", "pcie_replays"),
     ("envctl_gpu_xid_events", "XID events seen since the monitor started, every code.",
      "xid_count"),
+)
+# (name, help, MigSample attribute, scale). Four series an instance, not dcgm's dozens: with
+# 56 instances on an HGX host every series costs the tick (prometheus_client escapes each
+# label of each sample); free memory is total minus used.
+_MIG_GAUGES = (
+    ("envctl_mig_memory_total_bytes", "The MIG instance's memory (its GPU instance's).",
+     "fb_total", 1),
+    ("envctl_mig_memory_used_bytes", "The MIG instance's memory used.", "fb_used", 1),
+    ("envctl_mig_graphics_utilization_ratio", "Fraction of the last tick any engine of the "
+     "GPU instance was active (GPM; as DCGM_FI_PROF_GR_ENGINE_ACTIVE; absent without GPM).",
+     "util", 0.01),
+    ("envctl_mig_sm_utilization_ratio", "Fraction of the GPU instance's SMs busy over the "
+     "last tick (GPM; as DCGM_FI_PROF_SM_ACTIVE; absent without GPM).", "sm_util", 0.01),
 )
 # (name, help, EnvSample attribute, counter?).
 _ENV_METRICS = (
@@ -163,6 +181,7 @@ class SnapshotCollector:
         if snap is None:
             return
         yield from self._gpus(snap)
+        yield from self._migs(snap)
         yield from self._envs(snap)
         yield from self._envctl(snap)
         if "dcgm" in self.compat:
@@ -231,12 +250,37 @@ class SnapshotCollector:
             lost.add_metric(lab, 1 if g.lost else 0)
         yield from (ecc, xids, reasons, rows, remap, sick, lost)
         used = GaugeMetricFamily("envctl_environment_gpu_memory_used_bytes", "GPU memory used "
-                                 "by the environment's processes.", labels=[ENV, "gpu", "UUID"])
-        index = {g.uuid: str(g.index) for g in snap.gpus}
+                                 "by the environment's processes (on a MIG instance: `UUID` "
+                                 "its parent's, with GPU_I_ID, GPU_I_PROFILE and mig_uuid).",
+                                 labels=[ENV, "gpu", "UUID", "GPU_I_ID", "GPU_I_PROFILE",
+                                         "mig_uuid"])
+        index = {g.uuid: [str(g.index), g.uuid, "", "", ""] for g in snap.gpus}
+        index.update({m.uuid: [str(m.parent), m.parent_uuid, str(m.gi), m.profile, m.uuid]
+                      for m in snap.migs})
         for s in snap.envs:
             for uuid, n in sorted(s.gpu_memory.items()):
-                used.add_metric([s.env, index.get(uuid, ""), uuid], n)
+                used.add_metric([s.env, *index.get(uuid, ["", uuid, "", "", ""])], n)
         yield used
+
+    def _migs(self, snap: Snapshot) -> Iterator[Metric]:
+        """The MIG instances' series, labelled as dcgm-exporter labels a MIG instance's."""
+        if not snap.migs:
+            return
+        parents = {g.index: g for g in snap.gpus}
+        labels = []
+        for m in snap.migs:
+            g = parents.get(m.parent)
+            labels.append([str(m.parent), m.parent_uuid, g.pci_bus_id if g else "",
+                           f"nvidia{g.minor}" if g else "", g.name if g else "",
+                           self.hostname, str(m.gi), m.profile, m.uuid,
+                           snap.gpu_env.get(m.uuid, "")])
+        for name, doc, attr, scale in _MIG_GAUGES:
+            fam = GaugeMetricFamily(name, doc, labels=MIG_LABELS)
+            for m, lab in zip(snap.migs, labels, strict=True):
+                value = getattr(m, attr)
+                if value is not None:
+                    fam.add_metric(lab, value * scale if scale != 1 else value)
+            yield fam
 
     def _envs(self, snap: Snapshot) -> Iterator[Metric]:
         yield from _env_families(snap.envs, _ENV_METRICS, ENV_LABELS)
@@ -396,6 +440,8 @@ def _dcgm(snap: Snapshot, hostname: str) -> Iterator[Metric]:
             value = getattr(g, attr)
             if value is not None:
                 fam.add_metric(labels[g.uuid], value / scale if scale != 1 else value)
+        if name in _DCGM_MIG:
+            _add_migs(fam, snap, hostname, *_DCGM_MIG[name])
         yield fam
     for name, doc, key in _DCGM_ECC:
         fam = GaugeMetricFamily(name, doc, labels=DCGM_LABELS)
@@ -403,6 +449,45 @@ def _dcgm(snap: Snapshot, hostname: str) -> Iterator[Metric]:
             if key in g.ecc:
                 fam.add_metric(labels[g.uuid], g.ecc[key])
         yield fam
+    yield from _dcgm_prof(snap, hostname)
+
+
+# A MIG instance's series under dcgm-exporter's names: name -> (MigSample attribute,
+# divisor). Memory in MiB, as its whole GPUs'; GR_ENGINE_ACTIVE and SM_ACTIVE are ratios.
+_DCGM_MIG = {"DCGM_FI_DEV_FB_TOTAL": ("fb_total", MIB), "DCGM_FI_DEV_FB_USED": ("fb_used", MIB),
+             "DCGM_FI_DEV_FB_FREE": ("fb_free", MIB)}
+_DCGM_PROF = (("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "Ratio of time the graphics engine is active.",
+               "util", 100),
+              ("DCGM_FI_PROF_SM_ACTIVE", "The ratio of cycles an SM has at least 1 warp "
+               "assigned.", "sm_util", 100))
+
+
+def _add_migs(fam: Metric, snap: Snapshot, hostname: str, attr: str, scale: int) -> None:
+    """The MIG instances' samples into `fam`, labelled as dcgm-exporter labels an instance:
+    its parent's `gpu`, `UUID`, `pci_bus_id`, `device`, `modelName`, plus GPU_I_PROFILE and
+    GPU_I_ID (a family may hold samples of both label sets, as dcgm-exporter's do)."""
+    from prometheus_client.samples import Sample
+
+    parents = {g.index: g for g in snap.gpus}
+    for m in snap.migs:
+        value, g = getattr(m, attr), parents.get(m.parent)
+        if value is None or g is None:
+            continue
+        lab = dict(zip(DCGM_LABELS, [str(g.index), g.uuid, g.pci_bus_id, f"nvidia{g.minor}",
+                                     g.name, hostname, snap.gpu_env.get(m.uuid, "")],
+                       strict=True))
+        lab.update(GPU_I_PROFILE=m.profile, GPU_I_ID=str(m.gi))
+        fam.samples.append(Sample(fam.name, lab, value / scale))
+
+
+def _dcgm_prof(snap: Snapshot, hostname: str) -> Iterator[Metric]:
+    """GPM's activity of the MIG instances under dcgm-exporter's profiling names (envctl
+    has no such value of a whole GPU)."""
+    for name, doc, attr, scale in _DCGM_PROF:
+        fam = GaugeMetricFamily(name, doc)
+        _add_migs(fam, snap, hostname, attr, scale)
+        if fam.samples:
+            yield fam
 
 
 def _cadvisor(snap: Snapshot) -> Iterator[Metric]:

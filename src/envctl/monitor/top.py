@@ -112,8 +112,9 @@ def fit(head: list[str], blocks: list[tuple[str, list[str]]], height: int, *,
 
 def view(snap: Snapshot, jobs: list[Any] | None = None, *, events: dict[str, Any] | None = None,
          height: int | None = None, states: dict[str, str] | None = None) -> Group:
-    """The renderable of one sample: a row per environment, then the GPUs, the active jobs
-    and problems for as many lines as `height` (the terminal's; None: no limit) leaves."""
+    """The renderable of one sample: a row per environment, then the GPUs, the active jobs,
+    the GPUs' MIG instances and problems for as many lines as `height` (the terminal's;
+    None: no limit) leaves."""
     room = [height - 1 if height else 1 << 30]  # lines left below the head line
 
     def take(items: list[Any], *, table: bool = True) -> tuple[list[Any], int]:
@@ -185,6 +186,23 @@ def view(snap: Snapshot, jobs: list[Any] | None = None, *, events: dict[str, Any
         parts.append(table)
     if jobs_left:
         parts.append(Text(f"… {jobs_left} more active jobs (envctl jobs)", style="dim"))
+    # After the jobs: 56 instances on an HGX host must not crowd the active jobs out.
+    mig_rows, migs_left = take(snap.migs) if snap.migs else ([], 0)
+    if mig_rows:
+        migs = Table(title="MIG instances", title_justify="left", box=None,
+                     header_style="bold")
+        for col in ("GPU", "GI", "CI", "PROFILE", "UTIL", "SM", "MEMORY", "ENVIRONMENT",
+                    "PROCESSES"):
+            migs.add_column(col, no_wrap=True)
+        for m in mig_rows:
+            mem = "-" if m.fb_used is None or not m.fb_total else \
+                f"{m.fb_used // MIB}/{m.fb_total // MIB} MiB"
+            migs.add_row(str(m.parent), str(m.gi), str(m.ci), escape(m.profile), _pct(m.util),
+                         _pct(m.sm_util), mem, escape(snap.gpu_env.get(m.uuid, "") or "-"),
+                         str(len(m.processes)))
+        parts.append(migs)
+    if migs_left:
+        parts.append(Text(f"… {migs_left} more MIG instances (envctl gpus)", style="dim"))
     problems, problems_left = take(snap.problems, table=False)
     for line in problems:
         parts.append(Text(f"! {line}", style="yellow"))

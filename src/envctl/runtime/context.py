@@ -227,7 +227,15 @@ def _not_up(host: Host, env: str) -> UsageError:
 
 def read_journal(state_dir: Path, env: str, boot: str
                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """kind -> the first resource (dict form) of that kind in `env`'s journal, and its claims.
+    """kind -> the first resource (dict form) of that kind in `env`'s journal, and its claims
+    (read_journal_meta's, with only the claims of its meta)."""
+    found, meta = read_journal_meta(state_dir, env, boot)
+    return found, dict(meta.get("claims") or {})
+
+
+def read_journal_meta(state_dir: Path, env: str, boot: str
+                      ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """kind -> the first resource (dict form) of that kind in `env`'s journal, and its meta.
 
     Read as envctl.engine.journal reads it (the folded file, then the write-ahead log it names;
     a damaged last line is a torn end, damage before a good record is StateCorrupt), without
@@ -261,7 +269,19 @@ def read_journal(state_dir: Path, env: str, boot: str
             found.setdefault(res["kind"], res)
     except (TypeError, KeyError, AttributeError) as exc:
         raise StateCorrupt(path, f"bad entry: {exc!r}") from None
-    return found, dict(meta.get("claims") or {})
+    return found, meta
+
+
+def journal_names(state_dir: Path) -> list[str]:
+    """Every environment with a journal file or a log (envctl.engine.journal's
+    Journal.environments, without importing the engine)."""
+    d = state_dir / "journal"
+    try:
+        names = os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted({n.split(".", 1)[0] for n in names
+                   if n.endswith((".json", ".log")) and not n.startswith(".")})
 
 
 def _read_state(path: Path) -> dict[str, Any] | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 
 # ASCII digits only: `\d` would also take digits of other scripts ('²'), which int() refuses.
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTP]?)(i?)B?\s*$", re.IGNORECASE)
@@ -27,8 +26,11 @@ def parse_size(text: str | int | float) -> int:
     number, unit, _ = m.groups()
     if not unit and "." in number:
         raise ValueError(f"'{text}' is not a whole number of bytes: add a unit, like 1.5G")
-    # Exact arithmetic: a float would round large sizes and overflow on long digit strings.
-    return int(Fraction(number) * 1024 ** _MULT[unit.upper()])
+    # Exact integer arithmetic (a float would round large sizes and overflow on long digit
+    # strings), rounded down as int() of the exact value; not fractions.Fraction, whose import
+    # (numbers, decimal) every command that reads a size would pay.
+    whole, _, frac = number.partition(".")
+    return int(whole + frac) * 1024 ** _MULT[unit.upper()] // 10 ** len(frac)
 
 
 def parse_percent(text: str) -> float | None:

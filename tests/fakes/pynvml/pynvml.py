@@ -40,7 +40,10 @@ MIG (read paths, with nvidia-ml-py's signatures): a GPU's `"mig_profiles"` (the 
 profiles by NVML profile index: id, name, slices, memory_mb, instances, placements [[start,
 size], …]) and `"gpu_instances"` ([{"id", "profile" (index), "start", "size", "cis": [{"id",
 "profile", "uuid": "MIG-…"}]}]), as tests/fakes/gpuhost.py writes them. MIG devices are the
-compute instances, in GI-id then CI-id order. Handles are numbers: a GPU's is its index, a MIG
+compute instances, in GI-id then CI-id order. A GPU instance may carry what the monitor samples
+of it through a MIG device handle: `"used"` (bytes of its memory used) and `"processes"`
+([[pid, used bytes or null], …], as nvmlDeviceGetComputeRunningProcesses on the MIG handle
+answers), and `"gpm"` (GPM, below). Handles are numbers: a GPU's is its index, a MIG
 device's, a GPU instance's and a compute instance's are tagged above 0x10000, so a wrong kind
 of handle is INVALID_ARGUMENT as in NVML. Functions that fill caller arrays take ctypes arrays
 and byref(c_uint()) counts, as nvidia-ml-py's do (NULL array: the count only).
@@ -252,12 +255,12 @@ def _mig(handle: int, call: str) -> tuple[int, dict, dict, dict]:
     """The parent index, parent, GPU instance and compute instance of a MIG device handle."""
     if not isinstance(handle, int) or handle & ~0xFFFF != _MIG:
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-    index, n = (handle >> 8) & 0xFF, handle & 0xFF
+    index, gi_id, ci_id = (handle >> 8) & 0xFF, (handle >> 4) & 0xF, handle & 0xF
     gpu = _gpu(index, call)
-    devices = _mig_devices(gpu)
-    if n >= len(devices):  # destroyed since: the handle is stale
-        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-    return index, gpu, *devices[n]
+    for gi, ci in _mig_devices(gpu):
+        if (gi["id"], ci["id"]) == (gi_id, ci_id):
+            return index, gpu, gi, ci
+    raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)  # destroyed since: the handle is stale
 
 
 def _profile(gpu: dict, *, index: int | None = None, pid: int | None = None) -> dict:
@@ -345,7 +348,9 @@ def nvmlDeviceGetMinorNumber(handle: int) -> int:  # noqa: N802
 def nvmlDeviceGetMemoryInfo(handle: int) -> c_nvmlMemory_t:  # noqa: N802
     if isinstance(handle, int) and handle & ~0xFFFF == _MIG:
         _, gpu, gi, _ = _mig(handle, "nvmlDeviceGetMemoryInfo")
-        return c_nvmlMemory_t(_profile(gpu, index=gi["profile"])["memory_mb"] << 20)
+        sampled["calls"] += 1
+        return c_nvmlMemory_t(_profile(gpu, index=gi["profile"])["memory_mb"] << 20,
+                              int(gi.get("used", 0)))
     gpu = _gpu(handle, "nvmlDeviceGetMemoryInfo")
     return c_nvmlMemory_t(int(gpu["memory"]), int(gpu.get("used", 0)))
 
@@ -375,9 +380,13 @@ def nvmlDeviceGetMigDeviceHandleByIndex(handle: int, index: int) -> int:  # noqa
         raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
     if not 0 <= index < nvmlDeviceGetMaxMigDeviceCount(handle):
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-    if index >= len(_mig_devices(gpu)):
+    devices = _mig_devices(gpu)
+    if index >= len(devices):
         raise NVMLError(NVML_ERROR_NOT_FOUND)
-    return _MIG | handle << 8 | index
+    # The handle names the instance, not the index: once it is destroyed the handle is
+    # stale (INVALID_ARGUMENT), as NVML's own, even when another device takes its index.
+    gi, ci = devices[index]
+    return _MIG | handle << 8 | gi["id"] << 4 | ci["id"]
 
 
 def nvmlDeviceIsMigDeviceHandle(handle: int) -> int:  # noqa: N802
@@ -573,6 +582,10 @@ def nvmlDeviceGetRetiredPagesPendingStatus(handle: int) -> int:  # noqa: N802
 
 
 def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list:  # noqa: N802
+    if isinstance(handle, int) and handle & ~0xFFFF == _MIG:  # the GPU instance's own
+        _, _, gi, _ = _mig(handle, "nvmlDeviceGetComputeRunningProcesses")
+        sampled["calls"] += 1
+        return [c_nvmlProcessInfo_t(int(pid), used) for pid, used in gi.get("processes") or ()]
     procs = _sampled(handle, "nvmlDeviceGetComputeRunningProcesses", "processes")
     return [c_nvmlProcessInfo_t(int(pid), used) for pid, used in procs]
 
@@ -582,6 +595,98 @@ def nvmlDeviceGetTotalEnergyConsumption(handle: int) -> int:  # noqa: N802
     if isinstance(energy, list):
         return int(energy.pop(0) if len(energy) > 1 else energy[0])
     return int(energy)
+
+
+# ---------------------------------------------------------------- GPM (Hopper and newer)
+# A GPU with `"gpm": true` offers GPM; a GPU instance's `"gpm"` ({"graphics": %, "sm": %}) is
+# its activity, read by nvmlGpmMigSampleGet into a sample. nvmlGpmMetricsGet answers, per
+# metric, the newer sample's activity (NVML computes it from the two samples' counters; the
+# fake has no clock): NOT_SUPPORTED in the metric for an id it does not know, and
+# INVALID_ARGUMENT for a sample never filled, two samples of different GPU instances, or a
+# sample2 not taken after sample1 (NVML computes the activity over sample1 -> sample2).
+
+NVML_GPM_METRIC_GRAPHICS_UTIL = 1
+NVML_GPM_METRIC_SM_UTIL = 2
+NVML_GPM_METRIC_SM_OCCUPANCY = 3
+NVML_GPM_METRIC_MAX = 477
+NVML_GPM_METRICS_GET_VERSION = 1
+NVML_GPM_SUPPORT_VERSION = 1
+_GPM_KEYS = {NVML_GPM_METRIC_GRAPHICS_UTIL: "graphics", NVML_GPM_METRIC_SM_UTIL: "sm"}
+
+
+class _GpmSample:
+    """nvmlGpmSample_t: opaque; here what nvmlGpmMigSampleGet read."""
+
+    def __init__(self):
+        self.source: tuple[int, int] | None = None  # (GPU index, GPU instance id)
+        self.values: dict = {}
+        self.taken = 0  # the order samples were taken in (NVML's timestamps)
+        self.freed = False
+
+
+class c_nvmlGpmMetric_t:  # noqa: N801 - pynvml's name
+    def __init__(self):
+        self.metricId, self.nvmlReturn, self.value = 0, NVML_SUCCESS, 0.0
+
+
+class c_nvmlGpmMetricsGet_t:  # noqa: N801 - pynvml's name
+    def __init__(self):
+        self.version, self.numMetrics = 0, 0
+        self.sample1 = self.sample2 = None
+        self.metrics = [c_nvmlGpmMetric_t() for _ in range(NVML_GPM_METRIC_MAX)]
+
+
+gpm = {"samples": 0, "alloc": 0, "free": 0}  # what tests count
+
+
+def nvmlGpmQueryDeviceSupport(device: int):  # noqa: N802
+    gpu = _gpu(device, "nvmlGpmQueryDeviceSupport")
+    return _Info(version=NVML_GPM_SUPPORT_VERSION, isSupportedDevice=int(bool(gpu.get("gpm"))))
+
+
+def nvmlGpmSampleAlloc():  # noqa: N802
+    _live()
+    gpm["alloc"] += 1
+    return _GpmSample()
+
+
+def nvmlGpmSampleFree(gpmSample) -> None:  # noqa: N802, N803
+    if not isinstance(gpmSample, _GpmSample) or gpmSample.freed:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    gpmSample.freed = True
+    gpm["free"] += 1
+
+
+def nvmlGpmMigSampleGet(device: int, gpuInstanceId: int, gpmSample):  # noqa: N802, N803
+    gpu = _gpu(device, "nvmlGpmMigSampleGet")
+    if not gpu.get("gpm"):
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    if not isinstance(gpmSample, _GpmSample) or gpmSample.freed:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    for gi in gpu.get("gpu_instances") or [] if gpu.get("mig") else []:
+        if gi["id"] == gpuInstanceId:
+            gpm["samples"] += 1
+            gpmSample.source, gpmSample.values = (device, gpuInstanceId), dict(gi.get("gpm") or {})
+            gpmSample.taken = gpm["samples"]
+            return gpmSample
+    raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+
+
+def nvmlGpmMetricsGet(metricsGet):  # noqa: N802, N803
+    _live()
+    one, two = metricsGet.sample1, metricsGet.sample2
+    if metricsGet.version != NVML_GPM_METRICS_GET_VERSION:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    if not all(isinstance(x, _GpmSample) and x.source and not x.freed for x in (one, two)) \
+            or one.source != two.source or one.taken >= two.taken:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    for metric in metricsGet.metrics[:metricsGet.numMetrics]:
+        key = _GPM_KEYS.get(metric.metricId)
+        if key is None or key not in two.values:
+            metric.nvmlReturn, metric.value = NVML_ERROR_NOT_SUPPORTED, 0.0
+        else:
+            metric.nvmlReturn, metric.value = NVML_SUCCESS, float(two.values[key])
+    return metricsGet
 
 
 _event_sets: dict[int, list[int]] = {}
