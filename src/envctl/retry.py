@@ -6,8 +6,10 @@ missing, a data source not mounted yet) or failed; `up NAME` and `down NAME` tak
 it (it came up, or the operator decided), so a retry never brings back an environment an
 operator took down. It records the boot id: a list from another boot is nobody's.
 
-Each change is a read-modify-write under an flock of the run directory itself (no lock file
-to leave behind), so an `up` and a `down` that end together both count.
+Each change is a read-modify-write under an flock of `<run>/.not-up.lock` (root's alone,
+0600: any user may open the run directory itself, 0755 for the daemon's socket, and hold an
+flock of it for ever), so an `up` and a `down` that end together both count. The lock file
+goes with the list: none is left behind once nothing waits.
 """
 
 from __future__ import annotations
@@ -44,24 +46,47 @@ def read_not_up(run_dir: Path, boot_id: str) -> list[str]:
     return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
+LOCK = ".not-up.lock"
+LOCK_WAIT = 30.0  # seconds: records come at the end of an up/down, each holding it briefly
+
+
 @contextlib.contextmanager
 def _locked(run_dir: Path, *, make: bool) -> Iterator[bool]:
-    """Hold an exclusive flock of `run_dir` (made first when `make`); yields whether it exists.
-    Not the global lock: `up` and `down` record after releasing it, and a retry list must not
-    wait behind another environment's long `up`."""
-    try:
-        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if not make:
-            yield False
-            return
-        run_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield True
-    finally:
-        os.close(fd)
+    """Hold an exclusive flock of `run_dir`/LOCK (the directory made first when `make`);
+    yields whether the run directory exists. Not the global lock: `up` and `down` record
+    after releasing it, and a retry list must not wait behind another environment's long
+    `up`. A lock file unlinked by the holder before us (the list emptied) is no lock: the
+    new one is taken instead, as engine.lock does."""
+    path = run_dir / LOCK
+    deadline = time.monotonic() + LOCK_WAIT
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # ENOENT: no run directory
+            if not make:
+                yield False
+                return
+            run_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+            continue
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise OSError(f"{path} is still held after {LOCK_WAIT:.0f} s") from None
+                    time.sleep(0.02)
+            st = os.fstat(fd)
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                yield True
+                return
+        finally:
+            os.close(fd)
 
 
 def record_attempt(run_dir: Path, boot_id: str, tried: list[str], not_up: list[str]) -> None:
@@ -76,6 +101,8 @@ def record_attempt(run_dir: Path, boot_id: str, tried: list[str], not_up: list[s
         if not names:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                (run_dir / LOCK).unlink()  # held: a waiter sees it gone and makes another
             return
         write_json(path, {"boot_id": boot_id, "envs": names, "time": time.time()},
                    durable=False)

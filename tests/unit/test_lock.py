@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 
 import pytest
@@ -142,3 +144,39 @@ def test_a_hold_inside_a_hold_of_the_same_thread_is_the_same_hold(tmp_path):
     assert not state.exists()
     with global_lock(state, timeout=0.2):  # released: free for anyone
         pass
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="opening the lock as another user needs root")
+def test_no_other_user_can_open_and_hold_the_lock():
+    """flock needs only a descriptor: with the lock file 0644 (before), `nobody` opened it
+    read-only and held it for ever, so every up, down and boot's up --all waited, then
+    failed. It is 0600; an older envctl's 0644 one is replaced by the first holder. (In a
+    directory nobody may enter, as /var/lib is: pytest's tmp_path is 0700.)"""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    top = Path(tempfile.mkdtemp(prefix="lockmode."))
+    try:
+        os.chmod(top, 0o755)
+        state = top / "state"
+        state.mkdir(mode=0o755)
+        (state / "lock").write_text("")
+        os.chmod(state / "lock", 0o644)  # as an older envctl left it
+
+        def nobody_opens() -> subprocess.CompletedProcess:
+            return subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-c",
+                                   f"import os; os.open({str(state / 'lock')!r}, os.O_RDONLY)"],
+                                  capture_output=True, text=True, timeout=60)
+
+        assert nobody_opens().returncode == 0  # the attack's first step, before
+        with global_lock(state):
+            (state / "keep").write_text("x")
+        assert stat.S_IMODE(os.stat(state / "lock").st_mode) == 0o600
+        res = nobody_opens()
+        assert res.returncode != 0 and "Permission denied" in res.stderr, res.stderr
+        assert sorted(os.listdir(state)) == ["keep", "lock"]
+    finally:
+        shutil.rmtree(top)

@@ -169,4 +169,31 @@ def test_an_up_and_a_down_that_end_together_both_count(tmp_path, monkeypatch):
     down.join(10)
     t_up.join(10)
     assert rt.read_not_up(run, "b1") == ["b", "c"]
-    assert os.listdir(run) == ["not-up.json"]  # no lock file left behind
+    # The lock file is root's alone, beside the list, and goes with it.
+    assert sorted(os.listdir(run)) == [".not-up.lock", "not-up.json"]
+    assert os.stat(run / ".not-up.lock").st_mode & 0o777 == 0o600
+    rt.record_attempt(run, "b1", ["b", "c"], [])
+    assert os.listdir(run) == []
+
+
+def test_a_user_holding_the_run_directory_does_not_stop_the_list(tmp_path):
+    """The run directory is 0755 (the daemon's socket is in it): any user may open it and
+    hold an flock of it for ever. The list's lock is a 0600 file, which only root opens; an
+    flock of the directory (the lock before) changes nothing."""
+    import fcntl
+    import threading
+
+    run = tmp_path / "run"
+    run.mkdir()
+    fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a user's, held
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (rt.record_attempt(run, "b1", ["a"], ["a"]),
+                                             done.set()))
+        t.start()
+        t.join(20)
+        assert done.is_set(), "record_attempt waited for the user's flock of the directory"
+        assert rt.read_not_up(run, "b1") == ["a"]
+    finally:
+        os.close(fd)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +19,9 @@ def _acquire(path: Path, deadline: float, on_wait: Callable[[str], None] | None)
     warned = False
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # 0600: flock needs only an open descriptor, so a lock file others may open is
+            # one any user may hold for ever (every up, down and boot waiting, then failing).
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:
             # The holder before us removed the (empty) state directory while we got here:
             # make it again and retry.
@@ -47,9 +50,25 @@ def _acquire(path: Path, deadline: float, on_wait: Callable[[str], None] | None)
         except FileNotFoundError:
             current = None
         if current is not None and (current.st_dev, current.st_ino) == (st.st_dev, st.st_ino):
+            if stat.S_IMODE(st.st_mode) != 0o600:
+                return _replace(path, fd)
             return fd
         os.close(fd)
         path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _replace(path: Path, old: int) -> int:
+    """An older envctl's lock file others could open (0644), held by us: a new 0600 one put
+    in its place, locked before the old one is let go (a user who opened the old one holds
+    a lock on an unlinked file, which excludes nobody: waiters take the new one)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a stale one of a killed run with our pid
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else has it
+    os.rename(tmp, path)
+    os.close(old)
+    return fd
 
 
 @contextmanager
