@@ -66,3 +66,27 @@ def test_a_user_option_in_other_digits_is_refused_not_a_traceback(user):
 
     with pytest.raises(AccessDenied):
         access.check_user_option(access.Caller(uid=65534, gid=65534), user)
+
+
+def test_a_spec_name_is_never_read_from_a_device_it_opens(tmp_path, monkeypatch):
+    """A spec linked into a directory a user owns, swapped for a link to a device: the
+    daemon's loop and the monitor opened it for reading before they looked at it (O_NONBLOCK
+    stops a FIFO's hang, not the open's own effect: /dev/watchdog armed, a tape rewound).
+    Now it is found with O_PATH, and only a regular file is opened for reading."""
+    from envctl.runtime import context
+
+    link = tmp_path / "a.yaml"
+    link.symlink_to("/dev/null")
+    opened = []
+    real = os.open
+
+    def spy(path, flags, *args, **kw):
+        opened.append((str(path), flags))
+        return real(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", spy)
+    assert context.spec_name_of(link) is None
+    assert opened and all(flags & os.O_PATH for _, flags in opened), opened
+    regular = tmp_path / "b.yaml"
+    regular.write_text("name: box\nkind: cpu\n")
+    assert context.spec_name_of(regular) == "box"

@@ -174,16 +174,23 @@ SPEC_HEAD_MAX = 1 << 20
 
 def spec_name_of(p: Path) -> str | None:
     """The `name:` of spec file `p` (read without YAML), None when it has none or is not a
-    regular file. Opened O_NONBLOCK and read only once the descriptor is a regular file, at
-    most SPEC_HEAD_MAX bytes: an operator's link may lead to a directory another user owns,
-    who can swap the file for a FIFO (root, the daemon's own loop even, would block in
-    open() for ever) or for a huge one. OSError when it cannot be opened."""
+    regular file. Found with O_PATH and opened for reading only once it is a regular file
+    (through the descriptor, so the same inode), at most SPEC_HEAD_MAX bytes: an operator's
+    link may lead to a directory another user owns, who can swap the file for a FIFO (root,
+    the daemon's own loop even, would block in open() for ever), a device whose open alone
+    acts (/dev/watchdog arms the host's watchdog) or a huge file. OSError when it cannot be
+    opened."""
     import stat
 
-    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    found = os.open(p, os.O_PATH | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        if not stat.S_ISREG(os.fstat(found).st_mode):
             return None
+        fd = os.open(f"/proc/self/fd/{found}",
+                     os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    finally:
+        os.close(found)
+    try:
         chunks, left = [], SPEC_HEAD_MAX
         while left > 0 and (chunk := os.read(fd, min(left, 65536))):
             chunks.append(chunk)
