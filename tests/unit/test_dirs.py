@@ -162,6 +162,12 @@ def test_a_host_directory_that_was_there_first_keeps_its_mode(host, tmp_path):
     assert src.check(host).ok
     engine.down("demo")
     assert stat.S_IMODE(there.stat().st_mode) == 0o1777
+    # The operator changes it while it is up: `down` keeps their change.
+    engine.up("demo", [src])
+    os.chmod(there, 0o2775)
+    out = engine.down("demo")
+    assert stat.S_IMODE(there.stat().st_mode) == 0o2775
+    assert "mode" not in out.steps[0].note, out.steps[0].note
     made = tmp_path / "made"
     old = os.umask(0o077)
     try:

@@ -90,7 +90,10 @@ class Directory(Resource):
             return {"existed": False, "made": made, "recorded": True}
         if memo["existed"]:
             st = p.stat()
-            memo["mode"] = stat.S_IMODE(st.st_mode)  # apply may change it: given back
+            if self.base != "host":
+                # apply may change it: given back. An operator's host directory is never
+                # chmodded (its mode is theirs, also when they change it while it is up).
+                memo["mode"] = stat.S_IMODE(st.st_mode)
             if self.owner >= 0:
                 memo["owner"] = [st.st_uid, st.st_gid]  # so may it the owner
         return memo
