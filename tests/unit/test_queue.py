@@ -476,3 +476,21 @@ def test_only_a_claim_whose_claimer_died_goes_back_to_the_queue_once(tmp_path):
     assert back[4].queued and not back[4].claimed
     assert back[2] == records[2] and back[3] == records[3]
     assert [e["id"] for e in q.read_env(tmp_path, "e")] == [1, 4]
+
+
+def test_a_job_queued_before_a_reboot_is_claimed_with_this_boots_id(tmp_path):
+    """A queued record keeps the boot id of its submit; claimed after a reboot without this
+    boot's id, its live claimer and then its running supervisor counted as dead (another
+    boot's pid): a live claim requeued, the running job LOST and its slice given out."""
+    from envctl.host.context import Host
+    from envctl.runtime import jobs as jb
+    from envctl.runtime.slices import Slice
+
+    jb.jobs_dir(tmp_path).mkdir(mode=0o700)
+    jb.write(tmp_path, jb.Job(id=1, env="e", argv=["x"], queued=True, boot_id="old-boot"))
+    host = Host(state_dir=tmp_path, run_dir=tmp_path / "run")
+    host.__dict__["boot_id"] = "this-boot"  # cached_property: as read from /proc
+    job = q._claim_one(host, 1, Slice(cpus=(0,)))
+    assert job is not None and job.boot_id == "this-boot"
+    assert jb.read(tmp_path, 1).boot_id == "this-boot"
+    assert not job.orphaned("this-boot")  # its claimer (this process) lives

@@ -785,6 +785,7 @@ def _claim_one(host: Host, jid: int, got: Slice) -> Job | None:
         return None
     job = job.replace(queued=False, reason=None, cpus=list(got.cpus), gpus=list(got.gpus),
                       cpus_exclusive=got.cpus_exclusive, gpus_exclusive=got.gpus_exclusive,
-                      mem_bytes=got.mem or None, supervisor=jobs.identity(), claimed=True)
+                      mem_bytes=got.mem or None, supervisor=jobs.identity(), claimed=True,
+                      boot_id=host.boot_id)  # queued in an earlier boot: claimed in this one
     jobs.write(host.state_dir, job)
     return job
