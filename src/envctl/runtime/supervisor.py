@@ -1201,6 +1201,10 @@ class _Supervisor:
         self.job = job
         self.report_fd: int | None = report
         self.cancel_requested = False
+        # Whether the record is this process's (its first write done, or the claim taken
+        # over): a failure before that writes nothing (the job may be queued again, or
+        # another supervisor's by now).
+        self.owned = False
         self.cancel_signal: int | None = None  # what asked: SIGUSR1 (cancel) or SIGTERM/SIGINT
         self.cg_name = f"job-{job.id}"  # below the environment's cgroup
         self.cg_dirs: list[Path] | None = None  # made (cgroupfs driver)
@@ -1330,6 +1334,7 @@ class _Supervisor:
                     return
             else:
                 self.save()
+            self.owned = True
         except OSError as exc:
             # No record, nothing started: `submit` says so and removes the job's directory,
             # and no id is printed that has no record. ("E" without "P": "P" says the record
@@ -1708,8 +1713,9 @@ def _supervisor_main(host: Host, ctx: EnvContext, req: Request, job: Job, out_fd
     except BaseException as exc:  # a bug: still end the record, never leave it RUNNING
         code = 1
         if sup is not None:
-            with contextlib.suppress(BaseException):
-                sup.finish(None, error=f"supervisor failed: {exc!r}")
+            if sup.owned:  # else not its record to end (queued again, or another's)
+                with contextlib.suppress(BaseException):
+                    sup.finish(None, error=f"supervisor failed: {exc!r}")
             with contextlib.suppress(BaseException):
                 sup.tell(f"E supervisor failed: {exc!r}")
     finally:
