@@ -287,3 +287,44 @@ def test_maintenance_pauses_healing_but_not_reporting(tmp_path):
     h.run(["box"])
     assert healed == ["other", "box"]
     assert not maintenance.set_mode(run, "box", False)
+
+
+def test_while_gpu_sampling_is_paused_mig_steps_are_neither_checked_nor_healed(tmp_path,
+                                                                               monkeypatch):
+    """`maintenance --gpus on` releases NVML for the operator's `nvidia-smi -r` or MIG change:
+    the health loop's check of an environment's MIG steps opened NVML again (host/mig.py),
+    and a heal of the drift the operator's change made turned MIG mode back on."""
+    from envctl.engine.engine import KEEP, Engine
+    from envctl.monitor import health as hl
+    from envctl.monitor import maintenance
+    from tests.unit import fakes
+
+    # The engine: steps of an unchecked kind are shown kept, their check never called.
+    fakes.reset()
+    host = Host(state_dir=tmp_path / "state", run_dir=tmp_path / "run")
+    Engine(host).up("box", [fakes.Thing("a")])
+    fakes.WORLD.pop("a")  # gone: a check would find it missing
+    checked = Engine(host).status("box", None)
+    assert [s.op for s in checked] != [KEEP]
+    steps = Engine(host).status("box", None, unchecked=("fake-thing",))
+    assert [(s.op, s.note) for s in steps] == [(KEEP, "not checked")]
+    fakes.reset()
+
+    # check_env asks for the NVML kinds unchecked only while the pause mark is there.
+    asked = []
+    monkeypatch.setattr(Engine, "status",
+                        lambda self, env, res, unchecked=(): asked.append(unchecked) or [])
+    assert hl.check_env(host, "box").paused_gpu is False
+    maintenance.set_mode(host.run_dir, maintenance.GPUS, True)
+    hl.check_env(host, "box")
+    assert asked == [(), hl.NVML_KINDS]
+
+    # The loop: an environment whose MIG steps went unchecked is not healed while paused.
+    healed = []
+    h, _, _ = health(tmp_path, lambda env: Check("degraded", ["service box: not running"],
+                                                 paused_gpu=True),
+                     lambda env: healed.append(env) or [])
+    h.run(["box"])
+    h.run(["box"])
+    assert healed == []
+    assert logged(tmp_path) == [("box", "drift"), ("box", "heal-paused")]

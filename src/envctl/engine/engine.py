@@ -135,14 +135,22 @@ class Engine:
                                   self._undo_note(res, _memo(key, res, journal, ledger))))
         return steps
 
-    def status(self, env: str, resources: Sequence[Resource] | None) -> list[Step]:
-        """Each resource envctl made (journal) or would make (plan): ok, missing or drifted."""
+    def status(self, env: str, resources: Sequence[Resource] | None, *,
+               unchecked: tuple[str, ...] = ()) -> list[Step]:
+        """Each resource envctl made (journal) or would make (plan): ok, missing or drifted.
+        Steps of the `unchecked` kinds are not checked (shown kept, with a note): the
+        monitor's health loop while GPU sampling is paused, whose MIG checks would open
+        NVML."""
         journal = self.journal(env)
         steps: list[Step] = []
         seen = set()
         ledger = self.ledger()
         for entry in journal.entries:
             res = entry.load()
+            if res.kind in unchecked:
+                steps.append(Step(KEEP, res, Check.present("not checked"), "not checked"))
+                seen.add(entry.key)
+                continue
             notes = [] if entry.status == "applied" else ["interrupted while applying"]
             check = _safe_check(res, self.host)
             undo = self._undo_note(res, _memo(entry.key, res, journal, ledger))

@@ -116,17 +116,36 @@ class Check:
 
     state: str  # "up", "degraded", "down"
     problems: list[str] = field(default_factory=list)
+    # It holds MIG steps, not checked while GPU sampling is paused: not healed either (a heal
+    # would check them, opening NVML, and turn MIG mode on again after the operator's change).
+    paused_gpu: bool = False
+
+
+# The kinds whose check asks NVML (host/mig.py): not checked, nor healed, while GPU sampling
+# is paused (`envctl maintenance --gpus on`: the operator's `nvidia-smi -r` or MIG change,
+# which a heal would undo by turning MIG mode on again).
+NVML_KINDS = ("mig-mode", "mig-instance")
+
+
+def gpus_paused(host: Any) -> bool:
+    from envctl.monitor import maintenance
+
+    run_dir = getattr(host, "run_dir", None)
+    return run_dir is not None and maintenance.read(run_dir, maintenance.GPUS) is not None
 
 
 def check_env(host: Any, env: str) -> Check:
-    """Read-only: the engine's check of every step `env`'s journal records as applied."""
+    """Read-only: the engine's check of every step `env`'s journal records as applied (but
+    those that ask NVML while GPU sampling is paused: `paused_gpu` says it had some)."""
     from envctl.engine.engine import KEEP, NOT_APPLIED, Engine, env_state
 
     host.options["monitor"] = "1"  # a service its restart policy ended is not drift
-    steps = Engine(host).status(env, None)
+    unchecked = NVML_KINDS if gpus_paused(host) else ()
+    steps = Engine(host).status(env, None, unchecked=unchecked)
     problems = [f"{s.resource.describe()}: {s.check.detail or s.check.status.value}"
                 for s in steps if s.op != KEEP and s.note != NOT_APPLIED]
-    return Check(env_state(steps), problems)
+    return Check(env_state(steps), problems,
+                 paused_gpu=any(s.resource.kind in unchecked for s in steps))
 
 
 def host_stopping(host: Any) -> bool:
@@ -241,6 +260,10 @@ class Health:
                 if self.last_event.get(env) != "heal-paused":  # once, not every tick
                     self._event(env, "heal-paused", "maintenance is on (`envctl maintenance "
                                 f"{env} off` resumes healing)")
+            elif self.heal and found.paused_gpu:
+                if self.last_event.get(env) != "heal-paused":
+                    self._event(env, "heal-paused", "GPU sampling is paused (`envctl "
+                                "maintenance --gpus off` resumes healing)")
             elif self.heal and self.backoff.due(env):
                 self._heal(env)
         return self.view()
