@@ -3,6 +3,7 @@ tests/integration/test_attacks_s33.py for the rest)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -90,3 +91,37 @@ def test_a_spec_name_is_never_read_from_a_device_it_opens(tmp_path, monkeypatch)
     regular = tmp_path / "b.yaml"
     regular.write_text("name: box\nkind: cpu\n")
     assert context.spec_name_of(regular) == "box"
+
+
+def test_a_passed_socket_lingering_again_does_not_block_the_loops_close():
+    """The client keeps a copy of the TCP socket it passed, sets SO_LINGER {1, 1000 s} again
+    after the daemon received it (recv_fds cleared it), and closes its copy: the daemon's
+    close of it (a request given up, an inline handler done) was the last one and waited
+    there for its unread data to be taken. close_passed clears it again right before."""
+    import socket
+    import struct
+    import threading
+
+    from envctl.server import protocol as proto
+
+    lst = socket.create_server(("127.0.0.1", 0))
+    cli = socket.create_connection(lst.getsockname())
+    peer, _ = lst.accept()  # never reads
+    try:
+        cli.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                cli.send(b"x" * 65536)  # the peer's window and our buffer full
+        cli.setblocking(True)
+        passed = os.dup(cli.fileno())  # as the daemon holds it
+        cli.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 1000))
+        cli.close()  # the client's copy gone: the daemon's close is the last
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (proto.close_passed([passed]), done.set()),
+                             daemon=True)
+        t.start()
+        t.join(20)
+        assert done.is_set(), "the daemon's close waited for a lingering socket"
+    finally:
+        peer.close()
+        lst.close()

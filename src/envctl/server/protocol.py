@@ -232,8 +232,16 @@ class FrameReader:
         return fds
 
     def close(self) -> None:
-        for fd in self.take_fds():
-            os.close(fd)
+        close_passed(self.take_fds())
+
+
+def close_passed(fds: list[int]) -> None:
+    """Close descriptors a client passed, each socket's SO_LINGER cleared again first: the
+    client may have kept a copy and set it since `recv_fds` cleared it, and whoever makes
+    the last close of a lingering socket waits in close(2) (the daemon's loop)."""
+    for fd in fds:
+        _unlinger(fd)
+        os.close(fd)
 
 
 def peer_credentials(sock: _socket.socket) -> tuple[int, int, int, tuple[int, ...]]:

@@ -397,8 +397,7 @@ class Daemon:
             try:
                 reply = run_handler(handlers.INLINE[op], conn.caller, request, fds)
             finally:
-                for fd in fds:
-                    os.close(fd)
+                proto.close_passed(fds)
             for fd in reply.pop("_fds", []):  # the inline ones pass none
                 os.close(fd)
             self.answer(conn, reply)
@@ -482,8 +481,7 @@ class Daemon:
                 code = child(conn.sock, conn.caller, request, fds)
             finally:
                 os._exit(code)
-        for fd in fds:
-            os.close(fd)
+        proto.close_passed(fds)  # the child's now (it may have closed them already)
         self.conns.pop(conn.sock.fileno(), None)
         conn.sock.close()
         try:
@@ -526,8 +524,7 @@ class Daemon:
             self.drop_worker(worker)
             return False
         worker.uid, worker.since = c.uid, time.monotonic()
-        for fd in fds:
-            os.close(fd)
+        proto.close_passed(fds)  # the worker's now (it may have closed them already)
         self.conns.pop(conn.sock.fileno(), None)
         conn.sock.close()
         return True
