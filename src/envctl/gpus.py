@@ -349,8 +349,10 @@ def clear_gpu(host: Host, root: Path, gpu: str) -> tuple[str, dict[str, Any]]:
     from envctl.host.gpuhealth import read_kmsg
 
     ledger = quarantine.load(host.state_dir)
+    from envctl.text import ascii_digits
+
     uuid = gpu
-    if gpu.isdigit():
+    if ascii_digits(gpu):
         by_index = {int(item.get("index", -1)): u for u, item in ledger.gpus.items()}
         uuid = by_index.get(int(gpu), "")
     if uuid not in ledger.gpus:

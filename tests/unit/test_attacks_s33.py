@@ -125,3 +125,17 @@ def test_a_passed_socket_lingering_again_does_not_block_the_loops_close():
     finally:
         peer.close()
         lst.close()
+
+
+@pytest.mark.parametrize("bad", ["²", "１２"])
+def test_every_number_a_user_types_is_ascii_digits(bad):
+    """One predicate (spec.units.ascii_digits) where numbers are typed: `--gpus ²,` was a
+    traceback in the daemon's child and `--gpus １,` GPU 1; `gpus --clear ²`, `--listen :²`
+    and `--user 0:²` the same."""
+    from envctl.errors import EnvctlError
+    from envctl.monitor.http import parse_listen
+    from envctl.text import ascii_digits
+
+    assert not ascii_digits(bad) and ascii_digits("12")
+    with pytest.raises(EnvctlError):
+        parse_listen(f"127.0.0.1:{bad}")

@@ -158,7 +158,9 @@ def parse_listen(text: str) -> tuple[str, int] | None:
     if text.strip().lower() == "none":
         return None
     addr, sep, port = text.strip().rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not addr:
+    from envctl.text import ascii_digits
+
+    if not sep or not ascii_digits(port) or not 0 <= int(port) <= 65535 or not addr:
         raise InputError(f"--listen '{text}': give ADDR:PORT (127.0.0.1:9464, [::1]:9464) or "
                          "none")
     return addr.strip("[]"), int(port)

@@ -278,13 +278,15 @@ def check_user_option(c: Caller, user: str | None) -> None:
     first) must still be the caller's uid: see check_run_as."""
     if user is None or is_admin(c):
         return
+    from envctl.text import ascii_digits
+
     name, _, group = user.partition(":")
-    uid = int(name) if name.isascii() and name.isdigit() else user_id(name)
+    uid = int(name) if ascii_digits(name) else user_id(name)
     if uid != c.uid:
         raise AccessDenied(f"{c.name} may not run a job as {name}: --user may name only "
                            "yourself unless you are one of the " + _admins())
     if group:
-        gid = int(group) if group.isascii() and group.isdigit() else group_id(group)
+        gid = int(group) if ascii_digits(group) else group_id(group)
         if gid not in c.gids:
             raise AccessDenied(f"{c.name} may not run a job with group {group}: not one of "
                                "your groups (envctl admins may)")

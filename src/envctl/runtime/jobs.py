@@ -386,8 +386,9 @@ def get(state_dir: Path, job_id: int | str) -> Job:
 
 def parse_id(text: int | str) -> int:
     s = str(text).strip()
-    # ASCII digits only: str.isdigit() holds for '²' (which int() refuses) and for '１２'.
-    if not (s.isascii() and s.isdigit()) or int(s) < 1:
+    from envctl.text import ascii_digits
+
+    if not ascii_digits(s) or int(s) < 1:
         raise UsageError(f"'{text}' is not a job id (a positive integer, as submit-job prints)")
     return int(s)
 

@@ -67,6 +67,7 @@ from envctl.errors import HostError, UsageError
 from envctl.host.libc import libc
 from envctl.record import Factory, Record
 from envctl.runtime.context import DEFAULT_PATH, EnvContext, format_cpus
+from envctl.text import ascii_digits
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms): see record.py
 if TYPE_CHECKING:
@@ -240,9 +241,9 @@ def resolve_user(spec: str | None, ctx: EnvContext,
     of the environment's GPU nodes (ctx.device_gids)."""
     if spec is None:
         uid = environ.get("SUDO_UID", "")
-        if uid.isdigit() and int(uid) != 0:
+        if ascii_digits(uid) and int(uid) != 0:
             gid = environ.get("SUDO_GID", "")
-            primary = int(gid) if gid.isdigit() else int(uid)
+            primary = int(gid) if ascii_digits(gid) else int(uid)
             return _outside_userns_block(
                 User(int(uid), primary, tuple(g for g in ctx.device_gids if g != primary)),
                 None, ctx)
@@ -276,20 +277,20 @@ def _user_from(spec: str, ctx: EnvContext) -> User:
     if not name:
         raise UsageError(f"--user {spec!r}: give a user name or uid")
     passwd = _table(ctx.root / "etc" / "passwd")  # name:x:uid:gid:gecos:home:shell
-    if name.isdigit():
+    if ascii_digits(name):
         uid = int(name)
         entry = next((e for e in passwd.values() if e[2] == name), None)
     else:
         entry = passwd.get(name) or _host_user(name)
-        if entry is None or not entry[2].isdigit():
+        if entry is None or not ascii_digits(entry[2]):
             raise UsageError(f"--user {spec!r}: no user '{name}' in the environment's "
                              "/etc/passwd nor on the host")
         uid = int(entry[2])
     login = entry[0] if entry else ""
-    primary = int(entry[3]) if entry and entry[3].isdigit() else uid
+    primary = int(entry[3]) if entry and ascii_digits(entry[3]) else uid
     groups = _table(ctx.root / "etc" / "group")  # name:x:gid:member,member
     gid = _group_id(group, groups, spec) if group else primary
-    extra = {int(g[2]) for g in groups.values() if login and g[2].isdigit()
+    extra = {int(g[2]) for g in groups.values() if login and ascii_digits(g[2])
              and login in g[3].split(",")}
     return User(uid, gid, tuple(sorted((extra | set(ctx.device_gids)) - {gid})))
 
@@ -321,9 +322,9 @@ def _host_user(name: str) -> list[str] | None:
 
 
 def _group_id(group: str, groups: dict[str, list[str]], spec: str) -> int:
-    if group.isdigit():
+    if ascii_digits(group):
         return int(group)
-    if group in groups and groups[group][2].isdigit():
+    if group in groups and ascii_digits(groups[group][2]):
         return int(groups[group][2])
     import grp
 

@@ -2067,9 +2067,9 @@ def make_request(host: Host, ctx: EnvContext, exe: str, args: list[str], *,
 
 
 def _digits(text: str) -> bool:
-    """A plain number: ASCII digits only (str.isdigit holds for '²', which int() refuses, a
-    traceback where a one-line exit 2 is due, and for other scripts' digits)."""
-    return text.isascii() and text.isdigit()
+    from envctl.text import ascii_digits
+
+    return ascii_digits(text)
 
 
 def _count(text: str | None, opt: str, single: str) -> int:
@@ -2126,7 +2126,7 @@ def resolve_gpus(host: Host, ctx: EnvContext, text: str) -> tuple[str, ...]:
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
-        uuid = by_index.get(int(item)) if item.isdigit() else item
+        uuid = by_index.get(int(item)) if _digits(item) else item
         if uuid is None or uuid not in ctx.gpus:
             raise InputError(f"submit-job --gpus: {item} is not one of environment "
                              f"'{ctx.env}''s GPUs ({held})")
