@@ -142,6 +142,9 @@ def list_jobs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int
     groups = (queue.queued_groups(host.state_dir, env)
               if queue.queue_dir(host.state_dir).is_dir() else [])
     views = [_view(e, got) for e, got in groups]
+    if env is None:  # every queue listed: an emptied one's view (MBs of rows) goes
+        for gone in set(_VIEWS) - {e for e, _ in groups}:
+            del _VIEWS[gone]
     skip = views[0].ids if len(views) == 1 else frozenset().union(*(v.ids for v in views))
     others = jb.listing(host.state_dir, host.boot_id, env=env, finished=finished, skip=skip)
     if env is not None and not views and not others and not jb.listing(
