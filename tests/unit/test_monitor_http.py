@@ -379,6 +379,31 @@ def test_one_source_spending_the_bcrypt_budget_leaves_the_others_theirs():
         server.close()
 
 
+def test_a_flood_at_a_real_bcrypt_cost_leaves_another_source_its_first_check(monkeypatch):
+    """At bcrypt's default cost one check (~0.25 s) is over the whole second's budget (0.2 s)
+    alone: the flood's first check of each second refused every other source until the
+    next. A source's first check of the second goes through while the whole stays under
+    twice the budget. (A fake clock that each bcrypt check moves on by 0.25 s.)"""
+    now = {"t": 0.0}
+    real = bcrypt.checkpw
+
+    def slow(password: bytes, hashed: bytes) -> bool:
+        now["t"] += 0.25
+        return real(password, hashed)
+
+    auth = mhttp.Auth({"prom": bcrypt.hashpw(b"pw", bcrypt.gensalt(4))},
+                      clock=lambda: now["t"])
+    monkeypatch.setattr(bcrypt, "checkpw", slow)
+    bad = "Basic " + base64.b64encode(b"prom:wrong").decode()
+    good = "Basic " + base64.b64encode(b"prom:pw").decode()
+    assert auth.check(bad, "flood") == 401
+    assert auth.check(bad, "flood") == 429
+    assert auth.check(good, "scraper") == 200
+    assert auth.check(bad, "third") == 429  # twice the budget spent: the rest wait
+    now["t"] += 1.0  # the next second: each source again
+    assert auth.check(bad, "third") == 401
+
+
 def test_an_unknown_user_costs_a_bcrypt_check_of_the_same_cost(monkeypatch):
     """A 401 for a user that does not exist takes a bcrypt check, against a dummy hash of the
     users' cost, so the time of a 401 does not tell which user names exist."""
