@@ -1,0 +1,71 @@
+"""An attacker's review of session 33's new code, the second one: what a host user (`nobody`)
+can do to root's `up`, `down`, `maintenance --gpus`, the queue's claims and the daemon's
+listings. Each test makes one attempt on the real kernel, in the sandbox.
+
+`ATTACK (fixed)`: the test failed on the code before the commit that adds it with its fix;
+`ATTACK (open)`: xfail(strict=True), the fix still to make (its reason says what it is); the
+others record attempts that held.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.sandbox import stderr_of
+
+pytestmark = pytest.mark.root
+
+NOBODY = 65534
+
+# Run as nobody, in the directory it was started in: hold an flock of that directory (which
+# it may open: /run/envctl is 0755) until killed.
+HOLD_FLOCK = """
+import fcntl, os, sys, time
+fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(3600)
+"""
+
+
+def as_nobody(code: str, cwd) -> subprocess.Popen:
+    """`code` run by Python as nobody (no groups), started in `cwd` (the chdir is made before
+    the user changes, as a user whose shell is already there)."""
+    return subprocess.Popen([sys.executable, "-I", "-c", code], cwd=cwd, user=NOBODY,
+                            group=NOBODY, extra_groups=[], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_user_holding_an_flock_of_the_run_directory_does_not_hang_up_or_down(clean):
+    """ATTACK (fixed): not-up.json's read-modify-write (retry.record_attempt, after every
+    `up` and `down`) took a blocking flock of the run directory itself. /run/envctl is 0755
+    (plain users reach the daemon's socket through it): any user may open it read-only and
+    flock it, so `nobody` held it and root's `up` and `down` blocked for ever, once their
+    work was done, in flock(2)."""
+    sb = clean
+    sb.write_spec("ok", "name: ok\nkind: cpu\n")
+    sb.run_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    sb.run_dir.chmod(0o755)
+    holder = as_nobody(HOLD_FLOCK, sb.run_dir)
+    try:
+        assert holder.stdout.readline().strip() == "held", stderr_of(holder)
+        try:
+            up = sb.envctl("up", "ok", timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("root's `up` blocked behind nobody's flock of the run directory")
+        assert up.returncode == 0, up.stderr
+        try:
+            down = sb.envctl("down", "ok", timeout=60)
+        except subprocess.TimeoutExpired:
+            sb.envctl("down", "ok", "--force", timeout=5)
+            pytest.fail("root's `down` blocked behind nobody's flock of the run directory")
+        assert down.returncode == 0, down.stderr
+        assert holder.poll() is None, stderr_of(holder)
+    finally:
+        holder.kill()
+        holder.wait()
+        time.sleep(0)
