@@ -9,6 +9,8 @@ others record attempts that held.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -16,6 +18,8 @@ import time
 import pytest
 
 from tests.integration.sandbox import stderr_of
+from tests.integration.test_attacks_daemon import RAW, alive
+from tests.integration.test_daemon import BOB, team  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.root
 
@@ -69,3 +73,39 @@ def test_a_user_holding_an_flock_of_the_run_directory_does_not_hang_up_or_down(c
         holder.kill()
         holder.wait()
         time.sleep(0)
+
+
+def test_a_jobs_listing_of_an_environment_named_by_a_path_does_not_block_the_daemon(
+        team):  # noqa: F811
+    """ATTACK (fixed): `envctl jobs ENV` is answered in the daemon's own loop
+    (handlers.list_jobs, inline), which read `<state>/jobs/.queue/ENV` as root with ENV as
+    the request gave it: a name was never checked, and `.queue / "/tmp/x/fifo"` is
+    `/tmp/x/fifo`. bob (in no access list) named a FIFO of his: the daemon's loop blocked in
+    open() for ever, serving nobody (`/dev/zero`: it read until memory ran out; a file of
+    JSON lines of his: shown as queued jobs, parsed and kept in the daemon's memory)."""
+    t = team
+    # A queue has existed (any job that ever waited leaves the directory).
+    (t.sb.state / "jobs" / ".queue").mkdir(mode=0o700, parents=True, exist_ok=True)
+    mine = t.shared / "bob"
+    mine.mkdir()
+    os.chown(mine, BOB, BOB)
+    fifo = mine / "fifo"
+    os.mkfifo(fifo)
+    os.chown(fifo, BOB, BOB)
+    code = ("s = conn(); s.sendall(frame({'v': 1, 'op': 'jobs', 'env': %r,"
+            " 'fields': ['id']}))\n"
+            "s.settimeout(20)\n"
+            "try:\n"
+            "    print(json.dumps(reply(s)))\n"
+            "except TimeoutError:\n"
+            "    print(json.dumps({'blocked': True}))\n")
+    for env in (str(fifo), f"../../../../../../../../../..{fifo}"):
+        res = t.sb.run("setpriv", f"--reuid={BOB}", f"--regid={BOB}", f"--groups={BOB}", "--",
+                       sys.executable, "-c", RAW + code % env,
+                       env={"ENVCTL_SOCKET": t.socket, "HOME": "/"}, timeout=60)
+        assert res.returncode == 0, res.stderr
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        assert not got.get("blocked"), "the daemon's loop blocked opening bob's FIFO"
+        assert not got["ok"] and got.get("exit") == 2, got
+        assert "environment" in got["error"], got
+    alive(t)

@@ -225,6 +225,16 @@ def _not_up(host: Host, env: str) -> UsageError:
                       f"this host (known: {known})")
 
 
+def check_env_name(env: str) -> str:
+    """`env` when it is an environment's name (never a path: `.queue / "/tmp/f"` is /tmp/f);
+    UsageError (exit 2) otherwise. Whatever a request names is checked so before any path is
+    made of it."""
+    if not _ENV_NAME.fullmatch(env):
+        raise UsageError(f"'{env}' is not an environment name (lowercase letters, digits and "
+                         "'-', at most 32)")
+    return env
+
+
 def read_journal(state_dir: Path, env: str, boot: str
                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """kind -> the first resource (dict form) of that kind in `env`'s journal, and its claims
@@ -242,8 +252,7 @@ def read_journal_meta(state_dir: Path, env: str, boot: str
     rebuilding every resource as Journal.open does: that imports every kind's module and the
     engine's (~20 ms of dataclasses), and a launch needs five plain fields.
     tests/unit/test_runtime_launch.py checks this against journals the engine wrote."""
-    if not _ENV_NAME.fullmatch(env):
-        raise UsageError(f"'{env}' is not an environment name")
+    check_env_name(env)
     path = state_dir / "journal" / f"{env}.json"
     data = _read_state(path)
     log = path.with_name(f"{env}.{data.get('log', 0) if data else 0}.log")
