@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tests.integration.sandbox import stderr_of
-from tests.integration.test_attacks_daemon import RAW, alive
+from tests.integration.test_attacks_daemon import RAW, alive, raw
 from tests.integration.test_daemon import BOB, team  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.root
@@ -109,3 +109,70 @@ def test_a_jobs_listing_of_an_environment_named_by_a_path_does_not_block_the_dae
         assert not got["ok"] and got.get("exit") == 2, got
         assert "environment" in got["error"], got
     alive(t)
+
+
+RELINGER = r"""
+import struct
+# A TCP connection on loopback whose peer never reads (never even accepted), its send buffer
+# full: whoever makes the last close of it with SO_LINGER set waits in close(2) for ever.
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(1)
+c = socket.socket()
+c.connect(srv.getsockname())
+c.setblocking(False)
+try:
+    while True:
+        c.send(b"x" * 65536)
+except BlockingIOError:
+    pass
+FOREVER = struct.pack("ii", 1, 2**31 - 1)
+c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, FOREVER)
+s = conn()
+# The frame's first bytes only, with the socket: the daemon keeps it while it waits for the
+# rest. It clears SO_LINGER as it receives it (the fix of the first review), which shows here.
+body = frame({"v": 1, "op": "ping"})
+socket.send_fds(s, [body[:6]], [c.fileno()])
+deadline = time.monotonic() + 20
+while struct.unpack("ii", c.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8))[0]:
+    assert time.monotonic() < deadline, "the daemon never received it"
+    time.sleep(0.01)
+# Set again by bob's own copy (the same socket), which he then closes, and he leaves: the
+# daemon drops the half request and closes its copy, the last one.
+c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, FOREVER)
+c.close()
+s.close()
+print(json.dumps({"left": True}), flush=True)
+time.sleep(float(sys.argv[1]))  # the peer lives on (keeps acknowledging window probes)
+"""
+
+
+def test_a_socket_lingering_again_after_the_daemon_received_it_does_not_block_its_loop(
+        team):  # noqa: F811
+    """ATTACK (fixed): the first review's fix clears SO_LINGER of a socket the daemon
+    receives, but the option belongs to the socket, which bob still holds: he sets it again
+    through his own
+    copy once the daemon has cleared it (he sees it cleared through that copy), closes his
+    copy, and leaves with his request half sent. The daemon's loop drops the connection and
+    closes the descriptors it brought: the last close, with SO_LINGER "for ever", of a TCP
+    socket whose peer never reads. The loop waits in close(2), serving nobody."""
+    proc = team.sb.popen("setpriv", f"--reuid={BOB}", f"--regid={BOB}", f"--groups={BOB}",
+                         "--", sys.executable, "-c", RAW + RELINGER, "60",
+                         env={"ENVCTL_SOCKET": team.socket, "HOME": "/"})
+    try:
+        line = proc.stdout.readline()
+        assert line, stderr_of(proc)
+        got = raw(team, 0, r"""
+s = conn()
+s.sendall(frame({"v": 1, "op": "ping"}))
+s.settimeout(10)
+try:
+    print(json.dumps({"answered": bool(s.recv(65536))}))
+except socket.timeout:
+    print(json.dumps({"answered": False}))
+""")
+        assert got["answered"], "the daemon's loop hangs in close(2) of bob's socket"
+    finally:
+        proc.kill()
+        proc.wait()
+    alive(team)

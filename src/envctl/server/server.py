@@ -398,7 +398,7 @@ class Daemon:
                 reply = run_handler(handlers.INLINE[op], conn.caller, request, fds)
             finally:
                 for fd in fds:
-                    os.close(fd)
+                    proto.dispose(fd)  # (never a wait in close(2) here: see there)
             for fd in reply.pop("_fds", []):  # the inline ones pass none
                 os.close(fd)
             self.answer(conn, reply)
