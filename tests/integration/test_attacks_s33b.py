@@ -9,6 +9,7 @@ others record attempts that held.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -176,3 +177,62 @@ except socket.timeout:
         proc.kill()
         proc.wait()
     alive(team)
+
+
+# Run in the sandbox (root, its mount namespace): a FUSE file system mounted for bob on his
+# directory `argv[1]` (what fusermount3 does for him on a host with fuse3) whose server never
+# answers anything, not even INIT: every look inside waits for it.
+FUSE_NEVER = r"""
+import ctypes, os, sys, time
+where = sys.argv[1]
+fd = os.open("/dev/fuse", os.O_RDWR)
+libc = ctypes.CDLL(None, use_errno=True)
+opts = f"fd={fd},rootmode=40000,user_id={sys.argv[2]},group_id={sys.argv[2]},allow_other"
+if libc.mount(b"bob-fuse", where.encode(), b"fuse", 0, opts.encode()) != 0:
+    raise OSError(ctypes.get_errno(), "mount fuse")
+print("mounted", flush=True)
+time.sleep(3600)  # holding /dev/fuse, answering nothing; killed: the connection aborts
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="the daemon's loop looks specs up by name (warm: "
+                   "load_access -> _spec_file -> spec_name_of opens every spec of the config "
+                   "directory, links followed): O_NONBLOCK stops a FIFO, not a FUSE file "
+                   "system whose server answers nothing. The fix: a spec link followed only "
+                   "through directories root alone may change, never into one another user "
+                   "owns (even lstat of a FUSE mount point waits for its server: each step "
+                   "openat2 O_PATH with RESOLVE_NO_XDEV, a mount point below such a "
+                   "directory refused), and no spec lookup in the daemon's loop (a request's "
+                   "child waiting there still holds one of the 32 children's places)")
+def test_a_fuse_mount_where_an_operators_spec_link_leads_does_not_block_the_daemon(
+        team):  # noqa: F811
+    """ATTACK (open): the first review closed the FIFO swapped in where an operator's spec
+    link leads (a directory bob owns): the daemon opens specs O_NONBLOCK. bob mounts a FUSE
+    file system there instead (fusermount3 lets a user mount on a directory he owns) whose
+    server never answers: the daemon's own loop, looking up the environment a request names
+    (any request: warm), waits in open() for ever, serving nobody."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse on this host (the fuse module not loaded)")
+    t = team
+    home = t.shared / "bob-home"
+    home.mkdir()
+    os.chown(home, BOB, BOB)
+    (t.sb.config_dir / "bobs.yaml").symlink_to(home / "spec.yaml")  # the operator's link
+    holder = t.sb.popen(sys.executable, "-c", FUSE_NEVER, str(home), str(BOB))
+    try:
+        assert holder.stdout.readline().strip() == "mounted", stderr_of(holder)
+        code = ("s = conn(); s.sendall(frame({'v': 1, 'op': 'submit', 'env': 'box',"
+                " 'exe': '/bin/true'}))\n"
+                "s.settimeout(15)\n"
+                "try:\n"
+                "    print(json.dumps({'answered': bool(s.recv(65536))}))\n"
+                "except TimeoutError:\n"
+                "    print(json.dumps({'answered': False}))\n")
+        got = raw(t, BOB, code)
+        assert got["answered"], "the daemon's loop waits on bob's FUSE file system"
+    finally:
+        holder.kill()
+        holder.wait()
+        with contextlib.suppress(OSError):
+            (t.sb.config_dir / "bobs.yaml").unlink()
+    alive(t)
