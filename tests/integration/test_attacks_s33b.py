@@ -195,22 +195,14 @@ time.sleep(3600)  # holding /dev/fuse, answering nothing; killed: the connection
 """
 
 
-@pytest.mark.xfail(strict=True, reason="the daemon's loop looks specs up by name (warm: "
-                   "load_access -> _spec_file -> spec_name_of opens every spec of the config "
-                   "directory, links followed): O_NONBLOCK stops a FIFO, not a FUSE file "
-                   "system whose server answers nothing. The fix: a spec link followed only "
-                   "through directories root alone may change, never into one another user "
-                   "owns (even lstat of a FUSE mount point waits for its server: each step "
-                   "openat2 O_PATH with RESOLVE_NO_XDEV, a mount point below such a "
-                   "directory refused), and no spec lookup in the daemon's loop (a request's "
-                   "child waiting there still holds one of the 32 children's places)")
 def test_a_fuse_mount_where_an_operators_spec_link_leads_does_not_block_the_daemon(
         team):  # noqa: F811
-    """ATTACK (open): the first review closed the FIFO swapped in where an operator's spec
+    """ATTACK (fixed): the first review closed the FIFO swapped in where an operator's spec
     link leads (a directory bob owns): the daemon opens specs O_NONBLOCK. bob mounts a FUSE
     file system there instead (fusermount3 lets a user mount on a directory he owns) whose
     server never answers: the daemon's own loop, looking up the environment a request names
-    (any request: warm), waits in open() for ever, serving nobody."""
+    (any request: warm), waited in open() for ever, serving nobody. Now a spec link is
+    walked a component at a time, and one that reaches a user's FUSE mount is not opened."""
     if not os.path.exists("/dev/fuse"):
         pytest.skip("no /dev/fuse on this host (the fuse module not loaded)")
     t = team

@@ -180,6 +180,8 @@ def spec_name_of(p: Path) -> str | None:
     open() for ever) or for a huge one. OSError when it cannot be opened."""
     import stat
 
+    if os.path.islink(p) and not _no_users_fuse_on_the_way(p):
+        return None  # (not looked into: its server may never answer)
     fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -192,6 +194,79 @@ def spec_name_of(p: Path) -> str | None:
         os.close(fd)
     m = _SPEC_NAME.search(b"".join(chunks).decode(errors="replace"))
     return m.group(1) if m else None
+
+
+def _users_fuse_mounts() -> set[int]:
+    """The mount ids of the FUSE file systems a user other than root mounted (fusermount3:
+    `user_id=` in their options), from /proc/self/mountinfo."""
+    out = set()
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if len(fields) > 1 and len(rest) > 2 and rest[0].startswith("fuse") and \
+                "user_id=0," not in f"{rest[2]},":
+            with contextlib.suppress(ValueError):
+                out.add(int(fields[0]))
+    return out
+
+
+def _mount_id(fd: int) -> int | None:
+    """The mount id of O_PATH descriptor `fd`, by statx(AT_STATX_DONT_SYNC): a FUSE file
+    system answers that from what it has, never asking its server."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(256)
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_empty_path, dont_sync, mnt_id = 0x1000, 0x4000, 0x1000
+    if libc.statx(fd, b"", at_empty_path | dont_sync, mnt_id, buf) != 0:
+        return None
+    return int.from_bytes(buf.raw[144:152], "little")
+
+
+def _no_users_fuse_on_the_way(p: Path) -> bool:
+    """Whether following link `p` (in the config directory) reaches nothing on a FUSE file
+    system a user mounted: its server, that user, may never answer, and an open, even an
+    lstat there waits for it (the daemon's own loop looks specs up by name). Walked a
+    component at a time through O_PATH descriptors, each one's mount looked at before
+    anything asks its file system (attacker review, s33)."""
+    import stat
+
+    fuse = _users_fuse_mounts()
+    if not fuse:
+        return True  # none on this host: nothing to walk
+    fd = os.open(p.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    todo, links = [p.name], 0
+    try:
+        while todo:
+            name = todo.pop(0)
+            try:
+                nfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError:
+                return True  # missing (or not a directory): the open says so, at once
+            if _mount_id(nfd) in fuse:
+                os.close(nfd)
+                return False
+            if stat.S_ISLNK(os.fstat(nfd).st_mode):
+                os.close(nfd)
+                links += 1
+                if links > 40:
+                    return True  # ELOOP: the open says so
+                text = os.readlink(name, dir_fd=fd)
+                if text.startswith("/"):
+                    os.close(fd)
+                    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                todo[:0] = [c for c in text.split("/") if c not in ("", ".")]
+                continue
+            os.close(fd)
+            fd = nfd
+        return True
+    finally:
+        os.close(fd)
 
 
 def spec_names(where: Path) -> set[str]:
