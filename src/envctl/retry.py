@@ -6,10 +6,8 @@ missing, a data source not mounted yet) or failed; `up NAME` and `down NAME` tak
 it (it came up, or the operator decided), so a retry never brings back an environment an
 operator took down. It records the boot id: a list from another boot is nobody's.
 
-Each change is a read-modify-write under an flock of `<run>/.not-up.lock` (root's alone,
-0600: any user may open the run directory itself, 0755 for the daemon's socket, and hold an
-flock of it for ever), so an `up` and a `down` that end together both count. The lock file
-goes with the list: none is left behind once nothing waits.
+Each change is a read-modify-write under an flock of `<run>/.not-up.lock` (root's, 0600; gone
+with the list), so an `up` and a `down` that end together both count.
 """
 
 from __future__ import annotations
@@ -46,47 +44,56 @@ def read_not_up(run_dir: Path, boot_id: str) -> list[str]:
     return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
-LOCK = ".not-up.lock"
-LOCK_WAIT = 30.0  # seconds: records come at the end of an up/down, each holding it briefly
+LOCK = ".not-up.lock"  # in the run directory, root's alone (0600): see _locked
 
 
 @contextlib.contextmanager
 def _locked(run_dir: Path, *, make: bool) -> Iterator[bool]:
-    """Hold an exclusive flock of `run_dir`/LOCK (the directory made first when `make`);
-    yields whether the run directory exists. Not the global lock: `up` and `down` record
-    after releasing it, and a retry list must not wait behind another environment's long
-    `up`. A lock file unlinked by the holder before us (the list emptied) is no lock: the
-    new one is taken instead, as engine.lock does."""
-    path = run_dir / LOCK
-    deadline = time.monotonic() + LOCK_WAIT
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:  # ENOENT: no run directory
-            if not make:
-                yield False
-                return
-            run_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-            continue
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise OSError(f"{path} is still held after {LOCK_WAIT:.0f} s") from None
-                    time.sleep(0.02)
-            st = os.fstat(fd)
+    """Hold an exclusive flock of `<run>/.not-up.lock` (the run directory made first when
+    `make`); yields whether the run directory exists. Not the global lock: `up` and `down`
+    record after releasing it, and a retry list must not wait behind another environment's
+    long `up`. Not an flock of the run directory itself: /run/envctl is 0755, any user may
+    open it and hold its flock for ever (root's `up` and `down` then hung there). The lock
+    file is root's, 0600, which no other user can open; it goes with the list (the holder
+    that empties it unlinks it, and a waiter that then finds the name leads to another file
+    takes the new one)."""
+    try:
+        dfd = os.open(run_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not make:
+            yield False
+            return
+        run_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        dfd = os.open(run_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        while True:
+            fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dfd)
             try:
-                now = os.stat(path, follow_symlinks=False)
-            except FileNotFoundError:
-                now = None
-            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                yield True
-                return
-        finally:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                now = os.stat(LOCK, dir_fd=dfd, follow_symlinks=False)
+                mine = os.fstat(fd)
+            except FileNotFoundError:  # unlinked by the holder before us: take the next
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                break
             os.close(fd)
+        try:
+            yield True
+        finally:
+            try:
+                os.stat(NOT_UP, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:  # no list left: nor its lock (nothing left in /run)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(LOCK, dir_fd=dfd)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dfd)
 
 
 def record_attempt(run_dir: Path, boot_id: str, tried: list[str], not_up: list[str]) -> None:
@@ -101,8 +108,6 @@ def record_attempt(run_dir: Path, boot_id: str, tried: list[str], not_up: list[s
         if not names:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            with contextlib.suppress(FileNotFoundError):
-                (run_dir / LOCK).unlink()  # held: a waiter sees it gone and makes another
             return
         write_json(path, {"boot_id": boot_id, "envs": names, "time": time.time()},
                    durable=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 from envctl import retry as rt
 
@@ -169,11 +170,12 @@ def test_an_up_and_a_down_that_end_together_both_count(tmp_path, monkeypatch):
     down.join(10)
     t_up.join(10)
     assert rt.read_not_up(run, "b1") == ["b", "c"]
-    # The lock file is root's alone, beside the list, and goes with it.
+    # The lock file (root's, 0600: no user may hold it) lives as long as the list.
     assert sorted(os.listdir(run)) == [".not-up.lock", "not-up.json"]
-    assert os.stat(run / ".not-up.lock").st_mode & 0o777 == 0o600
+    assert stat.S_IMODE(os.stat(run / ".not-up.lock").st_mode) == 0o600
+    monkeypatch.setattr(rt, "write_json", real_write)
     rt.record_attempt(run, "b1", ["b", "c"], [])
-    assert os.listdir(run) == []
+    assert os.listdir(run) == []  # the list gone, its lock too
 
 
 def test_a_user_holding_the_run_directory_does_not_stop_the_list(tmp_path):

@@ -182,6 +182,8 @@ def spec_name_of(p: Path) -> str | None:
     opened."""
     import stat
 
+    if os.path.islink(p) and not _no_users_fuse_on_the_way(p):
+        return None  # (not looked into: its server may never answer)
     found = os.open(p, os.O_PATH | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(found).st_mode):
@@ -199,6 +201,79 @@ def spec_name_of(p: Path) -> str | None:
         os.close(fd)
     m = _SPEC_NAME.search(b"".join(chunks).decode(errors="replace"))
     return m.group(1) if m else None
+
+
+def _users_fuse_mounts() -> set[int]:
+    """The mount ids of the FUSE file systems a user other than root mounted (fusermount3:
+    `user_id=` in their options), from /proc/self/mountinfo."""
+    out = set()
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if len(fields) > 1 and len(rest) > 2 and rest[0].startswith("fuse") and \
+                "user_id=0," not in f"{rest[2]},":
+            with contextlib.suppress(ValueError):
+                out.add(int(fields[0]))
+    return out
+
+
+def _mount_id(fd: int) -> int | None:
+    """The mount id of O_PATH descriptor `fd`, by statx(AT_STATX_DONT_SYNC): a FUSE file
+    system answers that from what it has, never asking its server."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(256)
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_empty_path, dont_sync, mnt_id = 0x1000, 0x4000, 0x1000
+    if libc.statx(fd, b"", at_empty_path | dont_sync, mnt_id, buf) != 0:
+        return None
+    return int.from_bytes(buf.raw[144:152], "little")
+
+
+def _no_users_fuse_on_the_way(p: Path) -> bool:
+    """Whether following link `p` (in the config directory) reaches nothing on a FUSE file
+    system a user mounted: its server, that user, may never answer, and an open, even an
+    lstat there waits for it (the daemon's own loop looks specs up by name). Walked a
+    component at a time through O_PATH descriptors, each one's mount looked at before
+    anything asks its file system (attacker review, s33)."""
+    import stat
+
+    fuse = _users_fuse_mounts()
+    if not fuse:
+        return True  # none on this host: nothing to walk
+    fd = os.open(p.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    todo, links = [p.name], 0
+    try:
+        while todo:
+            name = todo.pop(0)
+            try:
+                nfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError:
+                return True  # missing (or not a directory): the open says so, at once
+            if _mount_id(nfd) in fuse:
+                os.close(nfd)
+                return False
+            if stat.S_ISLNK(os.fstat(nfd).st_mode):
+                os.close(nfd)
+                links += 1
+                if links > 40:
+                    return True  # ELOOP: the open says so
+                text = os.readlink(name, dir_fd=fd)
+                if text.startswith("/"):
+                    os.close(fd)
+                    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                todo[:0] = [c for c in text.split("/") if c not in ("", ".")]
+                continue
+            os.close(fd)
+            fd = nfd
+        return True
+    finally:
+        os.close(fd)
 
 
 def spec_names(where: Path) -> set[str]:
@@ -232,6 +307,16 @@ def _not_up(host: Host, env: str) -> UsageError:
                       f"this host (known: {known})")
 
 
+def check_env_name(env: str) -> str:
+    """`env` when it is an environment's name (never a path: `.queue / "/tmp/f"` is /tmp/f);
+    UsageError (exit 2) otherwise. Whatever a request names is checked so before any path is
+    made of it."""
+    if not _ENV_NAME.fullmatch(env):
+        raise UsageError(f"'{env}' is not an environment name (lowercase letters, digits and "
+                         "'-', at most 32)")
+    return env
+
+
 def read_journal(state_dir: Path, env: str, boot: str
                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """kind -> the first resource (dict form) of that kind in `env`'s journal, and its claims
@@ -249,8 +334,7 @@ def read_journal_meta(state_dir: Path, env: str, boot: str
     rebuilding every resource as Journal.open does: that imports every kind's module and the
     engine's (~20 ms of dataclasses), and a launch needs five plain fields.
     tests/unit/test_runtime_launch.py checks this against journals the engine wrote."""
-    if not _ENV_NAME.fullmatch(env):
-        raise UsageError(f"'{env}' is not an environment name")
+    check_env_name(env)
     path = state_dir / "journal" / f"{env}.json"
     data = _read_state(path)
     log = path.with_name(f"{env}.{data.get('log', 0) if data else 0}.log")

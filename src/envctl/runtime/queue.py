@@ -195,7 +195,13 @@ def queue_dir(state_dir: Path) -> Path:
 
 def queue_file(state_dir: Path, env: str) -> Path:
     # `env` is an environment's name (spec.naming: [a-z0-9-], no '/' or '.'), checked when
-    # its context was loaded from its journal.
+    # its context was loaded from its journal, or by the daemon's listing before it asks
+    # (context.check_env_name). Never a path, whoever forgets to check: the index is read and
+    # written as root by it (`.queue / "/tmp/f"` is /tmp/f).
+    if "/" in env or env.startswith(".") or not env:
+        from envctl.errors import UsageError
+
+        raise UsageError(f"'{env}' is not an environment name")
     return queue_dir(state_dir) / env
 
 

@@ -137,6 +137,12 @@ def list_jobs(caller: Caller, req: dict, fds: list[int]) -> tuple[dict, list[int
     env = _get(req, "env", str)
     from envctl.runtime import queue
 
+    if env is not None:
+        from envctl.runtime.context import check_env_name
+
+        # Before any path is made of it: the queue's index is read by it, as root, in the
+        # daemon's own loop (a path named there was opened: bob's FIFO blocked the loop).
+        check_env_name(env)
     host = _host()
     finished = bool(_get(req, "all", bool, False))
     groups = (queue.queued_groups(host.state_dir, env)

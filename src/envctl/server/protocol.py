@@ -156,6 +156,43 @@ def recv_fds(sock: _socket.socket, bufsize: int, maxfds: int = MAX_FDS
     return data, fds, flags
 
 
+def dispose(fd: int) -> None:
+    """Close a descriptor a client passed, which nobody else is to get (its request refused,
+    or its client gone before it was served), without ever waiting in close(2). SO_LINGER,
+    cleared as it came (recv_fds), belongs to the socket, and its sender may still hold a copy
+    through which he sets it again and then closes his: the last close would be this one, a
+    TCP socket whose peer never reads lingering "for ever" (the daemon's loop blocked in it).
+    So a connected socket other than a Unix one is closed abortively: SO_LINGER 0 (a reset,
+    at once) and the connection dropped first (connect AF_UNSPEC): what its sender still
+    holds of it is a closed connection then, which he handed to a request he abandoned."""
+    try:
+        s = _socket.socket(fileno=fd)
+    except OSError:  # not a socket
+        os.close(fd)
+        return
+    try:
+        if s.family != _socket.AF_UNIX and not s.getsockopt(_socket.SOL_SOCKET,
+                                                             _socket.SO_ACCEPTCONN):
+            s.setsockopt(_socket.SOL_SOCKET, _socket.SO_LINGER, struct.pack("ii", 1, 0))
+            _disconnect(fd)
+    except OSError:
+        pass
+    finally:
+        s.detach()
+    os.close(fd)
+
+
+def _disconnect(fd: int) -> None:
+    """connect(fd, {AF_UNSPEC}): a TCP connection reset and dropped at once (tcp_disconnect),
+    whatever SO_LINGER its other holders set meanwhile (Python's connect() takes no
+    AF_UNSPEC address)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    addr = struct.pack("H14x", _socket.AF_UNSPEC)
+    libc.connect(fd, ctypes.c_char_p(addr), len(addr))
+
+
 def _unlinger(fd: int) -> None:
     """Clear SO_LINGER of `fd` when it is a socket (anything else: nothing to do)."""
     try:
@@ -232,13 +269,15 @@ class FrameReader:
         return fds
 
     def close(self) -> None:
-        close_passed(self.take_fds())
+        for fd in self.take_fds():
+            dispose(fd)
 
 
 def close_passed(fds: list[int]) -> None:
-    """Close descriptors a client passed, each socket's SO_LINGER cleared again first: the
-    client may have kept a copy and set it since `recv_fds` cleared it, and whoever makes
-    the last close of a lingering socket waits in close(2) (the daemon's loop)."""
+    """Close the daemon's copies of descriptors a client passed and a worker or a request's
+    child now holds (not `dispose`: theirs to use), each socket's SO_LINGER cleared again
+    first: should the holder have closed its copy already, this close is the last, and the
+    client may have set SO_LINGER again through a copy of his own."""
     for fd in fds:
         _unlinger(fd)
         os.close(fd)

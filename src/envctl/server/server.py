@@ -397,7 +397,8 @@ class Daemon:
             try:
                 reply = run_handler(handlers.INLINE[op], conn.caller, request, fds)
             finally:
-                proto.close_passed(fds)
+                for fd in fds:
+                    proto.dispose(fd)  # (never a wait in close(2) here: see there)
             for fd in reply.pop("_fds", []):  # the inline ones pass none
                 os.close(fd)
             self.answer(conn, reply)
