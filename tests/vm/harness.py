@@ -123,8 +123,9 @@ def kernel() -> tuple[Path, Path]:
 
 
 def initramfs() -> Path:
-    """The busybox initramfs (cached; rebuilt when this file's /init changes)."""
-    return _initramfs("initrd", INIT, MODULES, dirs=("host",))
+    """The busybox initramfs (cached; rebuilt when this file's /init changes), with virtio_blk
+    for `run`'s disk."""
+    return _initramfs("initrd", INIT, (*MODULES, "virtio_blk"), dirs=("host",))
 
 
 def _initramfs(name: str, template: str, wanted: tuple[str, ...], *,
@@ -154,15 +155,26 @@ def _initramfs(name: str, template: str, wanted: tuple[str, ...], *,
     return target
 
 
-def run(script: str, *, timeout: float = 900, memory_mb: int = 1024, cpus: int = 2) -> Result:
-    """Boot the VM, run `script` (sh) as root in the host's root filesystem, power off."""
+def run(script: str, *, timeout: float = 900, memory_mb: int = 1024, cpus: int = 2,
+        disk_mb: int = 0) -> Result:
+    """Boot the VM, run `script` (sh) as root in the host's root filesystem, power off. With
+    `disk_mb`, the guest has a blank virtio disk of that size, /dev/vda: a block device for IO
+    that io.stat counts (every filesystem of the guest is 9p or tmpfs, which it does not)."""
     vmlinuz, _ = kernel()
     initrd = initramfs()
     with tempfile.TemporaryDirectory(prefix="envctl-vm-") as tmp:
-        out = Path(tmp)
+        out = Path(tmp) / "out"
+        out.mkdir()
         out.chmod(0o777)
+        drives = []
+        if disk_mb:
+            disk = Path(tmp) / "disk.img"
+            with open(disk, "wb") as f:
+                f.truncate(disk_mb << 20)
+            drives = ["-drive", f"file={disk},format=raw,if=virtio"]
         return _boot(vmlinuz, initrd, "console=ttyS0 quiet panic=-1", out, script,
-                     guest_out="/tmp/out", memory_mb=memory_mb, cpus=cpus, timeout=timeout)
+                     guest_out="/tmp/out", memory_mb=memory_mb, cpus=cpus, timeout=timeout,
+                     extra=drives)
 
 
 # ---------------------------------------------------------------- systemd as PID 1
@@ -274,10 +286,11 @@ def _watched(script: str, guest_out: str, after: float) -> str:
 
 
 def _boot(vmlinuz: Path, initrd: Path, cmdline: str, out: Path, script: str, *,
-          guest_out: str = "/out", memory_mb: int, cpus: int, timeout: float) -> Result:
+          guest_out: str = "/out", memory_mb: int, cpus: int, timeout: float,
+          extra: list[str] | None = None) -> Result:
     """Boot qemu (TCG) with the host root and the checkout read-only on 9p and `out` writable
     (the guest's `guest_out`), run `script` there from out/run.sh (watched: `_watched`, at
-    three quarters of `timeout`); collect the results."""
+    three quarters of `timeout`), `extra` qemu arguments (a disk); collect the results."""
     after = timeout * 0.75
     (out / "run.sh").write_text(_watched(script, guest_out, after))
     (out / "repo_path").write_text(str(REPO))
@@ -287,7 +300,7 @@ def _boot(vmlinuz: Path, initrd: Path, cmdline: str, out: Path, script: str, *,
             "multidevs=remap",
             "-virtfs", f"local,path={out},mount_tag=out,security_model=none",
             "-virtfs", f"local,path={REPO},mount_tag=repo,security_model=none,readonly=on,"
-            "multidevs=remap"]
+            "multidevs=remap", *(extra or [])]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
@@ -396,7 +409,7 @@ def run_systemd_boot(script: str, *, preboot: str, out: Path, clean_poweroff: bo
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o777)
     for name in ("rc", "log", "stall.txt", "preboot.rc", "preboot.log", "shutdown.json",
-                 "left_up_at"):
+                 "left_up_at", "shutdown_job"):
         (out / name).unlink(missing_ok=True)
     (out / "preboot.sh").write_text(preboot)
     (out / "modules_path").write_text(str(kernel_modules()))
