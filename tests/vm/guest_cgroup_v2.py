@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from envctl.host.cgroups import Cgroups, detect_layout, read_cgroup_facts
 from envctl.monitor.prom import parse_exposition
 from tests.integration.sandbox import Sandbox
 from tests.integration.test_cgroup import (
+    ATTACH,
     KMSG_PROBE,
     SPEC,
     SUB_CGROUP,
@@ -249,15 +252,17 @@ def test_a_job_over_its_environments_memory_is_out_of_memory_on_v2(clean, tmp_pa
     shutil.rmtree(sb.state)
 
 
-# In `lim` (attached first, start_child): IO on the VM's disk (tests/vm/test_vm_cgroup.py
-# gives it one: every filesystem here is 9p or tmpfs, whose IO io.stat does not count) with
-# O_DIRECT, so that each byte goes to the device and not to the page cache; then four
-# CPU-bound processes, more than the VM's two CPUs: the quota throttles them, and while they
-# may run they wait for a CPU (PSI's cpu "some").
+# IO on the VM's disk (tests/vm/test_vm_cgroup.py gives it one: every filesystem here is 9p
+# or tmpfs, whose IO io.stat does not count), opened before the process joins `lim`: lim's
+# device program (envctl's allow-list) refuses the disk, and is asked at open() only. Then, in
+# lim, the IO with O_DIRECT, so that each byte goes to the device (and is counted in the
+# cgroup of the process that issues it), not to the page cache; then four CPU-bound
+# processes, more than the VM's two CPUs: the quota throttles them, and while they may run
+# they wait for a CPU (PSI's cpu "some").
+OPEN_DISK = 'import os\nfd = os.open("/dev/vda", os.O_RDWR | os.O_DIRECT)\n'
 BUSY = """\
 import mmap
 buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT needs
-fd = os.open("/dev/vda", os.O_RDWR | os.O_DIRECT)
 for i in range(4):
     os.pwritev(fd, [buf], i << 20)
 for i in range(8):
@@ -296,8 +301,8 @@ def lim_series(text: str) -> dict[str, dict[str, float]]:
     for name, rows in parse_exposition(text).items():
         for labels, value in rows:
             if labels.get("envctl_environment") == "lim":
-                key = ".".join(v for k, v in labels.items()
-                               if k in ("resource", "kind", "direction", "event"))
+                key = ".".join(labels[k] for k in ("resource", "kind", "direction", "event")
+                               if k in labels)
                 out.setdefault(name, {})[key] = value
     return out
 
@@ -311,7 +316,10 @@ def test_the_monitor_reads_quota_throttling_pressure_and_io_of_a_real_cgroup(cle
     sb = clean
     assert Path("/dev/vda").is_block_device(), "no disk in the VM (test_vm_cgroup.py)"
     assert up(sb, "  cpu: {quota: 20%}\n  memory: {max: 64M}").returncode == 0
-    busy = start_child(sb, "lim", BUSY)
+    busy = subprocess.Popen(["nsenter", "-t", str(sb.pid), "-n", "-m", "--", sys.executable,
+                             "-c", OPEN_DISK + ATTACH + BUSY, "lim"], env=sb.env(None),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         expect(busy, "attached")
         expect(busy, "io done")
