@@ -385,6 +385,11 @@ def kernel_modules() -> Path:
     """The VM kernel's module directory, with the modules.dep that modprobe needs (the
     package has none): depmod run once over the cached tree."""
     _, modules = kernel()
+    if modules.is_relative_to("/tmp"):
+        # BOOT_INIT links them in by this path, which systemd's tmpfs on /tmp hides: no
+        # module would load (a bridge fails "Operation not supported").
+        raise RuntimeError(f"ENVCTL_VM_CACHE is under /tmp ({CACHE}): the boot VM cannot "
+                           "reach its kernel modules there; use another directory")
     if not (modules / "modules.dep").exists():
         _run(["depmod", "-b", str(CACHE / "kernel"), modules.name])
     return modules
