@@ -275,13 +275,18 @@ def _watched(script: str, guest_out: str, after: float) -> str:
     to GUEST_OUT/stall.txt, which `_boot` adds to the result's log, so that a VM killed at
     its time-out says what it was stuck in. The watchdog goes when the script ends; the
     script's exit status is kept."""
-    # (the subshell's stderr is dropped: it would say "Terminated" when its sleep is killed)
-    return (f"(sleep {int(after)} && {{\n{STALL_DUMP}}} > {guest_out}/stall.txt 2>&1) "
+    # The watchdog ends its own sleep when told to (its TERM trap): a `pkill -P` of the sleep
+    # from outside missed it whenever the script ended before the subshell had forked it, and
+    # the sleep outlived the script. A TERM before the trap is set ends the subshell before
+    # any sleep; `$!` in the trap is the sleep once it is forked. (The subshell's stderr is
+    # dropped: it would say "Terminated".)
+    return ("(trap 'kill $! 2>/dev/null; exit 0' TERM; "
+            f"sleep {int(after)} & wait $! && {{\n{STALL_DUMP}}} > {guest_out}/stall.txt 2>&1) "
             "2>/dev/null &\n"
             "envctl_vm_watchdog=$!\n"
             f"(\n{script}\n)\n"
             "envctl_vm_rc=$?\n"
-            'pkill -P "$envctl_vm_watchdog" sleep 2>/dev/null\n'
+            'kill "$envctl_vm_watchdog" 2>/dev/null\n'
             'exit "$envctl_vm_rc"\n')
 
 
