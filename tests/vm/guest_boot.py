@@ -5,24 +5,26 @@ started): what the boot did, then the units' lifecycle. Two boots, one class eac
 TestFirstBoot: `web` (netns, address, limits, a service) came up and `broken` (a kernel module
 this kernel lacks) was skipped; envctl.service is active (`up` exited 1: SuccessExitStatus) and
 its status names `broken`; the service's supervisor outlived `up` in a scope of its own
-(nothing left in envctl.service's cgroup); the monitor serves /metrics on loopback; the
-service's process killed -> the monitor brings it back; envctl-retry.service retries `broken`
-with backoff; `systemctl reload` with a job running in `web` keeps the job and the service;
-`systemctl stop` with the job running refuses (the unit inactive, everything up), and after a
-cancel and a start, `systemctl stop envctl` with `broken` still broken -> nothing left, and
-start -> web up again; `broken` fixed -> the retry brings it up by itself, and a reload
-succeeds; `systemctl stop envctl` -> nothing left; `systemctl start` -> converged
-again; the state is copied to /out/state for the second boot, which follows a power loss
-(`poweroff -f`: nothing stopped).
+(nothing left in envctl.service's cgroup); the monitor serves /metrics on loopback and reads
+web's slice (cpu.max quota, throttling counters, PSI); `install-units` from a checkout's venv a
+user owns is refused and changes nothing; the service's process killed -> the monitor brings it
+back; envctl-retry.service retries `broken` with backoff; `systemctl reload` with a job running
+in `web` keeps the job and the service; `systemctl stop` with the job running refuses (`down`
+exits 3: the unit failed, everything up), and after a cancel and a start, `systemctl stop
+envctl` with `broken` still broken -> nothing left, and start -> web up again; `broken` fixed ->
+the retry brings it up by itself, and a reload succeeds; `systemctl stop envctl` -> nothing
+left; `systemctl start` -> converged again; the state is copied to /out/state for the second
+boot, which follows a power loss (`poweroff -f`: nothing stopped).
 
 TestSecondBoot: with the first boot's state (journals of another boot), boot converges again:
 both up, the unit active, status clean; web's service killed -> the monitor brings it back (its
-supervisor, forked by the monitor, in a scope of its own). Everything is left up, and the boot
-ends with a clean `systemctl poweroff`: envctl-shutdown-probe.service, ordered before
-envctl.service and the monitor, so stopped after both at shutdown, runs this file's
-`shutdown_probe` as its ExecStop= and writes what envctl left (residue(), `envctl status
---json`, envctl.service's stop result and journal) to /out/shutdown.json for
-tests/vm/test_vm_boot.py to check on the host.
+supervisor, forked by the monitor, in a scope of its own). Everything is left up, with a job
+running in web, and the boot ends with a clean `systemctl poweroff`:
+envctl-shutdown-probe.service, ordered before envctl.service and the monitor, so stopped after
+both at shutdown, runs this file's `shutdown_probe` as its ExecStop= and writes what envctl
+left (residue(), `envctl status --json`, envctl.service's stop result and journal, the job
+records: that job cancelled by the shutdown) to /out/shutdown.json for tests/vm/test_vm_boot.py
+to check on the host.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 
 import pytest
 
+from envctl.monitor.prom import parse_exposition
 from envctl.spec.naming import host_veth
 
 ENVCTL = os.environ.get("ENVCTL_VM_ENVCTL", "envctl")
@@ -318,6 +321,54 @@ class TestFirstBoot:
         assert show("envctl-monitor.service", "ActiveState")["ActiveState"] == "active"
         wait_for(lambda: 'environment="web"' in metrics(), "the monitor's /metrics with web")
 
+    def test_the_monitor_reads_the_slices_quota_and_pressure(self):
+        # The systemd driver's cgroup (web's slice, limits written by systemd): cpu.max as
+        # the spec says (50% of the 100 ms period), PSI of every resource (cgroup v2).
+        text = wait_for(lambda: (m := metrics()) and 'envctl_environment="web"' in m and m,
+                        "the monitor's /metrics with web")
+        m = {name: [(labels, v) for labels, v in rows
+                    if labels.get("envctl_environment") == "web"]
+             for name, rows in parse_exposition(text).items()}
+        assert [v for _, v in m["envctl_environment_cpu_quota_seconds"]] == [0.05], m
+        assert [v for _, v in m["envctl_environment_cpu_period_seconds"]] == [0.1], m
+        stalls = {(x["resource"], x["kind"])
+                  for x, _ in m["envctl_environment_pressure_stalled_seconds_total"]}
+        assert {("cpu", "some"), ("memory", "some"), ("io", "some")} <= stalls, stalls
+        # The throttling counters of cpu.stat (a sleeping service: any values, but there).
+        for name in ("periods", "throttled_periods", "throttled_seconds"):
+            assert len(m[f"envctl_environment_cpu_{name}_total"]) == 1, m
+
+    def test_install_units_refuses_a_venv_a_user_owns(self):
+        # A checkout's venv owned by a user, envctl installed in it (editable, as
+        # `pip install -e` does: a .pth naming the checkout, beside the deps'
+        # site-packages): its install-units would make the user's code root's at every
+        # boot. Refused, exit 1, one line, before anything is written: the installed units
+        # and their record stay byte for byte, and enabled.
+        home = Path("/home/envctl-vm-user")
+        venv = home / "checkout" / ".venv"
+        run(sys.executable, "-m", "venv", "--without-pip", str(venv))
+        site = next((venv / "lib").glob("python3*/site-packages"))
+        paths = [str(Path(__file__).resolve().parents[2] / "src"),
+                 *(p for p in sys.path if p.endswith("site-packages"))]
+        (site / "envctl-vm.pth").write_text("\n".join(paths) + "\n")
+        script = venv / "bin" / "envctl"
+        script.write_text(f"#!{venv}/bin/python\nimport sys\nfrom envctl.entry import main\n"
+                          "sys.exit(main())\n")
+        script.chmod(0o755)
+        run("chown", "-R", "1000:1000", str(home))
+        installed = sorted(UNIT_FILES.glob("envctl*.service"))
+        before = {p: p.read_bytes() for p in [*installed, STATE / "units.json"]}
+        assert len(installed) >= 4, installed
+        res = run(str(script), "install-units", check=False)
+        assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+        assert res.stderr.startswith(f"error: install units: {script} is owned by uid 1000, "
+                                     "not root: the units run"), res.stderr
+        assert res.stderr.count("\n") == 1 and res.stdout == "", res.stderr
+        assert {p: p.read_bytes() for p in before} == before
+        assert sorted(UNIT_FILES.glob("envctl*.service")) == installed
+        assert run("systemctl", "is-enabled", "envctl.service").stdout.strip() == "enabled"
+        shutil.rmtree(home)
+
     def test_a_killed_service_is_brought_back_by_the_monitor(self):
         kill_service_and_wait_for_the_monitor()
 
@@ -417,6 +468,17 @@ class TestSecondBoot:
     def test_a_killed_service_is_brought_back_by_the_monitor(self):
         kill_service_and_wait_for_the_monitor()
 
+    def test_a_job_is_left_running_into_the_poweroff(self):
+        # At the clean poweroff, envctl.service's ExecStop= (`down --all`, no --force) finds
+        # it running while `systemctl is-system-running` says "stopping": it is cancelled,
+        # recorded CANCELLED with the reason "host shutdown", and web goes down all the same
+        # (systemd may SIGTERM its supervisor's scope first: the supervisor records the same
+        # reason). The probe copies the record out (checked in tests/vm/test_vm_boot.py).
+        sub = json.loads(run(ENVCTL, "submit-job", "--json", "--user", "root", "web",
+                             "sleep", "1000").stdout)
+        wait_for(lambda: job(sub["id"])["state"] == "RUNNING", "the job to run")
+        Path("/out/shutdown_job").write_text(f"{sub['id']}\n")
+
     def test_everything_is_left_up_for_the_clean_poweroff(self):
         # The runner powers off cleanly after this file: the probe records what the
         # shutdown's ExecStop= left (checked in tests/vm/test_vm_boot.py).
@@ -443,6 +505,9 @@ def shutdown_probe(target: Path) -> None:
         "journal": lambda: run("journalctl", "-b", "-u", "envctl.service", "--no-pager",
                                "-o", "cat", check=False).stdout,
         "processes": envctl_processes,
+        "jobs": lambda: {p.stem: {k: v for k, v in json.loads(p.read_text()).items()
+                                  if k in ("state", "reason", "exit_code", "signal")}
+                         for p in sorted((STATE / "jobs").glob("*.json"))},
     }
     record = {}
     for key, probe in probes.items():

@@ -4,15 +4,21 @@ teardown of sub-cgroups a process made and of processes that ignore SIGTERM incl
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from envctl.host.cgroups import Cgroups, detect_layout, read_cgroup_facts
+from envctl.monitor.prom import parse_exposition
 from tests.integration.sandbox import Sandbox
 from tests.integration.test_cgroup import (
+    ATTACH,
     KMSG_PROBE,
     SPEC,
     SUB_CGROUP,
@@ -244,3 +250,109 @@ def test_a_job_over_its_environments_memory_is_out_of_memory_on_v2(clean, tmp_pa
     # Job records are history and outlive `down` (docs/runtime.md): the only thing left.
     assert sorted(p.name for p in sb.state.iterdir()) == ["jobs", "lock"]
     shutil.rmtree(sb.state)
+
+
+# IO on the VM's disk (tests/vm/test_vm_cgroup.py gives it one: every filesystem here is 9p
+# or tmpfs, whose IO io.stat does not count), opened before the process joins `lim`: lim's
+# device program (envctl's allow-list) refuses the disk, and is asked at open() only. Then, in
+# lim, the IO with O_DIRECT, so that each byte goes to the device (and is counted in the
+# cgroup of the process that issues it), not to the page cache; then four CPU-bound
+# processes, more than the VM's two CPUs: the quota throttles them, and while they may run
+# they wait for a CPU (PSI's cpu "some").
+OPEN_DISK = 'import os\nfd = os.open("/dev/vda", os.O_RDWR | os.O_DIRECT)\n'
+BUSY = """\
+import mmap
+buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT needs
+for i in range(4):
+    os.pwritev(fd, [buf], i << 20)
+for i in range(8):
+    os.preadv(fd, [buf], i << 20)
+os.fsync(fd)
+os.close(fd)
+print("io done", flush=True)
+os.fork()
+os.fork()
+while True:
+    pass
+"""
+RAW = ("cpu.max", "cpu.stat", "io.stat", "memory.events", "cpu.pressure", "memory.pressure",
+       "io.pressure")
+
+
+def raw_counters(sb) -> dict[str, float]:
+    """The counters the monitor exports, read here from lim's files by a parser of this test's
+    own (seconds and bytes, as the exposition says them)."""
+    files = {f: read(sb, "lim", f) for f in RAW}
+    stat = dict(line.split() for line in files["cpu.stat"].splitlines())
+    out = {"periods": int(stat["nr_periods"]), "throttled_periods": int(stat["nr_throttled"]),
+           "throttled_seconds": int(stat["throttled_usec"]) / 1e6,
+           "read": sum(int(n) for n in re.findall(r"\brbytes=(\d+)", files["io.stat"])),
+           "write": sum(int(n) for n in re.findall(r"\bwbytes=(\d+)", files["io.stat"]))}
+    for res in ("cpu", "memory", "io"):
+        for line in files[f"{res}.pressure"].splitlines():
+            out[f"{res}.{line.split()[0]}"] = int(line.rsplit("total=", 1)[1]) / 1e6
+    return out
+
+
+def lim_series(text: str) -> dict[str, dict[str, float]]:
+    """The exposition's samples of `lim`: name -> {its other label values joined (resource
+    and kind, direction, event), "" for none: value}."""
+    out: dict[str, dict[str, float]] = {}
+    for name, rows in parse_exposition(text).items():
+        for labels, value in rows:
+            if labels.get("envctl_environment") == "lim":
+                key = ".".join(labels[k] for k in ("resource", "kind", "direction", "event")
+                               if k in labels)
+                out.setdefault(name, {})[key] = value
+    return out
+
+
+def test_the_monitor_reads_quota_throttling_pressure_and_io_of_a_real_cgroup(clean):
+    """`envctl monitor --once` on an environment under a CPU quota that a busy process has
+    hit, after IO on a real block device: cpu.max as the spec says, cpu.stat's throttling,
+    memory.events, PSI and io.stat, each between what this test reads from the files just
+    before and just after the monitor's sample (units and parsing: unit tests check them
+    against fake files only)."""
+    sb = clean
+    assert Path("/dev/vda").is_block_device(), "no disk in the VM (test_vm_cgroup.py)"
+    assert up(sb, "  cpu: {quota: 20%}\n  memory: {max: 64M}").returncode == 0
+    busy = subprocess.Popen(["nsenter", "-t", str(sb.pid), "-n", "-m", "--", sys.executable,
+                             "-c", OPEN_DISK + ATTACH + BUSY, "lim"], env=sb.env(None),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        expect(busy, "attached")
+        expect(busy, "io done")
+        deadline = time.monotonic() + 60
+        while (cg(sb).stats("lim").nr_throttled or 0) < 5 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        before = raw_counters(sb)
+        res = sb.envctl("monitor", "--once", "--no-heal")
+        after = raw_counters(sb)
+        files = {f: read(sb, "lim", f) for f in RAW}
+    finally:
+        sb.envctl("down", "lim", check=True)
+        busy.wait(timeout=30)
+    assert res.returncode == 0, res.stderr
+    m = lim_series(res.stdout)
+    print("lim's files:", json.dumps(files, indent=1), "the monitor's series:",
+          json.dumps(m, indent=1), sep="\n")
+    # cpu.max: 20% of the 100 ms period.
+    assert m["envctl_environment_cpu_quota_seconds"] == {"": 0.02}, m
+    assert m["envctl_environment_cpu_period_seconds"] == {"": 0.1}, m
+    got = {k: m[f"envctl_environment_cpu_{k}_total"][""]
+           for k in ("periods", "throttled_periods", "throttled_seconds")}
+    got.update({d: m["envctl_environment_io_bytes_total"][d] for d in ("read", "write")})
+    got.update(m["envctl_environment_pressure_stalled_seconds_total"])
+    # Every PSI line of the three files (cpu's "full" included, as 6.1 writes it per cgroup).
+    assert set(m["envctl_environment_pressure_stalled_seconds_total"]) == {
+        f"{r}.{k}" for r in ("cpu", "memory", "io") for k in ("some", "full")}, m
+    for key, value in got.items():
+        assert before[key] <= value <= after[key], (key, before[key], value, after[key])
+    assert got["throttled_periods"] >= 5 and got["throttled_seconds"] > 0, got
+    # At least the bytes BUSY moved (O_DIRECT: 8 MiB read and 4 MiB written on the disk).
+    assert got["read"] >= 8 << 20 and got["write"] >= 4 << 20, got
+    # Four runnable processes on two CPUs waited for one; the direct IO waited for the disk.
+    assert got["cpu.some"] > 0 and got["io.some"] > 0, got
+    assert set(m["envctl_environment_memory_events_total"]) == {
+        "high", "max", "oom", "oom_kill"}, m

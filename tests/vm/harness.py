@@ -123,8 +123,9 @@ def kernel() -> tuple[Path, Path]:
 
 
 def initramfs() -> Path:
-    """The busybox initramfs (cached; rebuilt when this file's /init changes)."""
-    return _initramfs("initrd", INIT, MODULES, dirs=("host",))
+    """The busybox initramfs (cached; rebuilt when this file's /init changes), with virtio_blk
+    for `run`'s disk."""
+    return _initramfs("initrd", INIT, (*MODULES, "virtio_blk"), dirs=("host",))
 
 
 def _initramfs(name: str, template: str, wanted: tuple[str, ...], *,
@@ -154,15 +155,26 @@ def _initramfs(name: str, template: str, wanted: tuple[str, ...], *,
     return target
 
 
-def run(script: str, *, timeout: float = 900, memory_mb: int = 1024, cpus: int = 2) -> Result:
-    """Boot the VM, run `script` (sh) as root in the host's root filesystem, power off."""
+def run(script: str, *, timeout: float = 900, memory_mb: int = 1024, cpus: int = 2,
+        disk_mb: int = 0) -> Result:
+    """Boot the VM, run `script` (sh) as root in the host's root filesystem, power off. With
+    `disk_mb`, the guest has a blank virtio disk of that size, /dev/vda: a block device for IO
+    that io.stat counts (every filesystem of the guest is 9p or tmpfs, which it does not)."""
     vmlinuz, _ = kernel()
     initrd = initramfs()
     with tempfile.TemporaryDirectory(prefix="envctl-vm-") as tmp:
-        out = Path(tmp)
+        out = Path(tmp) / "out"
+        out.mkdir()
         out.chmod(0o777)
+        drives = []
+        if disk_mb:
+            disk = Path(tmp) / "disk.img"
+            with open(disk, "wb") as f:
+                f.truncate(disk_mb << 20)
+            drives = ["-drive", f"file={disk},format=raw,if=virtio"]
         return _boot(vmlinuz, initrd, "console=ttyS0 quiet panic=-1", out, script,
-                     guest_out="/tmp/out", memory_mb=memory_mb, cpus=cpus, timeout=timeout)
+                     guest_out="/tmp/out", memory_mb=memory_mb, cpus=cpus, timeout=timeout,
+                     extra=drives)
 
 
 # ---------------------------------------------------------------- systemd as PID 1
@@ -263,30 +275,27 @@ def _watched(script: str, guest_out: str, after: float) -> str:
     to GUEST_OUT/stall.txt, which `_boot` adds to the result's log, so that a VM killed at
     its time-out says what it was stuck in. The watchdog goes when the script ends; the
     script's exit status is kept."""
-    # The long sleep is this shell's own child, so its pid is known the moment `&` returns
-    # and the kill below cannot miss it (a sleep forked by a subshell could start after a
-    # `pkill -P` looked for it, on a loaded machine, and outlive the script). A poller waits
-    # for it to end and dumps unless the script ended first (the marker). Its stderr is
-    # dropped: it would say "Terminated".
-    done = f"{guest_out}/.watchdog-done"
-    return (f"rm -f {done}\n"
-            f"sleep {int(after)} 2>/dev/null &\n"
-            "envctl_vm_sleep=$!\n"
-            '(while kill -0 "$envctl_vm_sleep" 2>/dev/null; do sleep 0.2; done\n'
-            f" [ -e {done} ] || {{\n{STALL_DUMP}}} > {guest_out}/stall.txt 2>&1) "
+    # The watchdog ends its own sleep when told to (its TERM trap): a `pkill -P` of the sleep
+    # from outside missed it whenever the script ended before the subshell had forked it, and
+    # the sleep outlived the script. A TERM before the trap is set ends the subshell before
+    # any sleep; `$!` in the trap is the sleep once it is forked. (The subshell's stderr is
+    # dropped: it would say "Terminated".)
+    return ("(trap 'kill $! 2>/dev/null; exit 0' TERM; "
+            f"sleep {int(after)} & wait $! && {{\n{STALL_DUMP}}} > {guest_out}/stall.txt 2>&1) "
             "2>/dev/null &\n"
+            "envctl_vm_watchdog=$!\n"
             f"(\n{script}\n)\n"
             "envctl_vm_rc=$?\n"
-            f": > {done}\n"
-            'kill "$envctl_vm_sleep" 2>/dev/null\n'
+            'kill "$envctl_vm_watchdog" 2>/dev/null\n'
             'exit "$envctl_vm_rc"\n')
 
 
 def _boot(vmlinuz: Path, initrd: Path, cmdline: str, out: Path, script: str, *,
-          guest_out: str = "/out", memory_mb: int, cpus: int, timeout: float) -> Result:
+          guest_out: str = "/out", memory_mb: int, cpus: int, timeout: float,
+          extra: list[str] | None = None) -> Result:
     """Boot qemu (TCG) with the host root and the checkout read-only on 9p and `out` writable
     (the guest's `guest_out`), run `script` there from out/run.sh (watched: `_watched`, at
-    three quarters of `timeout`); collect the results."""
+    three quarters of `timeout`), `extra` qemu arguments (a disk); collect the results."""
     after = timeout * 0.75
     (out / "run.sh").write_text(_watched(script, guest_out, after))
     (out / "repo_path").write_text(str(REPO))
@@ -296,7 +305,7 @@ def _boot(vmlinuz: Path, initrd: Path, cmdline: str, out: Path, script: str, *,
             "multidevs=remap",
             "-virtfs", f"local,path={out},mount_tag=out,security_model=none",
             "-virtfs", f"local,path={REPO},mount_tag=repo,security_model=none,readonly=on,"
-            "multidevs=remap"]
+            "multidevs=remap", *(extra or [])]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
@@ -381,6 +390,11 @@ def kernel_modules() -> Path:
     """The VM kernel's module directory, with the modules.dep that modprobe needs (the
     package has none): depmod run once over the cached tree."""
     _, modules = kernel()
+    if modules.is_relative_to("/tmp"):
+        # BOOT_INIT links them in by this path, which systemd's tmpfs on /tmp hides: no
+        # module would load (a bridge fails "Operation not supported").
+        raise RuntimeError(f"ENVCTL_VM_CACHE is under /tmp ({CACHE}): the boot VM cannot "
+                           "reach its kernel modules there; use another directory")
     if not (modules / "modules.dep").exists():
         _run(["depmod", "-b", str(CACHE / "kernel"), modules.name])
     return modules
@@ -405,7 +419,7 @@ def run_systemd_boot(script: str, *, preboot: str, out: Path, clean_poweroff: bo
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o777)
     for name in ("rc", "log", "stall.txt", "preboot.rc", "preboot.log", "shutdown.json",
-                 "left_up_at"):
+                 "left_up_at", "shutdown_job"):
         (out / name).unlink(missing_ok=True)
     (out / "preboot.sh").write_text(preboot)
     (out / "modules_path").write_text(str(kernel_modules()))

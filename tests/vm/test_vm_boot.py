@@ -1,7 +1,8 @@
 """Boots the VM with systemd as PID 1 on cgroup v2 to multi-user.target with envctl's units
 installed (tests/vm/harness.py `run_systemd_boot`) and runs tests/vm/guest_boot.py inside it:
 twice, the second boot with the state the first left at a power loss, and ending with a clean
-`systemctl poweroff` with everything up, whose leftovers a probe unit records."""
+`systemctl poweroff` with everything up and a job running, whose leftovers (and the job's
+record: cancelled, "host shutdown") a probe unit records."""
 
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ def test_boot_units_under_a_real_systemd(vm_ready, tmp_path):
     assert found["envctl_service"]["Result"] == "success", context
     assert found["monitor"] == "inactive", context
     assert found["residue"] == {}, context
+    # The job left running in web: cancelled by the shutdown, with that reason (the
+    # supervisor's SIGTERM from systemd's stop of its scope, or `down --all` seeing
+    # `systemctl is-system-running` say "stopping", whichever came first: the same record).
+    job = (second / "shutdown_job").read_text().strip()
+    assert found["jobs"][job]["state"] == "CANCELLED", context
+    assert found["jobs"][job]["reason"] == "host shutdown", context
     assert found["processes"] == [], context
     assert {row["env"]: row["state"] for row in found["status"]} == {
         "web": "down", "broken": "down"}, context
