@@ -319,7 +319,13 @@ class TestFirstBoot:
 
     def test_the_monitor_serves_metrics_on_loopback(self):
         assert show("envctl-monitor.service", "ActiveState")["ActiveState"] == "active"
-        wait_for(lambda: 'environment="web"' in metrics(), "the monitor's /metrics with web")
+        # Up, not only configured: envctl_environment_configured names web when it is down too.
+        def web_up() -> bool:
+            rows = parse_exposition(metrics()).get("envctl_environment_up", [])
+            return any(labels.get("envctl_environment") == "web" and v == 1
+                       for labels, v in rows)
+
+        wait_for(web_up, "the monitor's /metrics with web up")
 
     def test_the_monitor_reads_the_slices_quota_and_pressure(self):
         # The systemd driver's cgroup (web's slice, limits written by systemd): cpu.max as
