@@ -184,6 +184,31 @@ def test_a_gpu_pause_shuts_nvml_down_and_sampling_resumes_after(tmp_path, fake_n
     assert fake_nvml.calls["shutdown"] == 2 and not (fh.run / HELD).exists()
 
 
+def test_a_pause_asked_while_nvml_opens_is_waited_for_and_honoured(tmp_path, fake_nvml,
+                                                                    monkeypatch):
+    """NVML's open takes from 0.1 s to seconds on real GPUs: the held file was written only
+    after it, so a `maintenance --gpus on` during the open found no holder and returned 0
+    while the keeper went on to open NVML. Now the file says so before the open, and a mark
+    made meanwhile is honoured at once after it."""
+    from envctl.monitor import maintenance
+    from envctl.monitor.nvmlkeep import holders
+
+    fh = fake_host(tmp_path, 1, gpus=1)
+    fh.run.mkdir()
+    monkeypatch.setenv("FAKE_NVML_JSON", str(fh.nvml_json))
+    seen = []
+
+    def opener(root, *, mode=None):
+        seen.append(holders(fh.run))  # what `maintenance --gpus on` would find now
+        maintenance.set_mode(fh.run, maintenance.GPUS, True)  # the operator, meanwhile
+        return NvmlSession(fake_nvml), ""
+
+    k = NvmlKeeper(None, opener=opener, clock=Clock(0.0), say=[].append, run_dir=fh.run)
+    assert seen == [[os.getpid()]]
+    assert k.session is None and fake_nvml.calls == {"init": 1, "shutdown": 1}
+    assert holders(fh.run) == [] and k.sample() == []
+
+
 def test_a_monitor_started_while_paused_never_opens_nvml(tmp_path, fake_nvml, monkeypatch):
     from envctl.monitor import maintenance
 

@@ -135,6 +135,9 @@ class NvmlKeeper:
         return self.paused is not None
 
     def _open(self) -> None:
+        # Said before the open, which takes from 0.1 s to seconds on real GPUs: a
+        # `maintenance --gpus on` meanwhile waits for it instead of finding no holder.
+        self._say_held(True)
         try:
             session, why = self.opener(self.gpu_root, mode=self.mode)
         except Exception as exc:  # noqa: BLE001 - a broken binding must not end the monitor
@@ -146,8 +149,9 @@ class NvmlKeeper:
                          f"{len(session.gpus)} GPU(s))")
             self.session, self.why, self._said = session, "", ""
             self.opened += 1
-            self._say_held(True)
+            self.poll_pause()  # the mark came while it opened: let go at once
             return
+        self._say_held(False)
         self.why = why
         self._backoff(why)
 
